@@ -1,0 +1,149 @@
+"""``python -m harness`` / ``shardbench``: run a suite, list its cells, rebuild a report.
+
+Arguments are checked before anything is launched: a bad suite, marker, world size or path
+gets a one-line error naming the allowed values and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness import markers, suites
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SUITES_DIR = REPO_ROOT / "suites"
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _selection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", default="default", help=f"one of {', '.join(suites.SUITES)} (default: default)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
+    parser.add_argument("-m", dest="markexpr", default="", help='pytest marker expression, e.g. "fsdp and bf16"')
+    parser.add_argument("-k", dest="keyword", default="", help="pytest keyword expression on cell ids")
+
+
+def _check_selection(args: argparse.Namespace) -> None:
+    """Everything pytest would otherwise discover late, or silently accept (``-m zero4``)."""
+    from harness.runner.session import world_size
+
+    if args.gpus is not None and args.gpus < 1:
+        raise UsageError(f"--gpus {args.gpus}: must be a positive number of ranks per node")
+    try:
+        suites.cells_of(args.suite, world_size(args.gpus))
+        if args.markexpr:
+            markers.check_marker_expression(args.markexpr)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _pytest_args(args: argparse.Namespace) -> list[str]:
+    out = [str(SUITES_DIR), "--suite", args.suite, "-p", "no:cacheprovider", "-o", "console_output_style=classic"]
+    if args.gpus is not None:
+        out += ["--gpus", str(args.gpus)]
+    if args.markexpr:
+        out += ["-m", args.markexpr]
+    if args.keyword:
+        out += ["-k", args.keyword]
+    return out
+
+
+def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    import pytest
+
+    _check_selection(args)
+    if args.out is not None:
+        if args.out.exists() and not args.out.is_dir():
+            raise UsageError(f"--out {args.out}: exists and is not a folder")
+        args.out.mkdir(parents=True, exist_ok=True)
+    if args.cell_timeout <= 0:
+        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be positive seconds")
+    pytest_args = _pytest_args(args) + ["--cell-timeout", str(args.cell_timeout), "-rfEs", *extra]
+    if args.out is not None:
+        pytest_args += ["--out", str(args.out.resolve())]
+    return int(pytest.main(pytest_args))
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.cells = []
+
+    def pytest_collection_finish(self, session) -> None:
+        self.cells = [item.callspec.params["cell"] for item in session.items if hasattr(item, "callspec")]
+
+
+def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
+    """The cells pytest would select (its own collection, so selection is identical)."""
+    import pytest
+
+    from harness import strategies
+    from harness.runner.matrix import with_references
+
+    _check_selection(args)
+    collector = _Collector()
+    code = pytest.main(_pytest_args(args) + ["--collect-only", "-p", "no:terminal"],
+                       plugins=[collector])
+    if code not in (0, 5):  # 5: nothing selected, still a valid listing
+        return int(code)
+    import torch
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    added = [c for c in with_references(collector.cells) if c not in collector.cells]
+    for cell in collector.cells:
+        reason = strategies.unsupported_reason(cell, device_type)
+        note = f"  [unsupported here: {reason}]" if reason else ""
+        print(f"{cell.cell_id:<62} {' '.join(markers.markers_of(cell))}{note}")
+    for cell in added:
+        print(f"{cell.cell_id:<62} (reference, added to gate the selection)")
+    print(f"{len(collector.cells)} cells selected, {len(added)} references added")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from harness.report import html
+    from harness.results.store import resolve_run
+
+    results_dir = (args.out or REPO_ROOT) / "results"
+    try:
+        run_dir = resolve_run(results_dir, args.run)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    page = html.write_run_report(run_dir, (args.out or REPO_ROOT) / "reports" / run_dir.name)
+    print(page)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardbench", description="Distributed training strategies, side by side.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a suite (extra arguments go to pytest)")
+    _selection_args(run)
+    run.add_argument("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo)")
+    run.add_argument("--cell-timeout", type=float, default=600.0, help="seconds a cell may run (default 600)")
+    run.set_defaults(func=cmd_run)
+    lst = sub.add_parser("list", help="show the cells a selection runs, without running them")
+    _selection_args(lst)
+    lst.set_defaults(func=cmd_list)
+    rep = sub.add_parser("report", help="rebuild a run's HTML report from its results")
+    rep.add_argument("run", help="run id under results/ (or 'latest'), or a run folder")
+    rep.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    rep.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "run":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra)
+    except UsageError as error:
+        print(f"shardbench: error: {error}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,157 @@
+"""What a cell is: the frozen, validated description of one benchmark measurement.
+
+A cell = (model, strategy with its feature options, micro-batch, world size, steps, seed).
+Everything here is pure data: it imports no torch, serialises to JSON as it is, and refuses
+bad values in ``__post_init__`` with a message that names the allowed values. Whether a
+strategy *can* combine with a feature is the strategy's business (harness/strategies/);
+whether this machine can run it is decided at launch (``unsupported`` is a result).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Checkpointing = Literal["none", "full", "selective"]
+Offload = Literal["none", "params"]
+Compression = Literal["none", "fp16", "bf16", "powersgd"]
+HsdpMesh = Literal["explicit", "fsdp_default"]
+
+STRATEGY_NAMES = (
+    "single",
+    "ddp",
+    "zero1",
+    "fsdp_full",
+    "fsdp_grad_op",
+    "fsdp_hybrid",
+    "fsdp1_full",
+    "fsdp1_grad_op",
+    "fsdp1_no_shard",
+    "fsdp1_hybrid",
+)
+
+
+def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        choices = ", ".join(str(a) for a in allowed)
+        raise ValueError(f"{field_name}={value!r}: choose one of {choices}")
+
+
+def _check_positive(field_name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field_name}={value!r}: must be a positive integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategySpec:
+    """A parallel strategy and the feature options applied with it."""
+
+    name: str
+    precision: Precision = "fp32"
+    checkpointing: Checkpointing = "none"
+    offload: Offload = "none"
+    accumulation: int = 1
+    compression: Compression = "none"
+    # PowerSGD's matrix approximation rank (only read when compression == "powersgd").
+    powersgd_rank: int = 1
+    # HYBRID_SHARD / HSDP: "explicit" builds a (replicate × shard) DeviceMesh;
+    # "fsdp_default" lets FSDP1 pick its own process groups, which on a single node silently
+    # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
+    # shown to catch that pitfall; suites never select it.
+    hsdp_mesh: HsdpMesh = "explicit"
+
+    def __post_init__(self) -> None:
+        _check_choice("strategy", self.name, STRATEGY_NAMES)
+        _check_choice("precision", self.precision, get_args(Precision))
+        _check_choice("checkpointing", self.checkpointing, get_args(Checkpointing))
+        _check_choice("offload", self.offload, get_args(Offload))
+        _check_choice("compression", self.compression, get_args(Compression))
+        _check_choice("hsdp_mesh", self.hsdp_mesh, get_args(HsdpMesh))
+        _check_positive("accumulation", self.accumulation)
+        _check_positive("powersgd_rank", self.powersgd_rank)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellSpec:
+    """One measurement. ``steps`` counts every optimizer step, warm-up included."""
+
+    model: str
+    strategy: StrategySpec
+    micro_batch: int = 2
+    world_size: int = 2
+    steps: int = 10
+    warmup: int = 2
+    seed: int = 0
+    lr: float = 1e-3
+    # Steps after warm-up: one memory-tracked, one communication-counted, the rest timed.
+    # (Both probes add overhead, so they never share a step with the timer.)
+    probe_steps: int = field(default=2, init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "world_size", "steps"):
+            _check_positive(name, getattr(self, name))
+        if self.warmup < 2:
+            # DDP rebuilds its buckets during the first steps; memory measured there is not
+            # the steady state (cpu-gloo-facts.md, "Measuring on CPU").
+            raise ValueError(f"warmup={self.warmup}: must be at least 2")
+        if self.steps < self.warmup + self.probe_steps + 2:
+            raise ValueError(
+                f"steps={self.steps}: need at least warmup + {self.probe_steps} probe steps"
+                f" + 2 timed steps = {self.warmup + self.probe_steps + 2}"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r}: must be positive")
+        if self.strategy.name == "single" and self.world_size != 1:
+            raise ValueError("strategy=single is the one-process reference: world_size must be 1")
+
+    @property
+    def timed_steps(self) -> int:
+        return self.steps - self.warmup - self.probe_steps
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step, over all ranks and accumulation micro-steps."""
+        return self.micro_batch * self.world_size * self.strategy.accumulation
+
+    @property
+    def cell_id(self) -> str:
+        s = self.strategy
+        parts = [self.model, s.name, s.precision, f"ckpt_{s.checkpointing}"]
+        if s.offload != "none":
+            parts.append(f"offload_{s.offload}")
+        if s.accumulation != 1:
+            parts.append(f"accum{s.accumulation}")
+        if s.compression != "none":
+            rank = f"-r{s.powersgd_rank}" if s.compression == "powersgd" else ""
+            parts.append(f"compress_{s.compression}{rank}")
+        if s.hsdp_mesh != "explicit":
+            parts.append(f"mesh_{s.hsdp_mesh}")
+        parts += [f"mb{self.micro_batch}", f"ws{self.world_size}", f"seed{self.seed}"]
+        return "/".join(parts)
+
+    def reference(self) -> CellSpec:
+        """The single-process run this cell must train identically to.
+
+        Same model, seed, precision, data and steps; the whole global batch in one process
+        and one micro-step, no feature that should not change the maths (checkpointing,
+        offload, compression, accumulation).
+        """
+        return dataclasses.replace(
+            self,
+            strategy=StrategySpec(name="single", precision=self.strategy.precision),
+            micro_batch=self.global_batch,
+            world_size=1,
+        )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("probe_steps")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CellSpec:
+        d = dict(d)
+        d["strategy"] = StrategySpec(**d["strategy"])
+        return cls(**d)

@@ -1,0 +1,67 @@
+"""The process group a worker lives in, and the device meshes built on it (cached: one
+process group serves many cells, and re-creating groups inside a long-lived worker hangs)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    nnodes: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def init_from_torchrun() -> DistEnv:
+    """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on GPU)."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return DistEnv(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=world_size,
+        nnodes=world_size // local_world,
+        device=device,
+        backend=backend,
+    )
+
+
+@functools.cache
+def mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def hsdp_shape(env: DistEnv) -> tuple[int, int]:
+    """(replicate, shard) for hybrid sharding: shard within a node, replicate across nodes.
+
+    On one node that leaves a replicate degree of 1; with four or more ranks on one node the
+    ranks are split in two replicas so that both mesh dimensions do real work.
+    """
+    if env.nnodes > 1:
+        return env.nnodes, env.world_size // env.nnodes
+    if env.world_size >= 4 and env.world_size % 2 == 0:
+        return 2, env.world_size // 2
+    return 1, env.world_size

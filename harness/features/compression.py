@@ -1,0 +1,39 @@
+"""Gradient compression as DDP communication hooks.
+
+fp16 / bf16 halve the all-reduce bytes; PowerSGD sends rank-r factors P (m×r) and Q (n×r)
+instead of an m×n gradient. On gloo, PowerSGD is only reliable with a single gradient bucket
+(several buckets abort intermittently with "op.preamble.length <= op.nbytes"), so the DDP
+strategy sizes its bucket to the whole model when this hook is on.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+# PowerSGD runs vanilla all-reduce for the first steps (start_powerSGD_iter) so that error
+# feedback starts from meaningful gradients; 2 is the smallest value it accepts.
+POWERSGD_START_ITER = 2
+
+
+def needs_single_bucket(compression: str) -> bool:
+    return compression == "powersgd"
+
+
+def register(ddp_model: DistributedDataParallel, compression: str, powersgd_rank: int) -> None:
+    if compression == "none":
+        return
+    if compression == "fp16":
+        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif compression == "bf16":
+        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=POWERSGD_START_ITER,
+            random_seed=0,
+        )
+        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        raise ValueError(f"compression={compression!r}: choose none, fp16, bf16 or powersgd")

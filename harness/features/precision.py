@@ -1,0 +1,29 @@
+"""Mixed precision: the autocast context and the loss scaler of a cell.
+
+Switched-off features are no-ops, not branches in the training step (nanoGPT's habit):
+fp32 gets a disabled autocast and a disabled GradScaler, so the step reads the same for all.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device: torch.device, *, enabled: bool = True) -> AbstractContextManager:
+    """Autocast for the forward pass; ``enabled=False`` where the strategy casts parameters
+    itself (FSDP's mixed-precision policies) so the two mechanisms never stack."""
+    return torch.autocast(
+        device_type=device.type,
+        dtype=DTYPES[precision],
+        enabled=enabled and precision != "fp32",
+    )
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    """Dynamic loss scaling for fp16 (scale down and skip the step on inf/nan, grow after
+    2000 clean steps); bf16 has fp32's exponent range and needs none."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")

@@ -1,0 +1,235 @@
+"""Communication per collective kind during one step: count, bytes, time.
+
+    with count_comm() as comm:
+        step()
+    stats = comm()   # {"all_reduce": OpStats(count=1, bytes=49792, time_s=0.0014), ...}
+
+The profiler adds overhead: run this on its own step, not on a timed one.
+
+Sources
+- count and bytes: a TorchDispatchMode over the c10d ops (``torch.ops.c10d.*``) and the
+  functional collectives (``torch.ops._c10d_functional.*``, used by DTensor). On torch 2.13
+  the C++ ProcessGroup methods go through the dispatcher, so this also sees what C++ issues:
+  DDP's reducer all-reduce from the autograd engine, FSDP1's all-gather/reduce-scatter, FSDP2's
+  ``_allgather_base_``/``_reduce_scatter_base_``, ZeroRedundancyOptimizer's broadcasts.
+  Ops are reported as issued: a reduce-scatter counts as "reduce_scatter" even on gloo,
+  which runs it as an all-reduce of the full input.
+- time_s: torch.profiler (record_shapes). gloo runs each collective on its own worker
+  threads under a "gloo:<op>" event, whose duration includes waiting for the peer. With
+  NCCL the collective's time is the duration of its GPU kernel ("ncclDevKernel_<Op>...").
+  Each profiler event is matched, in issue order, to the first unmatched dispatched op of a
+  compatible kind and (when the event has shapes) the same input element count; gloo's
+  "all_reduce" for a reduce-scatter thus adds to "reduce_scatter". An unmatched event whose
+  kind the dispatch mode did see adds its time there; one of a kind the dispatch mode did not
+  see at all is counted from the profiler alone (bytes from its input shapes and dtypes), so
+  a collective missed by the dispatch mode is never reported as zero. time_s is 0.0 where no
+  profiler event matched.
+
+Bytes convention (this rank's payload, per op)
+- all_reduce, broadcast, reduce, send, recv: the tensor bytes.
+- all_gather: output bytes (the full gathered size).
+- reduce_scatter, all_to_all, gather: input bytes (the full size for reduce_scatter).
+- scatter: output bytes (this rank's piece).
+- barrier: 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpStats:
+    count: int
+    bytes: int
+    time_s: float
+
+
+# op name -> (kind, where the counted bytes are, where the input tensors are).
+# Positions index the op's args; "out" is the op's return value (functional ops).
+_C10D = {
+    "allreduce_": ("all_reduce", 0, 0),
+    "allreduce_coalesced_": ("all_reduce", 0, 0),
+    "allgather_": ("all_gather", 0, 1),
+    "_allgather_base_": ("all_gather", 0, 1),
+    "allgather_coalesced_": ("all_gather", 0, 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, 1),
+    "reduce_scatter_": ("reduce_scatter", 1, 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 1),
+    "broadcast_": ("broadcast", 0, 0),
+    "reduce_": ("reduce", 0, 0),
+    "send": ("send", 0, 0),
+    "recv_": ("recv", 0, 0),
+    "recv_any_source_": ("recv", 0, 0),
+    "alltoall_": ("all_to_all", 1, 1),
+    "alltoall_base_": ("all_to_all", 1, 1),
+    "gather_": ("gather", 1, 1),
+    "scatter_": ("scatter", 0, 0),
+    "barrier": ("barrier", None, None),
+    "monitored_barrier_": ("barrier", None, None),
+}
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", 0, 0),
+    "all_reduce_": ("all_reduce", 0, 0),
+    "all_reduce_coalesced": ("all_reduce", 0, 0),
+    "all_reduce_coalesced_": ("all_reduce", 0, 0),
+    "all_gather_into_tensor": ("all_gather", "out", 0),
+    "all_gather_into_tensor_out": ("all_gather", "out", 0),
+    "all_gather_into_tensor_coalesced": ("all_gather", "out", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, 0),
+    "reduce_scatter_tensor_out": ("reduce_scatter", 0, 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, 0),
+    "all_to_all_single": ("all_to_all", 0, 0),
+    "broadcast": ("broadcast", 0, 0),
+    "broadcast_": ("broadcast", 0, 0),
+    "isend": ("send", 0, 0),
+    "irecv": ("recv", 0, 0),
+}
+_TABLES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL}
+
+# Profiler name fragments -> kind. gloo: "gloo:<name>"; NCCL kernels: "ncclDevKernel_<Name>_...".
+_PROFILER_KIND = {
+    "all_reduce": "all_reduce", "AllReduce": "all_reduce",
+    "all_gather": "all_gather", "AllGather": "all_gather",
+    "reduce_scatter": "reduce_scatter", "ReduceScatter": "reduce_scatter",
+    "broadcast": "broadcast", "Broadcast": "broadcast",
+    "reduce": "reduce", "Reduce": "reduce",
+    "send": "send", "recv": "recv", "SendRecv": "send_recv",
+    "all_to_all": "all_to_all", "alltoall": "all_to_all",
+    "gather": "gather", "scatter": "scatter", "barrier": "barrier",
+}
+# Profiler kind -> dispatched kinds it may stand for (gloo runs reduce_scatter as all_reduce;
+# NCCL runs p2p and all_to_all as SendRecv kernels).
+_COMPATIBLE = {"all_reduce": ("all_reduce", "reduce_scatter"),
+               "send_recv": ("send", "recv", "all_to_all")}
+# Profiler dtype strings (record_shapes) -> element size, for the profiler-only fallback.
+_DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "int": 4,
+                "long int": 8, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
+
+
+def busbw_factor(op: str, world_size: int) -> float:
+    """Bus-bandwidth factor of nccl-tests: busbw = algbw * factor."""
+    n = world_size
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send", "recv"):
+        return 1.0
+    raise ValueError(f"no bus-bandwidth factor for {op!r}")
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+@dataclass
+class _Op:
+    kind: str
+    bytes: int
+    in_numel: int | None  # what the profiler shows as the input, for matching
+    time_s: float = 0.0
+    timed: bool = False  # a profiler event has been matched to this op
+
+
+class _CommDispatchMode(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Op] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Let tensor subclasses (DTensor, AsyncCollectiveTensor) desugar first: the plain-tensor
+        # collectives they issue then come back through this mode.
+        if any(t not in (torch.Tensor, nn.Parameter) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        spec = _TABLES.get(func.namespace, {}).get(func._opname)
+        if spec is not None:
+            kind, at_bytes, at_input = spec
+            src = lambda at: out if at == "out" else args[at]  # noqa: E731
+            nbytes = 0 if at_bytes is None else sum(t.nbytes for t in _tensors(src(at_bytes)))
+            numel = None if at_input is None else sum(t.numel() for t in _tensors(src(at_input)))
+            self.ops.append(_Op(kind, nbytes, numel))
+        return out
+
+
+def _profiler_kind(name: str) -> str | None:
+    if name.startswith("gloo:"):
+        return _PROFILER_KIND.get(name[len("gloo:"):])
+    for prefix in ("ncclDevKernel_", "ncclKernel_"):
+        if name.startswith(prefix):
+            return _PROFILER_KIND.get(name[len(prefix):].split("_")[0])
+    return None
+
+
+def _event_numel_bytes(event) -> tuple[int | None, int | None]:
+    shapes = [s for s in (event.input_shapes or []) if s]
+    if not shapes:
+        return None, None
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    sizes = [_DTYPE_BYTES.get(d) for d in event.input_dtypes[: len(numels)]]
+    nbytes = None if None in sizes else sum(n * s for n, s in zip(numels, sizes))
+    return sum(numels), nbytes
+
+
+def _summarise(ops: list[_Op], events) -> dict[str, OpStats]:
+    seen_kinds = {op.kind for op in ops}
+    extra: dict[str, list[float]] = {}  # profiler-only kind -> [count, bytes, time]
+    comm_events = sorted(
+        ((e, k) for e in events if (k := _profiler_kind(e.name)) is not None),
+        key=lambda ek: ek[0].time_range.start,
+    )
+    for event, kind in comm_events:
+        seconds = event.time_range.elapsed_us() / 1e6
+        numel, nbytes = _event_numel_bytes(event)
+        allowed = _COMPATIBLE.get(kind, (kind,))
+        match = next((op for op in ops if not op.timed and op.kind in allowed
+                      and (numel is None or op.in_numel in (None, numel))), None)
+        if match is not None:
+            match.time_s, match.timed = seconds, True
+        elif any(k in seen_kinds for k in allowed):
+            # e.g. one dispatched op the backend split into several events
+            next(op for op in ops if op.kind in allowed).time_s += seconds
+        else:
+            if nbytes is None:
+                raise RuntimeError(f"collective {event.name!r} seen only by the profiler, "
+                                   "with no shapes to size it")
+            count, total, time_s = extra.get(kind, (0, 0, 0.0))
+            extra[kind] = [count + 1, total + nbytes, time_s + seconds]
+
+    result: dict[str, OpStats] = {}
+    for kind in dict.fromkeys(op.kind for op in ops):
+        mine = [op for op in ops if op.kind == kind]
+        result[kind] = OpStats(count=len(mine), bytes=sum(op.bytes for op in mine),
+                               time_s=sum(op.time_s for op in mine))
+    for kind, (count, total, time_s) in extra.items():
+        result[kind] = OpStats(count=int(count), bytes=int(total), time_s=time_s)
+    return result
+
+
+@contextmanager
+def count_comm() -> Iterator[Callable[[], dict[str, OpStats]]]:
+    """Count the collectives issued inside the block; the callable returns them after it."""
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    mode = _CommDispatchMode()
+    result: list[dict[str, OpStats]] = []
+    with profile(activities=activities, record_shapes=True) as prof:
+        with mode:
+            yield lambda: result[0]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # let the NCCL kernels finish inside the profile
+    result.append(_summarise(mode.ops, prof.events()))

@@ -1,0 +1,193 @@
+"""Peak memory of one training step, per rank.
+
+Use one ``with`` block around exactly one full step (forward, backward, optimizer.step,
+zero_grad)::
+
+    with track_step_memory(model, opt, fsdp2=is_fsdp2) as result:
+        step()
+    mem = result()
+
+Measure a step at or after the third: DDP rebuilds its buckets during the first steps and
+the optimizer creates its state on the first ``step()``; choosing that step is the caller's
+job.
+
+Where the numbers come from
+- CPU: ``torch.distributed._tools.mem_tracker.MemTracker`` (or ``FSDPMemTracker`` for FSDP2
+  ``fully_shard`` models), a TorchDispatchMode that sees every tensor storage created in the
+  step plus the module's and optimizer's existing tensors. ``peak_bytes`` is its peak "Total"
+  and ``breakdown_bytes`` the same peak snapshot by category, so they sum exactly.
+  ``rss_peak_bytes`` is the process VmHWM after resetting it (/proc/self/clear_refs "5");
+  it is dominated by the libraries (~300 MB), so compare it across cells, not to tensors.
+- CUDA: ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` (stats reset before the step,
+  device synchronised after). The breakdown still comes from the same trackers on the
+  current CUDA device (the trackers round CUDA storages to the allocator's 512-byte blocks);
+  whatever the allocator held at its peak that the tracker did not see (tensors from before
+  the step that were not registered, library workspaces) is added to "other", so the
+  breakdown still sums to ``peak_bytes``. The two peaks can fall at slightly different
+  moments; the tracker's snapshot is the one reported.
+
+Category mapping (tracker category -> breakdown key)
+- MemTracker: Parameter -> params; Gradient -> grads; Optstate -> optimizer (includes the
+  optimizer's step counters and, if the peak falls inside ``optimizer.step``, its temporaries:
+  foreach AdamW allocates parameter-sized scratch there, fused AdamW does not);
+  Activation -> activations (tensors made in forward, including the loss); Temp (tensors
+  made in backward: activation gradients, grads before accumulation), Buffer, Other -> other.
+- FSDPMemTracker: Sharded Param, Unsharded Param -> params; Sharded Grad, Unsharded Grad ->
+  grads; OptState -> optimizer; Activation -> activations; Temp, All Gather (all-gather output
+  buffers), Reduce Scatter (reduce-scatter input buffers), Buffer, Inputs -> other.
+
+Wrappers
+- DDP (DistributedDataParallel) is an ordinary nn.Module and is tracked directly. Its flat
+  gradient bucket (one gradient-sized buffer, seen as the all-reduce's output) lands in
+  "other": 2 ranks, 49,792 parameter bytes -> other 49,792.
+- ZeroRedundancyOptimizer: its own ``state`` only holds what was consolidated; the real
+  (sharded) state lives in the local optimizer ``opt.optim``, so that is what is registered.
+- DeepSpeed: ``track_external`` refuses its ZeRO optimizer wrappers ("not supported for
+  tracking"); pass ``engine.module`` and the wrapped torch optimizer ``opt.optimizer``.
+- FSDP1 (FullyShardedDataParallel, device_id=cpu) is tracked as an nn.Module by MemTracker:
+  its flat parameters (sharded and, while gathered, unsharded) count as params; it assigns
+  the sharded gradient to ``flat_param.grad`` itself, so MemTracker never labels gradients
+  and they land in "other" (grads is 0). FSDPMemTracker only understands FSDP2.
+
+No references to the module, optimizer or their tensors outlive the ``with`` block: the
+result is computed when the block exits and the tracker is dropped then.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_KEYS = ("params", "grads", "optimizer", "activations", "other")
+
+# Tracker category names (the enums are str-valued) -> breakdown key; anything else -> other.
+_CATEGORY = {
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Unsharded Param": "params",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "grads",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+}
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMemory:
+    peak_bytes: int
+    breakdown_bytes: dict[str, int]
+    rss_peak_bytes: int | None
+    cuda: dict[str, int] | None
+    tracker: str  # "MemTracker" | "FSDPMemTracker" | "cuda"
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:  # not Linux, or /proc not writable in this container
+        return False
+
+
+def _rss_peak() -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError("VmHWM missing from /proc/self/status")
+
+
+def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp2: bool):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if fsdp2:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(module, optimizer), "FSDPMemTracker"
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    tracker = MemTracker()
+    # ZeroRedundancyOptimizer keeps the real (sharded) state in its local optimizer.
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim
+    tracker.track_external(module, optimizer)
+    return tracker, "MemTracker"
+
+
+def _breakdown(snapshot: dict) -> dict[str, int]:
+    out = dict.fromkeys(_KEYS, 0)
+    for category, nbytes in snapshot.items():
+        if category != "Total":
+            out[_CATEGORY.get(str(getattr(category, "value", category)), "other")] += nbytes
+    if sum(out.values()) != snapshot["Total"]:
+        raise AssertionError(f"tracker categories do not sum to its Total: {snapshot}")
+    return out
+
+
+def _cuda_stats() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    allocated = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
+    out = {
+        "max_allocated": allocated,
+        "max_reserved": reserved,
+        "fragmentation": reserved - allocated,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "num_ooms": stats.get("num_ooms", 0),
+    }
+    try:
+        import pynvml
+    except ImportError:
+        return out
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    out["nvml_used"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    return out
+
+
+@contextmanager
+def track_step_memory(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, *, fsdp2: bool
+) -> Iterator[Callable[[], StepMemory]]:
+    """Track one training step; the yielded callable returns its StepMemory after the block."""
+    on_cuda = any(p.is_cuda for p in module.parameters())
+    tracker, name = _make_tracker(module, optimizer, fsdp2)
+    result: list[StepMemory] = []
+    rss_ok = _reset_rss_peak()
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with tracker:
+        yield lambda: result[0]
+    rss = _rss_peak() if rss_ok else None
+    peaks = tracker.get_tracker_snapshot("peak")
+    # The tracker sits in reference cycles (its weakref callbacks point back at it) that
+    # keep the model's parameters alive until a collection after the model is dropped;
+    # collecting here, while the model is still alive, lets the caller free it by refcount.
+    del tracker
+    gc.collect()
+
+    if on_cuda:
+        torch.cuda.synchronize()
+        cuda = _cuda_stats()
+        breakdown = _breakdown(peaks.get(torch.device("cuda", torch.cuda.current_device()), {"Total": 0}))
+        untracked = cuda["max_allocated"] - sum(breakdown.values())
+        if untracked < 0:
+            raise AssertionError(f"tracker saw more than the allocator: {breakdown} vs {cuda}")
+        breakdown["other"] += untracked
+        result.append(StepMemory(peak_bytes=cuda["max_allocated"], breakdown_bytes=breakdown,
+                                 rss_peak_bytes=rss, cuda=cuda, tracker="cuda"))
+    else:
+        breakdown = _breakdown(peaks.get(torch.device("cpu"), {"Total": 0}))
+        result.append(StepMemory(peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
+                                 rss_peak_bytes=rss, cuda=None, tracker=name))

@@ -1,0 +1,62 @@
+"""From every rank's raw numbers to a cell's metrics: the one place where "peak memory",
+"step time" and "throughput" are defined.
+
+- peak_mem_bytes: the max over ranks of each rank's peak (never a sum across ranks); the
+  breakdown is that of the rank with the peak.
+- step_time_s: the median of the slowest rank's timed steps (the job waits for it);
+  step_time_iqr_s is that rank's inter-quartile range.
+- samples_per_s, tokens_per_s: the whole job's (global batch ÷ step time).
+- tflops_per_rank: model FLOPs (PaLM formula, no recomputation counted) per rank per second.
+- mfu: only against a known peak for the detected device; None otherwise, never a guess.
+- comm_*: counted on rank 0's comm step; every rank runs the same collectives.
+"""
+
+from __future__ import annotations
+
+from harness.config import CellSpec
+from harness.measure.timing import median_iqr
+
+BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
+
+
+def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float | None) -> dict:
+    peak_rank = max(per_rank, key=lambda r: r["peak_mem_bytes"])
+    medians = [median_iqr(r["step_times_s"]) for r in per_rank]
+    step_time, step_iqr = max(medians)
+    samples_per_s = cell.global_batch / step_time
+    rank0 = per_rank[0]
+    flops_per_s_per_rank = rank0["flops_per_sample"] * samples_per_s / cell.world_size
+    comm_by_op = rank0["comm_by_op"]
+    return {
+        "peak_mem_bytes": peak_rank["peak_mem_bytes"],
+        "mem_breakdown_bytes": {k: peak_rank["mem_breakdown_bytes"][k] for k in BREAKDOWN_KEYS},
+        "rss_peak_bytes": max((r["rss_peak_bytes"] or 0) for r in per_rank) or None,
+        "step_time_s": step_time,
+        "step_time_iqr_s": step_iqr,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * rank0["tokens_per_sample"],
+        "tflops_per_rank": flops_per_s_per_rank / 1e12,
+        "mfu": flops_per_s_per_rank / peak_flops_per_rank if peak_flops_per_rank else None,
+        "comm_time_s_per_step": sum(op["time_s"] for op in comm_by_op.values()),
+        "comm_bytes_per_step": sum(op["bytes"] for op in comm_by_op.values()),
+        "comm_by_op": comm_by_op,
+    }
+
+
+def per_rank_view(per_rank: list[dict]) -> list[dict]:
+    """The per-rank numbers a reader wants next to the maxima (no losses: they are global)."""
+    rows = []
+    for r in per_rank:
+        median, iqr = median_iqr(r["step_times_s"])
+        rows.append({
+            "rank": r["rank"],
+            "peak_mem_bytes": r["peak_mem_bytes"],
+            "mem_breakdown_bytes": r["mem_breakdown_bytes"],
+            "rss_peak_bytes": r["rss_peak_bytes"],
+            "cuda_memory": r["cuda_memory"],
+            "memory_tracker": r["memory_tracker"],
+            "step_time_s": median,
+            "step_time_iqr_s": iqr,
+            "step_times_s": r["step_times_s"],
+        })
+    return rows

@@ -1,0 +1,81 @@
+"""build(spec) -> BuiltModel: a seeded module plus what the harness needs to train and measure it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from . import bert, gpt2, llama, mlp, vit
+from .spec import ModelSpec
+
+# Each family file provides BLOCK_TYPE, build_module, make_batch, loss and count_params.
+_FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "mlp": mlp}
+
+
+def analytic_n_params(spec: ModelSpec) -> int:
+    """All parameters (a tied weight once), from the spec alone: no model is built."""
+    return _FAMILIES[spec.family].count_params(spec).total
+
+
+def flops_per_sample(spec: ModelSpec) -> float:
+    """Training FLOPs (forward + backward) per sample by the PaLM formula (Chowdhery et al. 2022).
+
+    Per token 6*N + 12*L*H*Q*T, times T tokens per sample, where N counts the non-embedding
+    parameters: token, position (and BERT's segment) tables and ViT's class token are left out,
+    and so is a LM head tied to the token table, since it is the same tensor. The causal mask is
+    NOT credited with halving the attention term, as in torchtitan. For mlp (no attention,
+    one "token" per sample) this is 6*N.
+    """
+    count = _FAMILIES[spec.family].count_params(spec)
+    n, t = count.total - count.embedding, spec.tokens_per_sample
+    attention = 12 * spec.n_layers * (spec.n_heads or 0) * spec.head_dim * t
+    return float((6 * n + attention) * t)
+
+
+@dataclass
+class BuiltModel:
+    """A randomly initialised model and how to feed it.
+
+    `block_type` is the repeated layer class: the unit for activation checkpointing and for
+    FSDP / ZeRO-3 sharding. `make_batch` draws from the given generator only, so drawing the
+    global batch once and slicing `tensor[rank*mb:(rank+1)*mb]` gives every rank its share of
+    exactly the batch a single-process run sees; every tensor's first dimension is the batch.
+    """
+
+    spec: ModelSpec
+    module: nn.Module
+    block_type: type[nn.Module]
+    n_params: int
+    tokens_per_sample: int
+    flops_per_sample: float
+    attn_implementation: str | None  # as HF resolved it; None for the plain-torch mlp
+
+    def make_batch(self, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:
+        return _FAMILIES[self.spec.family].make_batch(self.spec, generator, batch_size)
+
+    def loss(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Scalar mean loss; `module` may be this model wrapped by a strategy (DDP, FSDP, ...)."""
+        return _FAMILIES[self.spec.family].loss(module, batch)
+
+
+def build(spec: ModelSpec, *, seed: int = 0) -> BuiltModel:
+    """Build on CPU with weights that depend on `seed` only, identical on every rank."""
+    family = _FAMILIES[spec.family]
+    # Models are initialised on CPU, so the CPU generator is all that is seeded; fork_rng
+    # restores it afterwards, leaving the caller's RNG (and any CUDA RNG) untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        module = family.build_module(spec)
+    config = getattr(module, "config", None)
+    return BuiltModel(
+        spec=spec,
+        module=module,
+        block_type=family.BLOCK_TYPE,
+        n_params=sum(p.numel() for p in module.parameters()),
+        tokens_per_sample=spec.tokens_per_sample,
+        flops_per_sample=flops_per_sample(spec),
+        attn_implementation=getattr(config, "_attn_implementation", None),
+    )

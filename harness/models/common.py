@@ -1,0 +1,36 @@
+"""Pieces the family files share: parameter counts, causal-LM batches, the HF loss."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .spec import ModelSpec
+
+
+class ParamCount(NamedTuple):
+    """Parameter counts from the spec alone, so real sizes can be planned without building."""
+
+    total: int  # every parameter, a tied weight once
+    embedding: int  # lookup tables (token, position, ...): no matmul, so no FLOPs
+
+
+def linear(n_in: int, n_out: int, bias: bool = True) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def causal_lm_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:
+    """Random token ids; labels = input_ids because HF models shift the labels themselves.
+
+    Every sample has seq_len - 1 predicted tokens, so the mean over a batch equals the mean
+    of the per-slice means over equal slices of it.
+    """
+    input_ids = torch.randint(spec.vocab_size, (batch_size, spec.seq_len), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def hf_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """HF models compute their mean loss when given labels."""
+    return module(**batch).loss

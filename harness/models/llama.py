@@ -1,0 +1,38 @@
+"""Llama (Touvron et al. 2023; Llama 3) through transformers' LlamaForCausalLM."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from .common import ParamCount, causal_lm_batch, hf_loss, linear
+from .spec import ModelSpec
+
+BLOCK_TYPE = LlamaDecoderLayer
+make_batch = causal_lm_batch
+loss = hf_loss
+
+
+def build_module(spec: ModelSpec) -> nn.Module:
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.seq_len,
+        tie_word_embeddings=spec.tie_embeddings,
+        use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
+        bos_token_id=None, eos_token_id=None,  # the defaults lie outside tiny vocabularies
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def count_params(spec: ModelSpec) -> ParamCount:
+    h, f, d = spec.hidden, spec.ffn, spec.head_dim
+    attention = linear(h, spec.n_heads * d, False) + 2 * linear(h, spec.kv_heads * d, False) \
+        + linear(spec.n_heads * d, h, False)
+    block = h + attention + h + 3 * linear(h, f, False)  # two RMSNorms, SwiGLU gate/up/down
+    embedding = spec.vocab_size * h
+    # An untied LM head is a real matmul, so it counts as non-embedding (as in torchtitan).
+    head = 0 if spec.tie_embeddings else spec.vocab_size * h
+    return ParamCount(embedding + spec.n_layers * block + h + head, embedding)

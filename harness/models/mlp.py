@@ -1,0 +1,49 @@
+"""A residual MLP in plain torch: the fastest model, for tests of the harness itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import ParamCount, linear
+from .spec import ModelSpec
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP block: the unit for activation checkpointing and FSDP sharding."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+BLOCK_TYPE = MLPBlock
+
+
+def build_module(spec: ModelSpec) -> nn.Module:
+    blocks = [MLPBlock(spec.hidden, spec.ffn) for _ in range(spec.n_layers)]
+    return nn.Sequential(*blocks, nn.LayerNorm(spec.hidden), nn.Linear(spec.hidden, spec.num_classes))
+
+
+def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:
+    """Random inputs with random class targets: a classification task to fit."""
+    return {
+        "inputs": torch.randn(batch_size, spec.hidden, generator=generator),
+        "targets": torch.randint(spec.num_classes, (batch_size,), generator=generator),
+    }
+
+
+def loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(module(batch["inputs"]), batch["targets"])
+
+
+def count_params(spec: ModelSpec) -> ParamCount:
+    h, f = spec.hidden, spec.ffn
+    block = 2 * h + linear(h, f) + linear(f, h)
+    return ParamCount(spec.n_layers * block + 2 * h + linear(h, spec.num_classes), 0)

@@ -1,0 +1,38 @@
+"""Named model specs: tiny ones that train a step on a CPU core in milliseconds, real ones for GPUs."""
+
+from __future__ import annotations
+
+from .spec import ModelSpec
+
+_TINY_TEXT = dict(n_layers=2, hidden=64, n_heads=4, seq_len=32, vocab_size=512)
+
+_SPECS = [
+    # Tiny: for tests and CPU smoke runs.
+    ModelSpec(name="gpt2-tiny", family="gpt2", **_TINY_TEXT),
+    ModelSpec(name="llama-tiny", family="llama", n_kv_heads=2, **_TINY_TEXT),  # GQA
+    ModelSpec(name="bert-tiny", family="bert", **_TINY_TEXT),
+    ModelSpec(name="vit-tiny", family="vit", n_layers=2, hidden=64, n_heads=4,
+              image_size=32, patch_size=8, num_classes=10),
+    ModelSpec(name="mlp-tiny", family="mlp", n_layers=2, hidden=64, num_classes=10),
+    # Real sizes: for GPUs and planning.
+    ModelSpec(name="gpt2-124m", family="gpt2", n_layers=12, hidden=768, n_heads=12,
+              seq_len=1024, vocab_size=50257),
+    ModelSpec(name="gpt2-1.5b", family="gpt2", n_layers=48, hidden=1600, n_heads=25,
+              seq_len=1024, vocab_size=50257),
+    ModelSpec(name="llama-1b", family="llama", n_layers=16, hidden=2048, n_heads=32, n_kv_heads=8,
+              ffn_hidden=8192, seq_len=2048, vocab_size=128256, tie_embeddings=True),  # Llama-3.2-1B
+    ModelSpec(name="llama3-8b", family="llama", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
+              ffn_hidden=14336, seq_len=8192, vocab_size=128256),
+    ModelSpec(name="bert-base", family="bert", n_layers=12, hidden=768, n_heads=12,
+              seq_len=512, vocab_size=30522),
+    ModelSpec(name="vit-base", family="vit", n_layers=12, hidden=768, n_heads=12,
+              image_size=224, patch_size=16, num_classes=1000),
+]
+PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def get_preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}") from None

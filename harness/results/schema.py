@@ -1,0 +1,57 @@
+"""The cell record: the unit of results/<run_id>/cells.jsonl. See README "Results format".
+
+SCHEMA_VERSION changes whenever a field is renamed, removed or changes meaning; readers
+migrate older records step by step (``migrate``) so a report can span old and new runs.
+"""
+
+from __future__ import annotations
+
+from harness.config import CellSpec
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
+
+
+def make_record(
+    cell: CellSpec,
+    *,
+    markers: list[str],
+    status: str,
+    reason: str = "",
+    n_params: int | None = None,
+    metrics: dict | None = None,
+    per_rank: list[dict] | None = None,
+    losses: list[float] | None = None,
+    equivalence: dict | None = None,
+    wall_s: float | None = None,
+) -> dict:
+    if status not in STATUSES:
+        raise ValueError(f"status={status!r}: choose one of {', '.join(STATUSES)}")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "cell_id": cell.cell_id,
+        "status": status,
+        "reason": reason,
+        "markers": markers,
+        "world_size": cell.world_size,
+        "model": {"name": cell.model, "n_params": n_params},
+        "strategy": {k: v for k, v in cell.to_dict()["strategy"].items()},
+        "precision": cell.strategy.precision,
+        "cell": cell.to_dict(),
+        "metrics": metrics or {},
+        "per_rank": per_rank or [],
+        "losses": losses or [],
+        "equivalence": equivalence,
+        "wall_s": wall_s,
+    }
+
+
+def migrate(record: dict) -> dict:
+    """Bring a record of any released schema version up to SCHEMA_VERSION."""
+    version = record.get("schema_version")
+    if version == SCHEMA_VERSION:
+        return record
+    raise ValueError(
+        f"cell record schema_version={version!r} is newer or unknown: this shardbench reads"
+        f" up to {SCHEMA_VERSION}; upgrade shardbench"
+    )

@@ -1,0 +1,178 @@
+"""What every rank runs: a batch of cells in one process group, one after the other.
+
+Launched by harness.runner.launcher through torchrun. For each cell: build the model, apply
+checkpointing, wrap it for the strategy, then train ``cell.steps`` optimizer steps on the
+same synthetic global batches the reference sees:
+
+    warm-up (cell.warmup steps)  →  one memory-tracked step  →  one comm-counted step
+    →  timed steps (cell.timed_steps)
+
+Each probe gets a step of its own because both slow the step they watch. Rank 0 writes one
+JSON line per event to the stream file (``start`` before a cell, ``done`` after it with
+every rank's numbers), flushed at once, so the launcher can report progress and knows which
+cell was running if the process dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness import models, strategies
+from harness.config import CellSpec
+from harness.distributed import DistEnv, init_from_torchrun
+from harness.features import checkpointing, precision
+from harness.measure import comm, memory, timing
+from harness.strategies.base import Prepared
+
+TRACEBACK_LINES = 15
+
+
+def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv) -> list[list[dict]]:
+    """Every step's micro-batches for this rank, drawn before anything is timed.
+
+    The global batch of a step comes from a generator seeded with the cell's seed, never the
+    global RNG, so every strategy and the reference see the same samples however they are
+    split. Micro-step k of rank r takes rows [(k·W + r)·mb, +mb).
+    """
+    generator = torch.Generator().manual_seed(cell.seed)
+    mb, world = cell.micro_batch, cell.world_size
+    steps = []
+    for _ in range(cell.steps):
+        global_batch = built.make_batch(generator, cell.global_batch)
+        micro_steps = []
+        for k in range(cell.strategy.accumulation):
+            start = (k * world + env.rank) * mb
+            micro_steps.append({name: t[start : start + mb].to(env.device) for name, t in global_batch.items()})
+        steps.append(micro_steps)
+    return steps
+
+
+def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: DistEnv,
+               micro_batches: list[dict], scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """One optimizer step. Returns this rank's mean loss over its micro-batches (detached)."""
+    n_micro = len(micro_batches)
+    total = torch.zeros((), device=env.device)
+    for k, batch in enumerate(micro_batches):
+        last = k == n_micro - 1
+        with nullcontext() if last else prep.no_sync():
+            with precision.autocast(cell.strategy.precision, env.device, enabled=prep.use_autocast):
+                loss = built.loss(prep.model, batch) / n_micro
+            scaler.scale(loss).backward()
+        total += loss.detach().float()
+    scaler.step(prep.optimizer)
+    scaler.update()
+    prep.optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def run_cell(cell: CellSpec, env: DistEnv) -> dict:
+    """Train one cell and return this rank's measurements."""
+    built = models.build(models.get_preset(cell.model), seed=cell.seed)
+    checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing)
+    prep = strategies.REGISTRY[cell.strategy.name].prepare(built.module, built.block_type, cell, env)
+    scaler = precision.grad_scaler(cell.strategy.precision, env.device)
+    batches = local_batches(built, cell, env)
+
+    def step(i: int) -> torch.Tensor:
+        return train_step(built, prep, cell, env, batches[i], scaler)
+
+    losses = [step(i) for i in range(cell.warmup)]
+    i = cell.warmup
+    with memory.track_step_memory(prep.model, prep.optimizer, fsdp2=prep.fsdp2) as step_memory:
+        losses.append(step(i))
+    with comm.count_comm() as comm_stats:
+        losses.append(step(i + 1))
+    step_times: list[float] = []
+    for i in range(cell.warmup + cell.probe_steps, cell.steps):
+        with timing.timed(env.device, step_times):
+            losses.append(step(i))
+
+    # The mean over ranks of rank-local mean losses is the global mean loss (equal-sized
+    # micro-batches, equal tokens per sample): the number the reference computes.
+    loss_tensor = torch.stack(losses).to(env.device)
+    dist.all_reduce(loss_tensor)
+    loss_tensor /= env.world_size
+    mem = step_memory()
+    return {
+        "rank": env.rank,
+        "peak_mem_bytes": mem.peak_bytes,
+        "mem_breakdown_bytes": mem.breakdown_bytes,
+        "rss_peak_bytes": mem.rss_peak_bytes,
+        "cuda_memory": mem.cuda,
+        "memory_tracker": mem.tracker,
+        "step_times_s": step_times,
+        "comm_by_op": {op: vars(stats) for op, stats in comm_stats().items()},
+        "losses": loss_tensor.tolist(),
+        "n_params": built.n_params,
+        "tokens_per_sample": built.tokens_per_sample,
+        "flops_per_sample": built.flops_per_sample,
+    }
+
+
+def outcome_of(error: BaseException) -> str:
+    if isinstance(error, torch.OutOfMemoryError):
+        return "oom"
+    return "failed"
+
+
+def release_memory(device: torch.device) -> None:
+    """Give back what the finished cell held so the next cell's peak starts from the floor."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass  # not glibc: RSS stays higher, tensor-byte measurements are unaffected
+
+
+class Stream:
+    """Rank 0's event log: one JSON object per line, flushed and fsynced as written."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self._file = path.open("a") if enabled else None
+
+    def write(self, event: dict) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(event) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=Path, required=True, help="JSON list of cell specs")
+    parser.add_argument("--stream", type=Path, required=True, help="JSONL event file (rank 0)")
+    args = parser.parse_args()
+
+    env = init_from_torchrun()
+    stream = Stream(args.stream, enabled=env.rank == 0)
+    for spec in json.loads(args.cells.read_text()):
+        cell = CellSpec.from_dict(spec)
+        stream.write({"event": "start", "cell_id": cell.cell_id})
+        try:
+            result = {"status": "ok", "reason": "", **run_cell(cell, env)}
+        except Exception as error:  # a failing cell is a result; the batch goes on
+            tail = traceback.format_exc().strip().splitlines()[-TRACEBACK_LINES:]
+            result = {"rank": env.rank, "status": outcome_of(error), "reason": "\n".join(tail)}
+        per_rank: list[dict | None] = [None] * env.world_size
+        dist.all_gather_object(per_rank, result)
+        stream.write({"event": "done", "cell_id": cell.cell_id, "per_rank": per_rank})
+        release_memory(env.device)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

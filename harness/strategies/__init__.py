@@ -1,0 +1,53 @@
+"""The strategy registry and the up-front compatibility check of a cell."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from harness.config import CellSpec
+from harness.strategies import ddp, fsdp, fsdp1, single, torch_zero
+
+REGISTRY: dict[str, ModuleType] = {
+    "single": single,
+    "ddp": ddp,
+    "zero1": torch_zero,
+    "fsdp_full": fsdp,
+    "fsdp_grad_op": fsdp,
+    "fsdp_hybrid": fsdp,
+    "fsdp1_full": fsdp1,
+    "fsdp1_grad_op": fsdp1,
+    "fsdp1_no_shard": fsdp1,
+    "fsdp1_hybrid": fsdp1,
+}
+
+
+def incompatibility(cell: CellSpec) -> str | None:
+    """Why this strategy cannot be combined with the cell's features on any hardware, or None.
+
+    Such a cell is a mistake in the matrix, not a measurement: it is refused when the matrix
+    is built. (Hardware limits are ``unsupported_reason`` and are recorded as results.)
+    """
+    s = cell.strategy
+    caps = REGISTRY[s.name].CAPABILITIES
+    checks = [
+        ("precision", s.precision, caps.precisions),
+        ("checkpointing", s.checkpointing, caps.checkpointing),
+        ("offload", s.offload, caps.offload),
+        ("compression", s.compression, caps.compression),
+    ]
+    for axis, value, allowed in checks:
+        if value not in allowed:
+            why = caps.notes.get(value, f"{s.name} supports {axis} in {{{', '.join(sorted(allowed))}}}")
+            return f"{s.name} with {axis}={value}: {why}"
+    if s.accumulation > 1 and not caps.accumulation:
+        return f"{s.name} does not support gradient accumulation"
+    if cell.world_size < caps.min_world_size:
+        return f"{s.name} needs world_size >= {caps.min_world_size}, got {cell.world_size}"
+    if caps.max_world_size is not None and cell.world_size > caps.max_world_size:
+        return f"{s.name} needs world_size <= {caps.max_world_size}, got {cell.world_size}"
+    return None
+
+
+def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
+    """Why this machine cannot run the cell (recorded as an ``unsupported`` result), or None."""
+    return REGISTRY[cell.strategy.name].unsupported_reason(cell, device_type)

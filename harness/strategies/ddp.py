@@ -1,0 +1,45 @@
+"""DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets
+during backward, optionally through a compression hook."""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from harness.config import CellSpec
+from harness.distributed import DistEnv
+from harness.features import compression, optimizers
+from harness.strategies.base import Capabilities, Prepared
+
+CAPABILITIES = Capabilities(compression=frozenset({"none", "fp16", "bf16", "powersgd"}))
+
+
+def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParallel:
+    """DDP on the cell's device with its compression hook; shared with ZeRO-1."""
+    model = model.to(env.device)
+    kwargs = {}
+    if compression.needs_single_bucket(cell.strategy.compression):
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kwargs["bucket_cap_mb"] = math.ceil(param_bytes / 2**20) + 1
+    ddp_model = DistributedDataParallel(
+        model, device_ids=[env.device.index] if env.is_cuda else None, **kwargs
+    )
+    compression.register(ddp_model, cell.strategy.compression, cell.strategy.powersgd_rank)
+    return ddp_model
+
+
+def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    ddp_model = wrap(model, cell, env)
+    return Prepared(
+        model=ddp_model,
+        optimizer=optimizers.adamw(ddp_model.parameters(), cell.lr),
+        no_sync=ddp_model.no_sync,
+    )
+
+
+def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
+    if cell.strategy.compression == "bf16" and device_type != "cuda":
+        return "bf16_compress_hook requires CUDA 11+ and NCCL 2.10+ (gloo has no bf16 all-reduce path)"
+    return None

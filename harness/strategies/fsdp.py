@@ -1,0 +1,78 @@
+"""FSDP2 (``fully_shard``): per-parameter sharding with DTensor, one shard unit per
+transformer block plus the root.
+
+- fsdp_full: reshard after forward (ZeRO-3: parameters gathered again in backward)
+- fsdp_grad_op: keep parameters unsharded between forward and backward (ZeRO-2-like)
+- fsdp_hybrid: HSDP on a 2-D (replicate × shard) mesh
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from harness import distributed
+from harness.config import CellSpec
+from harness.distributed import DistEnv
+from harness.features import offload, optimizers
+from harness.features.precision import DTYPES
+from harness.strategies.base import Capabilities, Prepared
+
+CAPABILITIES = Capabilities(
+    precisions=frozenset({"fp32", "bf16"}),
+    offload=frozenset({"none", "params"}),
+    notes={"fp16": "fp16 with FSDP needs a sharded GradScaler, not wired in this release: use bf16"},
+)
+
+
+def _mesh(cell: CellSpec, env: DistEnv):
+    if cell.strategy.name == "fsdp_hybrid":
+        return distributed.mesh(env.device.type, distributed.hsdp_shape(env), ("replicate", "shard"))
+    return distributed.mesh(env.device.type, (env.world_size,), ("shard",))
+
+
+def _mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    # Compute in low precision, reduce gradients in fp32 (the usual recipe: bf16 sums of
+    # many ranks' gradients lose too many bits).
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+@contextmanager
+def _no_gradient_sync(model: FSDPModule):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    s = cell.strategy
+    if s.offload == "none":
+        model = model.to(env.device)  # with offload, parameters stay in host memory
+    shard_kwargs = {
+        "mesh": _mesh(cell, env),
+        "reshard_after_forward": s.name != "fsdp_grad_op",
+        "mp_policy": _mixed_precision(s.precision),
+        "offload_policy": offload.fsdp2_policy(s.offload),
+    }
+    for module in model.modules():
+        if isinstance(module, block_type):
+            fully_shard(module, **shard_kwargs)
+    fully_shard(model, **shard_kwargs)
+    return Prepared(
+        model=model,
+        optimizer=optimizers.adamw(model.parameters(), cell.lr),
+        no_sync=lambda: _no_gradient_sync(model),
+        use_autocast=False,
+        fsdp2=True,
+    )
+
+
+def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
+    return None

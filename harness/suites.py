@@ -1,0 +1,101 @@
+"""The named matrices. A suite is a function of the world size that returns cells; the
+pytest files in suites/ parametrise over it, one test per cell.
+
+- smoke: a handful of fast cells (run by ./run_tests.sh and CI).
+- default: every axis value at least once, for one GPT-2 and one LLaMA preset, plus BERT,
+  ViT and the MLP (what ./run_all.sh runs when asked nothing).
+- full: the product of strategies × precisions × checkpointing × accumulation over the
+  tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from harness import strategies
+from harness.config import STRATEGY_NAMES, CellSpec, StrategySpec
+
+MICRO_BATCH = 2
+
+
+def _cell(model: str, strategy: str, world_size: int, **options) -> CellSpec:
+    if strategy == "single":
+        # The reference takes the whole global batch in one process: listed in a suite, it is
+        # the very cell the distributed cells are gated against.
+        return CellSpec(model=model, strategy=StrategySpec(name=strategy, **options),
+                        micro_batch=MICRO_BATCH * world_size, world_size=1)
+    return CellSpec(model=model, strategy=StrategySpec(name=strategy, **options),
+                    micro_batch=MICRO_BATCH, world_size=world_size)
+
+
+def smoke(world_size: int) -> list[CellSpec]:
+    return [
+        _cell("gpt2-tiny", "single", world_size),
+        _cell("gpt2-tiny", "ddp", world_size),
+        _cell("gpt2-tiny", "fsdp_full", world_size),
+        _cell("llama-tiny", "zero1", world_size, precision="bf16"),
+        _cell("gpt2-tiny", "ddp", world_size, compression="bf16"),  # an `unsupported` on CPU
+    ]
+
+
+def default(world_size: int) -> list[CellSpec]:
+    cells = []
+    # Every strategy, fp32, on GPT-2; the common ones on LLaMA.
+    cells += [_cell("gpt2-tiny", s, world_size) for s in STRATEGY_NAMES]
+    cells += [_cell("llama-tiny", s, world_size) for s in ("single", "ddp", "zero1", "fsdp_full", "fsdp1_full")]
+    # Precision.
+    cells += [_cell("gpt2-tiny", s, world_size, precision="bf16") for s in ("single", "ddp", "fsdp_full", "fsdp1_full")]
+    cells += [_cell("llama-tiny", s, world_size, precision="bf16") for s in ("single", "fsdp_grad_op")]
+    # fp16 runs 10-15x slower on a CPU without fp16 units: two cells only.
+    cells += [_cell("gpt2-tiny", s, world_size, precision="fp16") for s in ("single", "ddp")]
+    # Activation checkpointing.
+    cells += [
+        _cell("gpt2-tiny", "ddp", world_size, checkpointing="full"),
+        _cell("gpt2-tiny", "fsdp_full", world_size, checkpointing="full"),
+        _cell("llama-tiny", "fsdp_full", world_size, checkpointing="selective"),
+        _cell("gpt2-tiny", "single", world_size, checkpointing="selective"),
+    ]
+    # Offload.
+    cells += [_cell("gpt2-tiny", s, world_size, offload="params") for s in ("fsdp_full", "fsdp1_full")]
+    # Gradient accumulation.
+    cells += [_cell("gpt2-tiny", s, world_size, accumulation=4) for s in ("ddp", "fsdp_full", "fsdp1_full")]
+    # Gradient compression.
+    cells += [
+        _cell("gpt2-tiny", "ddp", world_size, compression="fp16"),
+        _cell("gpt2-tiny", "ddp", world_size, compression="bf16"),
+        _cell("gpt2-tiny", "ddp", world_size, compression="powersgd", powersgd_rank=1),
+        _cell("gpt2-tiny", "ddp", world_size, compression="powersgd", powersgd_rank=4),
+    ]
+    # The other model families.
+    for model, strategy in (("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp")):
+        cells += [_cell(model, "single", world_size), _cell(model, strategy, world_size)]
+    return cells
+
+
+def full(world_size: int) -> list[CellSpec]:
+    cells = []
+    for model, strategy, precision, ckpt, accum in itertools.product(
+        ("gpt2-tiny", "llama-tiny"), STRATEGY_NAMES, ("fp32", "bf16"), ("none", "full", "selective"), (1, 4)
+    ):
+        cell = _cell(model, strategy, world_size, precision=precision, checkpointing=ckpt, accumulation=accum)
+        if strategies.incompatibility(cell) is None:
+            cells.append(cell)
+    return cells
+
+
+SUITES: dict[str, Callable[[int], list[CellSpec]]] = {"smoke": smoke, "default": default, "full": full}
+
+
+def cells_of(suite: str, world_size: int) -> list[CellSpec]:
+    """The suite's cells, de-duplicated, each checked for compatibility up front."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
+    if world_size < 2:
+        raise ValueError(f"--gpus {world_size}: the suites compare strategies across ranks; use 2 or more")
+    cells = list({c.cell_id: c for c in SUITES[suite](world_size)}.values())
+    for cell in cells:
+        problem = strategies.incompatibility(cell)
+        if problem:
+            raise ValueError(f"suite {suite}: cell {cell.cell_id} is not a valid combination: {problem}")
+    return cells

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# shardbench: set up .venv on first use, then run a suite through pytest.
+#
+#   ./run_all.sh                          the default suite on this machine's hardware
+#   ./run_all.sh --gpus 8 -m "fsdp and bf16"
+#   ./run_all.sh --suite smoke --out /tmp/sb
+#   ./run_all.sh --setup-only             only create/refresh .venv
+#
+# Every other argument goes to `python -m harness run` (see --help there).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=.venv
+TORCH_CPU_PIN=torch==2.13.0
+
+bootstrap() {
+    # Re-install only when pyproject.toml changed since the last set-up.
+    local stamp="$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+    [ -f "$stamp" ] && return 0
+    if [ ! -x "$VENV/bin/python" ]; then
+        if python3 -c "import torch" 2>/dev/null; then
+            # A GPU image ships its own CUDA build of torch: keep it, never replace it.
+            echo "shardbench: keeping the torch this machine has ($(python3 -c 'import torch; print(torch.__version__)'))"
+            python3 -m venv --system-site-packages "$VENV"
+        else
+            python3 -m venv "$VENV"
+        fi
+    fi
+    if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+        # Pinned on purpose: an open range with no torch present pulls a multi-GB CUDA build.
+        echo "shardbench: installing $TORCH_CPU_PIN (CPU) into $VENV"
+        "$VENV/bin/pip" install --quiet "$TORCH_CPU_PIN"
+    fi
+    echo "shardbench: installing shardbench and its dependencies into $VENV"
+    "$VENV/bin/pip" install --quiet -e .
+    rm -f "$VENV"/.installed-*
+    touch "$stamp"
+}
+
+if [ "${1:-}" = "--setup-only" ]; then
+    bootstrap
+    exit 0
+fi
+bootstrap
+exec "$VENV/bin/python" -m harness run "$@"

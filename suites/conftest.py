@@ -1,0 +1,64 @@
+"""pytest plumbing for the matrices: one test per cell, markers per axis value, and one
+session-wide MatrixRun that launches the selected cells (plus their references) in batches.
+
+Tests only read outcomes: the cells run when the first test asks for its result, so the
+progress lines appear while the matrix runs and pytest's verdicts follow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness import markers, suites
+from harness.runner import session as run_session
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shardbench")
+    group.addoption("--suite", default="default", help=f"matrix to run: {', '.join(suites.SUITES)}")
+    group.addoption("--gpus", type=int, default=None,
+                    help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
+    group.addoption("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo root)")
+    group.addoption("--cell-timeout", type=float, default=600.0, help="seconds a cell may run before it is killed")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, help_text in markers.CATALOGUE.items():
+        config.addinivalue_line("markers", f"{name}: {help_text}")
+    expr = config.getoption("markexpr")
+    if expr:
+        try:
+            markers.check_marker_expression(expr)
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cell" not in metafunc.fixturenames:
+        return
+    config = metafunc.config
+    try:
+        cells = suites.cells_of(config.getoption("suite"), run_session.world_size(config.getoption("gpus")))
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    metafunc.parametrize(
+        "cell",
+        [pytest.param(c, id=c.cell_id, marks=[getattr(pytest.mark, m) for m in markers.markers_of(c)]) for c in cells],
+    )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    selected = [item.callspec.params["cell"] for item in session.items if hasattr(item, "callspec")]
+    session.config.stash[run_session.SELECTED] = selected
+
+
+@pytest.fixture(scope="session")
+def matrix(pytestconfig: pytest.Config) -> run_session.MatrixRun:
+    """The run of every selected cell, started on first use."""
+    return run_session.start(pytestconfig)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    run_session.summarize(config, terminalreporter)

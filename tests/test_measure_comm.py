@@ -1,0 +1,144 @@
+"""count_comm with 2 real gloo ranks; busbw_factor; the profiler-only fallback."""
+
+import json
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from harness.measure.comm import _Op, _summarise, busbw_factor, count_comm
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+
+
+def _comm_of_step(model, opt):
+    def step():
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # DDP rebuilds its buckets during the first steps
+        step()
+    with count_comm() as comm:
+        step()
+    return {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
+
+
+def _worker(rank, port, out_dir):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out = {}
+    with count_comm() as comm:
+        dist.all_reduce(torch.ones(1000, dtype=torch.float64))
+    out["manual"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
+
+    ddp = DDP(_model())
+    out["ddp"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
+    ddp = DDP(_model(), bucket_cap_mb=0.01)  # several buckets
+    out["ddp_buckets"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
+    ddp = DDP(_model())
+    ddp.register_comm_hook(None, fp16_compress_hook)
+    out["ddp_fp16"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
+    ddp = DDP(_model())
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW)
+    out["zero"] = _comm_of_step(ddp, zero)
+    for reshard in (True, False):
+        model = _model()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        out[f"fsdp2_reshard_{reshard}"] = _comm_of_step(model, torch.optim.AdamW(model.parameters()))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("comm")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, str(out_dir)), nprocs=2)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+PARAM_BYTES = sum(p.nbytes for p in _model().parameters())  # 49,792
+
+
+def test_manual_all_reduce_exact_bytes(observed):
+    for rank in observed:
+        assert list(rank["manual"]) == ["all_reduce"]
+        count, nbytes, time_s = rank["manual"]["all_reduce"]
+        assert (count, nbytes) == (1, 8000) and time_s > 0
+
+
+def test_ddp_all_reduce_is_the_gradient_bytes(observed):
+    for rank in observed:
+        # the reducer runs in C++ from the autograd engine; the dispatch mode still sees it
+        assert list(rank["ddp"]) == ["all_reduce"]
+        assert rank["ddp"]["all_reduce"][:2] == [1, PARAM_BYTES]  # one bucket, no padding
+        count, nbytes, _ = rank["ddp_buckets"]["all_reduce"]
+        assert count > 1 and nbytes == PARAM_BYTES  # several buckets, still no padding
+
+
+def test_ddp_fp16_hook_halves_bytes(observed):
+    for rank in observed:
+        assert rank["ddp_fp16"]["all_reduce"][:2] == [1, PARAM_BYTES // 2]
+
+
+def test_zero_broadcasts_params_after_step(observed):
+    for rank in observed:
+        assert rank["zero"]["all_reduce"][:2] == [1, PARAM_BYTES]
+        assert rank["zero"]["broadcast"][:2] == [4, PARAM_BYTES]  # one per parameter tensor
+
+
+@pytest.mark.parametrize("reshard,gathers", [(True, 2), (False, 1)])
+def test_fsdp2_all_gather_and_reduce_scatter(observed, reshard, gathers):
+    for rank in observed:
+        stats = rank[f"fsdp2_reshard_{reshard}"]
+        assert set(stats) == {"all_gather", "reduce_scatter"}
+        # two fully_shard groups; gathered again in backward when resharded after forward
+        assert stats["all_gather"][:2] == [2 * gathers, gathers * PARAM_BYTES]
+        # gloo runs it as an all-reduce of the full input, reported as issued
+        assert stats["reduce_scatter"][:2] == [2, PARAM_BYTES]
+        assert stats["all_gather"][2] > 0 and stats["reduce_scatter"][2] > 0
+
+
+def test_busbw_factor():
+    assert busbw_factor("all_reduce", 4) == 1.5
+    assert busbw_factor("all_gather", 4) == busbw_factor("reduce_scatter", 4) == 0.75
+    assert busbw_factor("all_to_all", 2) == 0.5
+    assert busbw_factor("broadcast", 8) == busbw_factor("reduce", 8) == 1.0
+    with pytest.raises(ValueError):
+        busbw_factor("barrier", 2)
+
+
+def _event(name, shapes, dtypes, start, us):
+    return SimpleNamespace(name=name, input_shapes=shapes, input_dtypes=dtypes,
+                           time_range=SimpleNamespace(start=start, elapsed_us=lambda: us))
+
+
+def test_profiler_fills_in_what_dispatch_missed():
+    ops = [_Op("reduce_scatter", 400, 100)]
+    events = [_event("gloo:all_reduce", [[100]], ["float"], 0, 10),  # the reduce-scatter
+              _event("gloo:broadcast", [[50]], ["c10::BFloat16"], 1, 20)]  # unseen by dispatch
+    stats = _summarise(ops, events)
+    assert stats["reduce_scatter"].count == 1 and stats["reduce_scatter"].time_s == 1e-5
+    assert (stats["broadcast"].count, stats["broadcast"].bytes) == (1, 100)
+    with pytest.raises(RuntimeError):
+        _summarise([], [_event("ncclDevKernel_AllGather_RING", [], [], 0, 5)])

@@ -1,0 +1,81 @@
+"""track_step_memory on a small single-process model (CPU, MemTracker)."""
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+
+from harness.measure.memory import track_step_memory
+
+
+def _setup(**adamw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    return model, torch.optim.AdamW(model.parameters(), **adamw)
+
+
+def _step(model, opt, batch):
+    model(torch.randn(batch, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _measure(model, opt, batch, warmup=3):
+    for _ in range(warmup):  # the optimizer state exists from the first step on
+        _step(model, opt, batch)
+    with track_step_memory(model, opt, fsdp2=False) as result:
+        _step(model, opt, batch)
+    return result()
+
+
+def _param_bytes(model):
+    return sum(p.nbytes for p in model.parameters())
+
+
+def test_breakdown_fused_adamw_peak_in_backward():
+    model, opt = _setup(fused=True)  # fused AdamW has no parameter-sized scratch in step()
+    mem = _measure(model, opt, batch=64)
+    pb = _param_bytes(model)
+    assert mem.tracker == "MemTracker" and mem.cuda is None
+    assert set(mem.breakdown_bytes) == {"params", "grads", "optimizer", "activations", "other"}
+    assert mem.peak_bytes == sum(mem.breakdown_bytes.values())
+    assert mem.breakdown_bytes["params"] == pb
+    # exp_avg + exp_avg_sq, plus one fp32 scalar "step" tensor per parameter tensor
+    n_tensors = len(list(model.parameters()))
+    assert mem.breakdown_bytes["optimizer"] == 2 * pb + 4 * n_tensors
+    # the peak is in backward: some grads exist, the rest are still Temp (-> other)
+    assert 0 < mem.breakdown_bytes["grads"] < pb
+    assert mem.rss_peak_bytes is None or mem.rss_peak_bytes > mem.peak_bytes
+
+
+def test_breakdown_foreach_adamw_peak_in_optimizer_step():
+    model, opt = _setup()  # default foreach AdamW allocates scratch inside step()
+    mem = _measure(model, opt, batch=8)
+    pb = _param_bytes(model)
+    assert mem.peak_bytes == sum(mem.breakdown_bytes.values())
+    assert mem.breakdown_bytes["params"] == pb
+    assert mem.breakdown_bytes["grads"] == pb  # every gradient is alive during step()
+    n_tensors = len(list(model.parameters()))
+    assert mem.breakdown_bytes["optimizer"] > 2 * pb + 4 * n_tensors  # state + step scratch
+
+
+def test_bigger_batch_more_activations():
+    small = _measure(*_setup(fused=True), batch=8)
+    big = _measure(*_setup(fused=True), batch=256)
+    assert big.breakdown_bytes["activations"] > small.breakdown_bytes["activations"]
+    assert big.peak_bytes > small.peak_bytes
+
+
+def test_no_leak_between_calls():
+    first = _measure(*_setup(), batch=32)
+    second = _measure(*_setup(), batch=32)
+    assert first.peak_bytes == second.peak_bytes
+    assert first.breakdown_bytes == second.breakdown_bytes
+
+    model, opt = _setup()
+    _measure(model, opt, batch=32)
+    ref = weakref.ref(model[0].weight)
+    del model, opt
+    gc.collect()  # one collection, as without a tracker (the optimizer sits in cycles)
+    assert ref() is None, "a parameter outlived its model: something still holds it"

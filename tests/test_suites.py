@@ -1,0 +1,70 @@
+from typing import get_args
+
+import pytest
+
+from harness import markers, strategies, suites
+from harness.config import STRATEGY_NAMES, CellSpec, Checkpointing, Compression, Offload, Precision, StrategySpec
+
+
+def test_default_suite_covers_every_axis_value():
+    cells = suites.cells_of("default", 2)
+    assert len(cells) >= 25
+    seen = {m for c in cells for m in markers.markers_of(c)}
+    expected = (
+        set(STRATEGY_NAMES)
+        | set(get_args(Precision))
+        | {f"ckpt_{v}" for v in get_args(Checkpointing)}
+        | {f"offload_{v}" for v in get_args(Offload)}
+        | {f"compress_{v}" for v in get_args(Compression)}
+        | {"accum1", "accum4", "ddp", "fsdp", "fsdp1", "zero1"}
+        | set(markers.MODEL_FAMILIES)
+    )
+    assert expected <= seen, f"axis values never exercised: {sorted(expected - seen)}"
+    ranks = {c.strategy.powersgd_rank for c in cells if c.strategy.compression == "powersgd"}
+    assert ranks == {1, 4}
+
+
+@pytest.mark.parametrize("suite", list(suites.SUITES))
+def test_every_suite_cell_has_registered_markers_and_is_compatible(suite):
+    for c in suites.cells_of(suite, 2):
+        assert set(markers.markers_of(c)) <= markers.CATALOGUE.keys()
+        assert strategies.incompatibility(c) is None
+
+
+def test_suite_single_cells_are_the_references_of_the_distributed_ones():
+    cells = suites.cells_of("default", 2)
+    ids = {c.cell_id for c in cells}
+    plain = [c for c in cells if c.strategy.accumulation == 1 and c.strategy.name != "single"]
+    assert all(c.reference().cell_id in ids for c in plain)
+
+
+def test_incompatible_combinations_are_refused_with_the_reason():
+    fsdp_fp16 = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fsdp_full", precision="fp16"))
+    assert "ShardedGradScaler" in strategies.incompatibility(fsdp_fp16) or "GradScaler" in strategies.incompatibility(fsdp_fp16)
+    compress_fsdp = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fsdp_full", compression="fp16"))
+    assert "compression=fp16" in strategies.incompatibility(compress_fsdp)
+    offload_ddp = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", offload="params"))
+    assert "offload=params" in strategies.incompatibility(offload_ddp)
+    ddp_alone = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), world_size=1)
+    assert "world_size >= 2" in strategies.incompatibility(ddp_alone)
+
+
+def test_hardware_limits_are_reasons_not_errors():
+    bf16_hook = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", compression="bf16"))
+    assert "CUDA" in strategies.unsupported_reason(bf16_hook, "cpu")
+    assert strategies.unsupported_reason(bf16_hook, "cuda") is None
+    fsdp1_offload = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fsdp1_full", offload="params"))
+    assert "accelerator" in strategies.unsupported_reason(fsdp1_offload, "cpu")
+
+
+def test_unknown_suite_and_too_few_ranks():
+    with pytest.raises(ValueError, match="unknown suite 'nightly': choose one of smoke, default, full"):
+        suites.cells_of("nightly", 2)
+    with pytest.raises(ValueError, match="use 2 or more"):
+        suites.cells_of("default", 1)
+
+
+def test_marker_expressions_are_checked():
+    markers.check_marker_expression("fsdp and bf16 and not ckpt_full or (zero1)")
+    with pytest.raises(ValueError, match="unknown marker.*zero4"):
+        markers.check_marker_expression("zero4 and bf16")

@@ -24,9 +24,9 @@ def _step(model, opt, batch):
 def _measure(model, opt, batch, warmup=3):
     for _ in range(warmup):  # the optimizer state exists from the first step on
         _step(model, opt, batch)
-    with track_step_memory(model, opt, fsdp2=False) as result:
+    with track_step_memory(model, opt, fsdp2=False) as probe:
         _step(model, opt, batch)
-    return result()
+    return probe.result()
 
 
 def _param_bytes(model):

@@ -12,6 +12,7 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
@@ -43,7 +44,7 @@ def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str
     """Wrap each ``block_type`` submodule in place. Must run before data-parallel wrapping."""
     if mode == "none":
         return
-    kwargs = {"use_reentrant": False}
+    kwargs = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
     apply_activation_checkpointing(

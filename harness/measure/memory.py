@@ -3,9 +3,13 @@
 Use one ``with`` block around exactly one full step (forward, backward, optimizer.step,
 zero_grad)::
 
-    with track_step_memory(model, opt, fsdp2=is_fsdp2) as result:
-        step()
-    mem = result()
+    with track_step_memory(model, opt, fsdp2=is_fsdp2) as probe:
+        step(between_micro_steps=probe.micro_step_boundary)
+    mem = probe.result()
+
+The trackers refuse a second forward of the same module in one block; with gradient
+accumulation, call ``probe.micro_step_boundary()`` between micro-steps (it clears the
+per-module statistics, not the step's peak).
 
 Measure a step at or after the third: DDP rebuilds its buckets during the first steps and
 the optimizer creates its state on the first ``step()``; choosing that step is the caller's
@@ -155,26 +159,42 @@ def _cuda_stats() -> dict[str, int]:
     return out
 
 
+class MemoryProbe:
+    """What ``track_step_memory`` yields: a hook for accumulation boundaries, and the result."""
+
+    def __init__(self, tracker) -> None:
+        self._tracker = tracker
+        self._result: StepMemory | None = None
+
+    def micro_step_boundary(self) -> None:
+        self._tracker.reset_mod_stats()
+
+    def result(self) -> StepMemory:
+        if self._result is None:
+            raise RuntimeError("the memory of a step is known only after its `with` block")
+        return self._result
+
+
 @contextmanager
 def track_step_memory(
     module: nn.Module, optimizer: torch.optim.Optimizer | None, *, fsdp2: bool
-) -> Iterator[Callable[[], StepMemory]]:
-    """Track one training step; the yielded callable returns its StepMemory after the block."""
+) -> Iterator[MemoryProbe]:
+    """Track one training step; ``probe.result()`` gives its StepMemory after the block."""
     on_cuda = any(p.is_cuda for p in module.parameters())
     tracker, name = _make_tracker(module, optimizer, fsdp2)
-    result: list[StepMemory] = []
+    probe = MemoryProbe(tracker)
     rss_ok = _reset_rss_peak()
     if on_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with tracker:
-        yield lambda: result[0]
+        yield probe
     rss = _rss_peak() if rss_ok else None
     peaks = tracker.get_tracker_snapshot("peak")
     # The tracker sits in reference cycles (its weakref callbacks point back at it) that
     # keep the model's parameters alive until a collection after the model is dropped;
     # collecting here, while the model is still alive, lets the caller free it by refcount.
-    del tracker
+    del tracker, probe._tracker
     gc.collect()
 
     if on_cuda:
@@ -185,9 +205,9 @@ def track_step_memory(
         if untracked < 0:
             raise AssertionError(f"tracker saw more than the allocator: {breakdown} vs {cuda}")
         breakdown["other"] += untracked
-        result.append(StepMemory(peak_bytes=cuda["max_allocated"], breakdown_bytes=breakdown,
-                                 rss_peak_bytes=rss, cuda=cuda, tracker="cuda"))
+        probe._result = StepMemory(peak_bytes=cuda["max_allocated"], breakdown_bytes=breakdown,
+                                   rss_peak_bytes=rss, cuda=cuda, tracker="cuda")
     else:
         breakdown = _breakdown(peaks.get(torch.device("cpu"), {"Total": 0}))
-        result.append(StepMemory(peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
-                                 rss_peak_bytes=rss, cuda=None, tracker=name))
+        probe._result = StepMemory(peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
+                                   rss_peak_bytes=rss, cuda=None, tracker=name)

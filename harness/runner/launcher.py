@@ -2,21 +2,22 @@
 
 One torchrun serves many cells (a launch costs ~5.5 s on the reference CPU host, a tiny cell
 ~1 s). If the workers die or stop making progress, the cell that was running is recorded as
-``failed`` / ``timeout`` with the tail of the log, every process of the launch is killed (the
-launch runs in its own process group), and the cells not yet run are relaunched.
+``failed`` / ``timeout`` with the tail of the log, torchrun and every worker it started are
+killed, and the cells not yet run are relaunched.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from harness.config import CellSpec
 
@@ -50,12 +51,21 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_launch(proc: subprocess.Popen) -> None:
+    """End torchrun and every worker it started. The workers run in sessions of their own,
+    so killing torchrun's process group alone would orphan a hung rank."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        parent = psutil.Process(proc.pid)
+        processes = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        processes = []
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
     proc.wait()
+    psutil.wait_procs(processes, timeout=10)
 
 
 def _outcome_from_worker(cell: CellSpec, per_rank: list[dict], wall_s: float) -> CellOutcome:
@@ -95,7 +105,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     # rank of the cells it is compared with (and spin-waiting threads on a busy host).
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     with log_file.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     done: set[str] = set()
     running: str | None = None
     started_at = time.monotonic()
@@ -119,7 +129,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
             exited = proc.poll() is not None  # after exit, one more pass drains the stream
             if time.monotonic() - started_at > options.cell_timeout_s:
                 # No event for too long: a hung collective, or a launch that never started.
-                _kill_group(proc)
+                _kill_launch(proc)
                 culprit = running or next(c.cell_id for c in cells if c.cell_id not in done)
                 on_outcome(CellOutcome(cell=by_id[culprit], status="timeout",
                                        reason=f"no result after {options.cell_timeout_s:.0f} s; "
@@ -129,7 +139,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
                 running, timed_out = None, True
                 break
             time.sleep(POLL_S)
-    _kill_group(proc)  # stragglers of a finished launch must not outlive it
+    _kill_launch(proc)  # stragglers of a finished launch must not outlive it
     left = [c for c in cells if c.cell_id not in done]
     if left and not timed_out:
         # The workers died: blame the running cell (or, before any cell started, the first),

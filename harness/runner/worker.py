@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv, init_from_torchrun
 from harness.features import checkpointing, precision
 from harness.measure import comm, memory, timing
+from harness.runner import faults
 from harness.strategies.base import Prepared
 
 TRACEBACK_LINES = 15
@@ -57,12 +59,19 @@ def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv) -> lis
     return steps
 
 
+def _no_op() -> None:
+    pass
+
+
 def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: DistEnv,
-               micro_batches: list[dict], scaler: torch.amp.GradScaler) -> torch.Tensor:
+               micro_batches: list[dict], scaler: torch.amp.GradScaler,
+               between_micro_steps: Callable[[], None] = _no_op) -> torch.Tensor:
     """One optimizer step. Returns this rank's mean loss over its micro-batches (detached)."""
     n_micro = len(micro_batches)
     total = torch.zeros((), device=env.device)
     for k, batch in enumerate(micro_batches):
+        if k:
+            between_micro_steps()
         last = k == n_micro - 1
         with nullcontext() if last else prep.no_sync():
             with precision.autocast(cell.strategy.precision, env.device, enabled=prep.use_autocast):
@@ -77,19 +86,20 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
 
 def run_cell(cell: CellSpec, env: DistEnv) -> dict:
     """Train one cell and return this rank's measurements."""
+    faults.inject(cell.cell_id, env)
     built = models.build(models.get_preset(cell.model), seed=cell.seed)
     checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing)
     prep = strategies.REGISTRY[cell.strategy.name].prepare(built.module, built.block_type, cell, env)
     scaler = precision.grad_scaler(cell.strategy.precision, env.device)
     batches = local_batches(built, cell, env)
 
-    def step(i: int) -> torch.Tensor:
-        return train_step(built, prep, cell, env, batches[i], scaler)
+    def step(i: int, between_micro_steps: Callable[[], None] = _no_op) -> torch.Tensor:
+        return train_step(built, prep, cell, env, batches[i], scaler, between_micro_steps)
 
     losses = [step(i) for i in range(cell.warmup)]
     i = cell.warmup
-    with memory.track_step_memory(prep.model, prep.optimizer, fsdp2=prep.fsdp2) as step_memory:
-        losses.append(step(i))
+    with memory.track_step_memory(prep.model, prep.optimizer, fsdp2=prep.fsdp2) as memory_probe:
+        losses.append(step(i, memory_probe.micro_step_boundary))
     with comm.count_comm() as comm_stats:
         losses.append(step(i + 1))
     step_times: list[float] = []
@@ -102,7 +112,7 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
     loss_tensor = torch.stack(losses).to(env.device)
     dist.all_reduce(loss_tensor)
     loss_tensor /= env.world_size
-    mem = step_memory()
+    mem = memory_probe.result()
     return {
         "rank": env.rank,
         "peak_mem_bytes": mem.peak_bytes,

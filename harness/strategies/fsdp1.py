@@ -52,7 +52,6 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         cpu_offload=offload.fsdp1_config(s.offload),
         # FSDP1 refuses a CPU-only run unless told the device explicitly.
         device_id=env.device,
-        use_orig_params=True,
         **kwargs,
     )
     return Prepared(

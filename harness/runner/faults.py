@@ -1,0 +1,47 @@
+"""Fault injection for the harness's own tests: make a named cell fail on purpose.
+
+Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` with FAULT:
+- ``raise``: every rank raises before training (the cell is recorded ``failed``; the
+  launch goes on with the next cell).
+- ``crash``: the last rank exits at once with status 13, as a segfault or a kill would
+  end it (torchrun tears the launch down; the launcher records ``failed`` and relaunches
+  the remaining cells).
+- ``hang``: rank 0 sleeps forever, as in a collective that never completes (the launcher
+  records ``timeout`` after --cell-timeout and kills every process of the launch).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from harness.distributed import DistEnv
+
+ENV_VAR = "SHARDBENCH_FAULT"
+FAULTS = ("raise", "crash", "hang")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def planned() -> dict[str, str]:
+    spec = os.environ.get(ENV_VAR, "")
+    plan = {}
+    for item in filter(None, spec.split(",")):
+        cell_id, _, fault = item.rpartition("=")
+        if fault not in FAULTS or not cell_id:
+            raise ValueError(f"{ENV_VAR}={spec!r}: expected CELL_ID=FAULT with FAULT in {', '.join(FAULTS)}")
+        plan[cell_id] = fault
+    return plan
+
+
+def inject(cell_id: str, env: DistEnv) -> None:
+    fault = planned().get(cell_id)
+    if fault == "raise":
+        raise InjectedFault(f"{ENV_VAR} asked cell {cell_id} to raise")
+    if fault == "crash" and env.rank == env.world_size - 1:
+        os._exit(13)
+    if fault == "hang" and env.rank == 0:
+        while True:
+            time.sleep(60)

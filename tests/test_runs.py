@@ -1,0 +1,86 @@
+"""Real multi-process runs (2 gloo ranks under torchrun): the gate, isolation between cells
+of one launch, and faults recorded as results."""
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.config import CellSpec, StrategySpec
+from harness.results.store import RunStore, load_records
+from harness.runner import faults
+from harness.runner.launcher import LaunchOptions, run_batch
+from harness.runner.matrix import MatrixRun
+
+
+def gpt2(strategy: str, **options) -> CellSpec:
+    return CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, **options))
+
+
+def run_matrix(cells, tmp_path: Path, **launch) -> dict[str, dict]:
+    store = RunStore(tmp_path / "results", "run")
+    return MatrixRun(cells, store, LaunchOptions(**launch), device_type="cpu", device_name=None,
+                     progress=print).run()
+
+
+def test_gate_fails_hybrid_shard_without_a_mesh_and_passes_it_with_one(tmp_path):
+    right = gpt2("fsdp1_hybrid")
+    wrong = gpt2("fsdp1_hybrid", hsdp_mesh="fsdp_default")
+    records = run_matrix([right, wrong], tmp_path)
+    assert records[right.cell_id]["equivalence"]["passed"]
+    bad = records[wrong.cell_id]["equivalence"]
+    assert records[wrong.cell_id]["status"] == "ok"  # it runs, measures, and trains the wrong model
+    assert not bad["passed"] and bad["max_rel_loss_diff"] > 10 * bad["tolerance"]
+    assert bad["reference_cell_id"] == right.reference().cell_id
+
+
+def _worker_processes() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "harness.runner.worker" in cmdline:
+            found.append(proc)
+    return found
+
+
+def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monkeypatch):
+    first = gpt2("ddp")
+    raising = gpt2("zero1")
+    crashing = CellSpec(model="llama-tiny", strategy=StrategySpec(name="ddp"))
+    after_crash = CellSpec(model="bert-tiny", strategy=StrategySpec(name="ddp"))
+    hanging = CellSpec(model="mlp-tiny", strategy=StrategySpec(name="ddp"))
+    after_hang = CellSpec(model="vit-tiny", strategy=StrategySpec(name="ddp"))
+    monkeypatch.setenv(faults.ENV_VAR, f"{raising.cell_id}=raise,{crashing.cell_id}=crash,{hanging.cell_id}=hang")
+    outcomes = []
+    batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang]
+    run_batch(batch, LaunchOptions(cell_timeout_s=25), tmp_path, outcomes.append)
+
+    by_order = [(o.cell.cell_id, o.status) for o in outcomes]
+    assert by_order == [
+        (first.cell_id, "ok"), (gpt2("fsdp_full").cell_id, "ok"), (raising.cell_id, "failed"),
+        (first.cell_id, "ok"), (crashing.cell_id, "failed"), (after_crash.cell_id, "ok"),
+        (hanging.cell_id, "timeout"), (after_hang.cell_id, "ok"),
+    ]
+    # The same cell first and after three others in one process group: no memory carried over.
+    peaks = [[r["peak_mem_bytes"] for r in o.per_rank] for o in outcomes if o.cell == first]
+    assert peaks[0] == peaks[1]
+    assert "InjectedFault" in outcomes[2].reason and "rank 0" in outcomes[2].reason
+    assert "exited with status" in outcomes[4].reason
+    assert "no result after 25 s" in outcomes[6].reason
+    assert _worker_processes() == [], "a launch left worker processes behind"
+
+
+def test_records_reach_the_store_as_cells_end(tmp_path):
+    cell = gpt2("ddp")
+    run_matrix([cell], tmp_path)
+    records = load_records(tmp_path / "results" / "run")
+    assert [r["cell_id"] for r in records] == [cell.reference().cell_id, cell.cell_id]
+    ok = records[1]
+    metrics = ok["metrics"]
+    assert metrics["peak_mem_bytes"] == max(r["peak_mem_bytes"] for r in ok["per_rank"])
+    assert metrics["peak_mem_bytes"] == sum(metrics["mem_breakdown_bytes"].values())
+    assert metrics["mem_breakdown_bytes"]["params"] == ok["model"]["n_params"] * 4  # fp32 replica per rank
+    assert metrics["comm_by_op"]["all_reduce"]["bytes"] == ok["model"]["n_params"] * 4  # DDP: all gradients
+    assert len(ok["losses"]) == cell.steps and len(ok["per_rank"]) == 2
+    assert len(ok["per_rank"][0]["step_times_s"]) == cell.timed_steps
+    assert metrics["tokens_per_s"] == pytest.approx(metrics["samples_per_s"] * 32)

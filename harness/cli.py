@@ -75,7 +75,8 @@ class _Collector:
         self.cells = []
 
     def pytest_collection_finish(self, session) -> None:
-        self.cells = [item.callspec.params["cell"] for item in session.items if hasattr(item, "callspec")]
+        self.cells = [item.callspec.params["cell"] for item in session.items
+                      if hasattr(item, "callspec") and "cell" in item.callspec.params]
 
 
 def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
@@ -91,12 +92,11 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
                        plugins=[collector])
     if code not in (0, 5):  # 5: nothing selected, still a valid listing
         return int(code)
-    import torch
+    from harness.distributed import device_type
 
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     added = [c for c in with_references(collector.cells) if c not in collector.cells]
     for cell in collector.cells:
-        reason = strategies.unsupported_reason(cell, device_type)
+        reason = strategies.unsupported_reason(cell, device_type())
         note = f"  [unsupported here: {reason}]" if reason else ""
         print(f"{cell.cell_id:<62} {' '.join(markers.markers_of(cell))}{note}")
     for cell in added:

@@ -90,6 +90,9 @@ class CellSpec:
     probe_steps: int = field(default=2, init=False)
 
     def __post_init__(self) -> None:
+        from harness.models.presets import PRESETS  # pulls in transformers: import on use
+
+        _check_choice("model", self.model, tuple(PRESETS))
         for name in ("micro_batch", "world_size", "steps"):
             _check_positive(name, getattr(self, name))
         if self.warmup < 2:

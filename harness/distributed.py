@@ -26,6 +26,11 @@ class DistEnv:
         return self.device.type == "cuda"
 
 
+def device_type() -> str:
+    """The accelerator this host runs cells on: "cuda" where a GPU is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def init_from_torchrun() -> DistEnv:
     """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on GPU)."""
     local_rank = int(os.environ["LOCAL_RANK"])

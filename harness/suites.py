@@ -6,6 +6,8 @@ pytest files in suites/ parametrise over it, one test per cell.
   ViT and the MLP (what ./run_all.sh runs when asked nothing).
 - full: the product of strategies × precisions × checkpointing × accumulation over the
   tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
+- perf: no matrix; the benchmarks of the harness itself in suites/test_perf.py (its step
+  overhead against a bare training loop, launch amortisation, the default suite's wall time).
 """
 
 from __future__ import annotations
@@ -84,7 +86,15 @@ def full(world_size: int) -> list[CellSpec]:
     return cells
 
 
-SUITES: dict[str, Callable[[int], list[CellSpec]]] = {"smoke": smoke, "default": default, "full": full}
+def perf(world_size: int) -> list[CellSpec]:
+    return []
+
+
+SUITES: dict[str, Callable[[int], list[CellSpec]]] = {
+    "smoke": smoke, "default": default, "full": full, "perf": perf,
+}
+# Suites whose tests are benchmarks of the harness (suites/test_perf.py), not cells.
+BENCHMARK_SUITES = frozenset({"perf"})
 
 
 def cells_of(suite: str, world_size: int) -> list[CellSpec]:

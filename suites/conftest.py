@@ -49,8 +49,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A matrix suite runs test_matrix.py; a benchmark suite (perf) runs test_perf.py."""
+    benchmark = config.getoption("suite") in suites.BENCHMARK_SUITES
+    keep = [item for item in items if (item.path.name == "test_perf.py") == benchmark]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    selected = [item.callspec.params["cell"] for item in session.items if hasattr(item, "callspec")]
+    selected = [item.callspec.params["cell"] for item in session.items
+                if hasattr(item, "callspec") and "cell" in item.callspec.params]
     session.config.stash[run_session.SELECTED] = selected
 
 

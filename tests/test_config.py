@@ -6,8 +6,9 @@ from harness.config import CellSpec, StrategySpec
 
 
 def cell(**kw) -> CellSpec:
-    strategy = kw.pop("strategy", StrategySpec(name="ddp"))
-    return CellSpec(model="gpt2-tiny", strategy=strategy, **kw)
+    kw.setdefault("strategy", StrategySpec(name="ddp"))
+    kw.setdefault("model", "gpt2-tiny")
+    return CellSpec(**kw)
 
 
 @pytest.mark.parametrize(
@@ -73,3 +74,8 @@ def test_specs_are_frozen():
     c = cell()
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.micro_batch = 3
+
+
+def test_unknown_model_names_the_presets():
+    with pytest.raises(ValueError, match="model='gpt3': choose one of .*gpt2-tiny"):
+        cell(model="gpt3")

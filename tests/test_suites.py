@@ -58,7 +58,7 @@ def test_hardware_limits_are_reasons_not_errors():
 
 
 def test_unknown_suite_and_too_few_ranks():
-    with pytest.raises(ValueError, match="unknown suite 'nightly': choose one of smoke, default, full"):
+    with pytest.raises(ValueError, match="unknown suite 'nightly': choose one of smoke, default, full, perf"):
         suites.cells_of("nightly", 2)
     with pytest.raises(ValueError, match="use 2 or more"):
         suites.cells_of("default", 1)

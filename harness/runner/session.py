@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import distributed
 from harness.measure import environment
 from harness.report import html
 from harness.results.store import RunStore, new_run_id
@@ -35,7 +36,7 @@ def start(config: pytest.Config) -> MatrixRun:
     cells = config.stash.get(SELECTED, [])
     root = out_dir(config)
     store = RunStore(root / "results", new_run_id())
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = distributed.device_type()
     device_name = torch.cuda.get_device_name() if device_type == "cuda" else None
     store.write_run_info({
         "run_id": store.run_id,

@@ -1,0 +1,124 @@
+"""Benchmarks of the harness itself (``./run_all.sh --suite perf``), printing ratios measured
+side by side in one run:
+
+- the harness's training step against a bare loop of the same model and optimizer, in one
+  CPU process (target: at most 1.03×; absolute times in pytest-benchmark's table, the ratio
+  from interleaved pairs);
+- many cells per torchrun against one launch per cell (why the runner batches);
+- the default suite's wall time (target: under 6 minutes on a 2-core CPU host).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from harness import distributed, models, strategies, suites
+from harness.config import CellSpec, StrategySpec
+from harness.distributed import DistEnv
+from harness.features import optimizers, precision
+from harness.results.store import RunStore
+from harness.runner import worker
+from harness.runner.launcher import LaunchOptions, run_batch
+from harness.runner.matrix import MatrixRun
+
+OVERHEAD_TARGET = 1.03
+DEFAULT_SUITE_TARGET_S = 360.0
+STEP_ROUNDS = 300
+CELL = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), micro_batch=4, world_size=1, steps=10)
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
+
+def _bare_step():
+    """The training step as anyone would write it: no harness in sight."""
+    built = models.build(models.get_preset(CELL.model), seed=CELL.seed)
+    model, optimizer = built.module, optimizers.adamw(built.module.parameters(), CELL.lr)
+    batch = built.make_batch(torch.Generator().manual_seed(0), CELL.micro_batch)
+
+    def step():
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _harness_step():
+    """The worker's own train_step, with the strategy and precision plumbing it always has."""
+    built = models.build(models.get_preset(CELL.model), seed=CELL.seed)
+    prep = strategies.REGISTRY["single"].prepare(built.module, built.block_type, CELL, ENV)
+    scaler = precision.grad_scaler(CELL.strategy.precision, ENV.device)
+    micro_batches = worker.local_batches(built, CELL, ENV)[0]
+    return lambda: worker.train_step(built, prep, CELL, ENV, micro_batches, scaler)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Each rank of a real run computes with one thread; a busy second thread adds noise.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("loop", ["bare", "harness"])
+def test_training_step(benchmark, loop):
+    """Absolute step times of both loops, in pytest-benchmark's table."""
+    benchmark.group = f"{CELL.model} training step, one process"
+    benchmark.pedantic(_bare_step() if loop == "bare" else _harness_step(), rounds=STEP_ROUNDS, warmup_rounds=20)
+
+
+def test_harness_step_overhead(capsys):
+    """The ratio, from interleaved pairs: each bare step is timed right next to a harness step,
+    so both see the same machine (a shared host drifts more than the 3% being checked)."""
+    bare, harness = _bare_step(), _harness_step()
+    ratios = []
+    for i in range(20 + STEP_ROUNDS):
+        timings = []
+        for step in (bare, harness) if i % 2 else (harness, bare):
+            start = time.perf_counter()
+            step()
+            timings.append(time.perf_counter() - start)
+        if i >= 20:  # warm-up pairs
+            harness_s, bare_s = (timings[1], timings[0]) if i % 2 else timings
+            ratios.append(harness_s / bare_s)
+    ratio = statistics.median(ratios)
+    with capsys.disabled():
+        print(f"\nharness step / bare step: median of {STEP_ROUNDS} interleaved pairs = {ratio:.3f}"
+              f" (target <= {OVERHEAD_TARGET})")
+    assert ratio <= OVERHEAD_TARGET
+
+
+def test_batched_launch_amortises_torchrun(tmp_path, capsys):
+    cells = [CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), seed=seed) for seed in range(6)]
+    outcomes = []
+    start = time.monotonic()
+    run_batch(cells, LaunchOptions(), tmp_path / "batched", outcomes.append)
+    batched = time.monotonic() - start
+    start = time.monotonic()
+    for i, cell in enumerate(cells):
+        run_batch([cell], LaunchOptions(), tmp_path / f"single-{i}", outcomes.append)
+    one_each = time.monotonic() - start
+    assert [o.status for o in outcomes] == ["ok"] * 12
+    per_launch = (one_each - batched) / (len(cells) - 1)
+    with capsys.disabled():
+        print(f"\n{len(cells)} cells in one launch: {batched:.1f} s; one launch each: {one_each:.1f} s;"
+              f" ratio {one_each / batched:.2f}x; cost of a launch ≈ {per_launch:.1f} s")
+    assert batched < one_each
+
+
+def test_default_suite_wall_time(tmp_path, capsys):
+    cells = suites.cells_of("default", 2)
+    start = time.monotonic()
+    records = MatrixRun(cells, RunStore(tmp_path, "perf"), LaunchOptions(), device_type=distributed.device_type(), device_name=None,
+                        progress=lambda line: None).run()
+    wall = time.monotonic() - start
+    cell_time = sum(r["wall_s"] or 0.0 for r in records.values())
+    with capsys.disabled():
+        print(f"\ndefault suite: {len(records)} cells (references included) in {wall:.0f} s wall;"
+              f" {cell_time:.0f} s inside cells, {wall - cell_time:.0f} s launching;"
+              f" target < {DEFAULT_SUITE_TARGET_S:.0f} s")
+    assert all(r["status"] in ("ok", "unsupported") for r in records.values())
+    assert wall < DEFAULT_SUITE_TARGET_S

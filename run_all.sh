@@ -32,7 +32,11 @@ bootstrap() {
         "$VENV/bin/pip" install --quiet "$TORCH_CPU_PIN"
     fi
     echo "shardbench: installing shardbench and its dependencies into $VENV"
-    "$VENV/bin/pip" install --quiet -e .
+    # Hold torch at the version in the venv, so no dependency can swap an image's own CUDA
+    # build (or a pre-release such as 2.6.0a0) for a PyPI one.
+    local constraints="$VENV/torch-constraint.txt"
+    "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+    "$VENV/bin/pip" install --quiet -c "$constraints" -e .
     rm -f "$VENV"/.installed-*
     touch "$stamp"
 }

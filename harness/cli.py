@@ -7,10 +7,13 @@ gets a one-line error naming the allowed values and exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from harness import markers, suites
+from harness.distributed import DEVICES
+from harness.runner.launcher import DEFAULT_CELL_TIMEOUT_S
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUITES_DIR = REPO_ROOT / "suites"
@@ -23,6 +26,8 @@ class UsageError(Exception):
 
 def _selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", default="default", help=f"one of {', '.join(suites.SUITES)} (default: default)")
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help="run cells on cpu (gloo) or cuda (NCCL); default: cuda where a GPU is visible")
     parser.add_argument("--gpus", type=int, default=None,
                         help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
     parser.add_argument("-m", dest="markexpr", default="", help='pytest marker expression, e.g. "fsdp and bf16"')
@@ -31,11 +36,20 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
 
 def _check_selection(args: argparse.Namespace) -> None:
     """Everything pytest would otherwise discover late, or silently accept (``-m zero4``)."""
+    import torch
+
+    from harness.distributed import DEVICE_ENV_VAR, device_type
     from harness.runner.session import world_size
 
+    if args.device is not None:
+        os.environ[DEVICE_ENV_VAR] = args.device  # read by pytest's session and every worker
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: must be a positive number of ranks per node")
     try:
+        on_cuda = device_type() == "cuda"
+        if on_cuda and args.gpus is not None and args.gpus > torch.cuda.device_count():
+            raise UsageError(f"--gpus {args.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
+                             " use fewer, or --device cpu for CPU ranks")
         suites.cells_of(args.suite, world_size(args.gpus))
         if args.markexpr:
             markers.check_marker_expression(args.markexpr)
@@ -75,8 +89,9 @@ class _Collector:
         self.cells = []
 
     def pytest_collection_finish(self, session) -> None:
-        self.cells = [item.callspec.params["cell"] for item in session.items
-                      if hasattr(item, "callspec") and "cell" in item.callspec.params]
+        from harness.runner.session import selected_cells
+
+        self.cells = selected_cells(session.items)
 
 
 def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
@@ -87,10 +102,16 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
     from harness.runner.matrix import with_references
 
     _check_selection(args)
+    if args.suite in suites.BENCHMARK_SUITES:
+        print(f"suite {args.suite} benchmarks the harness itself (suites/test_perf.py): run it with"
+              f" ./run_all.sh --suite {args.suite}")
+        return 0
     collector = _Collector()
     code = pytest.main(_pytest_args(args) + ["--collect-only", "-p", "no:terminal"],
                        plugins=[collector])
     if code not in (0, 5):  # 5: nothing selected, still a valid listing
+        print(f"shardbench: error: collecting {SUITES_DIR} failed (pytest exit {int(code)});"
+              f" `pytest {SUITES_DIR} --collect-only` shows why", file=sys.stderr)
         return int(code)
     from harness.distributed import device_type
 
@@ -125,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a suite (extra arguments go to pytest)")
     _selection_args(run)
     run.add_argument("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo)")
-    run.add_argument("--cell-timeout", type=float, default=600.0, help="seconds a cell may run (default 600)")
+    run.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
+                     help=f"seconds without progress before a cell is declared hung (default {DEFAULT_CELL_TIMEOUT_S:.0f})")
     run.set_defaults(func=cmd_run)
     lst = sub.add_parser("list", help="show the cells a selection runs, without running them")
     _selection_args(lst)

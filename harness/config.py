@@ -71,6 +71,11 @@ class StrategySpec:
         _check_choice("hsdp_mesh", self.hsdp_mesh, get_args(HsdpMesh))
         _check_positive("accumulation", self.accumulation)
         _check_positive("powersgd_rank", self.powersgd_rank)
+        # Options that would change nothing must not make a second cell with a new id.
+        if self.powersgd_rank != 1 and self.compression != "powersgd":
+            raise ValueError(f"powersgd_rank={self.powersgd_rank}: applies to compression=powersgd only")
+        if self.hsdp_mesh != "explicit" and self.name != "fsdp1_hybrid":
+            raise ValueError(f"hsdp_mesh={self.hsdp_mesh!r}: applies to strategy=fsdp1_hybrid only")
 
 
 @dataclass(frozen=True, kw_only=True)

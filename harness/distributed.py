@@ -12,10 +12,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
+DEVICE_ENV_VAR = "SHARDBENCH_DEVICE"
+DEVICES = ("cpu", "cuda")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DistEnv:
     rank: int
-    local_rank: int
     world_size: int
     nnodes: int
     device: torch.device
@@ -27,8 +30,15 @@ class DistEnv:
 
 
 def device_type() -> str:
-    """The accelerator this host runs cells on: "cuda" where a GPU is visible, else "cpu"."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Where cells run: SHARDBENCH_DEVICE (cpu | cuda) if set, else CUDA where a GPU is
+    visible and the CPU elsewhere. Forcing "cpu" on a GPU host runs gloo ranks on the CPU
+    (the harness's own tests do, so they pass on any host)."""
+    chosen = os.environ.get(DEVICE_ENV_VAR, "")
+    if chosen and chosen not in DEVICES:
+        raise ValueError(f"{DEVICE_ENV_VAR}={chosen!r}: choose one of {', '.join(DEVICES)}")
+    if chosen == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{DEVICE_ENV_VAR}=cuda: no CUDA device is visible on this host")
+    return chosen or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def init_from_torchrun() -> DistEnv:
@@ -36,7 +46,7 @@ def init_from_torchrun() -> DistEnv:
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -46,7 +56,6 @@ def init_from_torchrun() -> DistEnv:
     dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
     return DistEnv(
         rank=dist.get_rank(),
-        local_rank=local_rank,
         world_size=world_size,
         nnodes=world_size // local_world,
         device=device,

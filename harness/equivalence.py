@@ -15,7 +15,7 @@ lr 1e-3; reproduce with ``./run_all.sh`` and read ``equivalence.max_rel_loss_dif
   reference's trajectory, not that it is the same computation.
 What the gate must catch: FSDP1 HYBRID_SHARD without an explicit mesh (ranks that never
 synchronise) differs by 2.0e-3 in fp32 and bf16 alike: 200× the fp32 tolerance, 4× the
-low-precision one (tests/test_gate.py). A PowerSGD cell with the same fault would pass:
+low-precision one (tests/test_runs.py). A PowerSGD cell with the same fault would pass:
 compression that lossy is indistinguishable from it in ten steps of loss.
 """
 
@@ -38,8 +38,10 @@ def tolerance(cell: CellSpec) -> float:
     return TOLERANCE_FP32
 
 
-def max_rel_diff(losses: list[float], reference: list[float]) -> float:
+def max_rel_diff(losses: list[float | None], reference: list[float | None]) -> float:
     if len(losses) != len(reference):
+        return math.inf
+    if any(v is None for v in [*losses, *reference]):  # a non-finite loss, stored as null
         return math.inf
     diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)]
     return max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf

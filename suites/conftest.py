@@ -13,6 +13,7 @@ import pytest
 
 from harness import markers, suites
 from harness.runner import session as run_session
+from harness.runner.launcher import DEFAULT_CELL_TIMEOUT_S
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -21,7 +22,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpus", type=int, default=None,
                     help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
     group.addoption("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo root)")
-    group.addoption("--cell-timeout", type=float, default=600.0, help="seconds a cell may run before it is killed")
+    group.addoption("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
+                    help="seconds without progress before a cell is declared hung and killed")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -59,9 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    selected = [item.callspec.params["cell"] for item in session.items
-                if hasattr(item, "callspec") and "cell" in item.callspec.params]
-    session.config.stash[run_session.SELECTED] = selected
+    session.config.stash[run_session.SELECTED] = run_session.selected_cells(session.items)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ OVERHEAD_TARGET = 1.03
 DEFAULT_SUITE_TARGET_S = 360.0
 STEP_ROUNDS = 300
 CELL = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), micro_batch=4, world_size=1, steps=10)
-ENV = DistEnv(rank=0, local_rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
+ENV = DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
 
 def _bare_step():
     """The training step as anyone would write it: no harness in sight."""

@@ -19,6 +19,8 @@ def cell(**kw) -> CellSpec:
         ({"name": "ddp", "checkpointing": "some"}, "checkpointing='some'"),
         ({"name": "ddp", "accumulation": 0}, "accumulation=0: must be a positive integer"),
         ({"name": "ddp", "powersgd_rank": -1}, "powersgd_rank=-1"),
+        ({"name": "ddp", "powersgd_rank": 4}, "powersgd_rank=4: applies to compression=powersgd only"),
+        ({"name": "fsdp1_full", "hsdp_mesh": "fsdp_default"}, "applies to strategy=fsdp1_hybrid only"),
     ],
 )
 def test_strategy_spec_rejects_bad_values_naming_the_choices(kwargs, message):

@@ -27,7 +27,7 @@ def _comm_of_step(model, opt):
 
     for _ in range(3):  # DDP rebuilds its buckets during the first steps
         step()
-    with count_comm() as comm:
+    with count_comm(torch.device("cpu")) as comm:
         step()
     return {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
 
@@ -41,7 +41,7 @@ def _worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     out = {}
-    with count_comm() as comm:
+    with count_comm(torch.device("cpu")) as comm:
         dist.all_reduce(torch.ones(1000, dtype=torch.float64))
     out["manual"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
 

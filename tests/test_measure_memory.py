@@ -1,8 +1,9 @@
-"""track_step_memory on a small single-process model (CPU, MemTracker)."""
+"""track_step_memory on a small single-process model (CPU, MemTracker; CUDA calls faked)."""
 
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -24,7 +25,7 @@ def _step(model, opt, batch):
 def _measure(model, opt, batch, warmup=3):
     for _ in range(warmup):  # the optimizer state exists from the first step on
         _step(model, opt, batch)
-    with track_step_memory(model, opt, fsdp2=False) as probe:
+    with track_step_memory(model, opt, fsdp2=False, device=torch.device("cpu")) as probe:
         _step(model, opt, batch)
     return probe.result()
 
@@ -79,3 +80,60 @@ def test_no_leak_between_calls():
     del model, opt
     gc.collect()  # one collection, as without a tracker (the optimizer sits in cycles)
     assert ref() is None, "a parameter outlived its model: something still holds it"
+
+
+def test_device_is_a_required_keyword():
+    model, opt = _setup()
+    with pytest.raises(TypeError, match="device"):
+        with track_step_memory(model, opt, fsdp2=False):
+            pass
+
+
+class _FakeCuda:
+    """Stands in for the torch.cuda calls, recording which device each one was given."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("synchronize", "reset_peak_memory_stats", "reset_accumulated_memory_stats"):
+            monkeypatch.setattr(torch.cuda, name, self._record(name))
+        monkeypatch.setattr(torch.cuda, "memory_stats", self._record(
+            "memory_stats", {"num_alloc_retries": 2, "num_ooms": 0}))
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", self._record("max_memory_allocated", 1000))
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", self._record("max_memory_reserved", 1536))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def _record(self, name, value=None):
+        def call(device=None):
+            self.calls.append((name, device))
+            return value
+        return call
+
+
+def test_cuda_path_follows_device_not_parameters(monkeypatch):
+    """FSDP2 with CPUOffloadPolicy: parameters on the CPU, compute on CUDA -> the CUDA path."""
+    model, opt = _setup(fused=True)
+    for _ in range(3):
+        _step(model, opt, 8)
+    fake = _FakeCuda(monkeypatch)
+    device = torch.device("cuda", 1)
+    with track_step_memory(model, opt, fsdp2=False, device=device) as probe:
+        _step(model, opt, 8)
+    mem = probe.result()
+    assert mem.tracker == "cuda" and mem.peak_bytes == 1000
+    assert mem.cuda == {"max_allocated": 1000, "max_reserved": 1536, "fragmentation": 536,
+                        "alloc_retries": 2, "num_ooms": 0}  # no NVML reading
+    assert sum(mem.breakdown_bytes.values()) == 1000
+    assert all(d == device for _, d in fake.calls), fake.calls
+    names = [n for n, _ in fake.calls]
+    # Both the peak and the accumulated counters (retries, OOMs) are reset before the step.
+    first_read = names.index("memory_stats")
+    assert {"reset_peak_memory_stats", "reset_accumulated_memory_stats"} <= set(names[:first_read])
+
+
+def test_bare_cuda_means_the_current_device(monkeypatch):
+    model, opt = _setup(fused=True)
+    fake = _FakeCuda(monkeypatch)
+    with track_step_memory(model, opt, fsdp2=False, device=torch.device("cuda")) as probe:
+        _step(model, opt, 8)
+    assert probe.result().tracker == "cuda"
+    assert {d for _, d in fake.calls} == {torch.device("cuda", 0)}

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from harness.models import PRESETS, ModelSpec, analytic_n_params, build, get_preset
+from harness.models import PRESETS, ModelSpec, analytic_n_params, build, flops_per_sample, get_preset
 
 TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny"]
 
@@ -85,10 +85,63 @@ def test_real_presets_are_sized_without_building(name: str) -> None:
 def test_gpt2_tiny_flops_by_hand() -> None:
     L, h, T, V = 2, 64, 32, 512
     block = 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
-    n_non_embedding = L * block + 2 * h  # + final LayerNorm; token/position tables and tied head out
-    assert build(get_preset("gpt2-tiny")).n_params == n_non_embedding + V * h + T * h
-    expected = (6 * n_non_embedding + 12 * L * h * T) * T  # H*Q = h
+    n_body = L * block + 2 * h  # + final LayerNorm
+    assert build(get_preset("gpt2-tiny")).n_params == n_body + V * h + T * h  # head tied: once
+    n = n_body + V * h  # the tied LM head is a V x h matmul; the table lookups are out
+    expected = (6 * n + 12 * L * h * T) * T  # H*Q = h
     assert build(get_preset("gpt2-tiny")).flops_per_sample == expected
+
+
+def test_gpt2_124m_flops_include_the_tied_head() -> None:
+    spec = get_preset("gpt2-124m")
+    L, h, T, V = 12, 768, 1024, 50257
+    tables = V * h + T * h  # token and position lookups
+    n = analytic_n_params(spec) - tables + V * h
+    assert flops_per_sample(spec) == (6 * n + 12 * L * h * T) * T
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "llama-1b", "llama3-8b"])
+def test_tied_and_untied_head_have_the_same_flops(name: str) -> None:
+    spec = get_preset(name)
+    tied = dataclasses.replace(spec, tie_embeddings=True)
+    untied = dataclasses.replace(spec, tie_embeddings=False)
+    V, h = spec.vocab_size, spec.hidden
+    assert analytic_n_params(untied) - analytic_n_params(tied) == V * h
+    assert flops_per_sample(tied) == flops_per_sample(untied)
+
+
+def test_tied_llama_tiny_builds_to_its_analytic_count() -> None:
+    spec = dataclasses.replace(get_preset("llama-tiny"), tie_embeddings=True)
+    built = build(spec)
+    assert built.n_params == analytic_n_params(spec)
+    assert built.flops_per_sample == build(get_preset("llama-tiny")).flops_per_sample
+
+
+def test_llama_tiny_flops_by_hand() -> None:
+    spec = get_preset("llama-tiny")
+    L, h, T, V, f, kv = 2, 64, 32, 512, spec.ffn, 2 * 16  # 2 kv heads of head_dim 16
+    block = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f
+    n = L * block + h + V * h  # + final RMSNorm and the (untied) LM head; token table out
+    assert analytic_n_params(spec) == n + V * h
+    assert flops_per_sample(spec) == (6 * n + 12 * L * h * T) * T
+
+
+def test_bert_flops_include_the_tied_decoder() -> None:
+    spec = get_preset("bert-tiny")
+    L, h, T, V = 2, 64, 32, 512
+    tables = (V + T + 2) * h  # token, position, segment lookups
+    n = analytic_n_params(spec) - tables + V * h
+    assert flops_per_sample(spec) == (6 * n + 12 * L * h * T) * T
+
+
+@pytest.mark.parametrize("name", ["vit-tiny", "mlp-tiny"])
+def test_models_without_lm_head_unchanged(name: str) -> None:
+    spec = get_preset(name)
+    h, t = spec.hidden, spec.tokens_per_sample
+    tables = (h + t * h) if spec.family == "vit" else 0  # class token and position table
+    n = analytic_n_params(spec) - tables
+    attention = 12 * spec.n_layers * (spec.n_heads or 0) * spec.head_dim * t
+    assert flops_per_sample(spec) == (6 * n + attention) * t
 
 
 def test_tokens_per_sample() -> None:

@@ -15,7 +15,7 @@ def test_record_has_the_documented_fields():
     for key in ("schema_version", "cell_id", "status", "reason", "markers", "world_size", "model", "strategy",
                 "precision", "metrics", "per_rank", "losses", "equivalence"):
         assert key in record
-    assert record["model"] == {"name": "gpt2-tiny", "n_params": None}
+    assert record["model"] == {"name": "gpt2-tiny", "n_params": None, "attn_implementation": None}
     assert record["strategy"]["name"] == "ddp" and record["schema_version"] == schema.SCHEMA_VERSION
     json.dumps(record)  # serialisable as it is
     with pytest.raises(ValueError, match="status='crashed'"):
@@ -42,3 +42,12 @@ def test_store_appends_links_latest_and_survives_a_truncated_line(tmp_path):
 def test_unknown_schema_version_is_refused():
     with pytest.raises(ValueError, match="schema_version=99"):
         schema.migrate({"schema_version": 99})
+
+
+def test_non_finite_losses_are_written_as_null_and_fail_the_gate():
+    from harness import equivalence
+
+    record = schema.make_record(CELL, markers=[], status="ok", losses=[6.0, float("nan"), float("inf")])
+    assert record["losses"] == [6.0, None, None]
+    json.dumps(record, allow_nan=False)
+    assert equivalence.max_rel_diff(record["losses"], [6.0, 6.0, 6.0]) == float("inf")

@@ -18,9 +18,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-# Selective recompute keeps the outputs of the expensive ops (matmuls, attention) and
-# recomputes the cheap element-wise ones: Korthikanti et al.'s trade (most of the memory
-# back for a few percent of FLOPs).
+# Selective recompute keeps the outputs of the expensive ops (matmuls, every SDPA backend
+# including cuDNN's on Hopper) and recomputes the cheap element-wise ones: Korthikanti et
+# al.'s trade (most of the memory back for a few percent of FLOPs).
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -29,6 +29,8 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_mm.default,
 }
 
 

@@ -2,8 +2,9 @@
 
 fp16 / bf16 halve the all-reduce bytes; PowerSGD sends rank-r factors P (m×r) and Q (n×r)
 instead of an m×n gradient. On gloo, PowerSGD is only reliable with a single gradient bucket
-(several buckets abort intermittently with "op.preamble.length <= op.nbytes"), so the DDP
-strategy sizes its bucket to the whole model when this hook is on.
+(several buckets abort intermittently with "op.preamble.length <= op.nbytes"), so on gloo the
+DDP strategy sizes its bucket to the whole model when this hook is on. NCCL keeps DDP's
+buckets, and with them the overlap of communication with backward.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 POWERSGD_START_ITER = 2
 
 
-def needs_single_bucket(compression: str) -> bool:
-    return compression == "powersgd"
+def needs_single_bucket(compression: str, backend: str) -> bool:
+    return compression == "powersgd" and backend == "gloo"
 
 
 def register(ddp_model: DistributedDataParallel, compression: str, powersgd_rank: int) -> None:

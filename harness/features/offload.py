@@ -6,11 +6,11 @@ import torch
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 
-def fsdp2_policy(offload: str) -> OffloadPolicy:
-    # pin_memory needs an accelerator; on a CPU-only host pinning fails, and on a GPU host
-    # pinned buffers are what make the host<->device copies asynchronous.
+def fsdp2_policy(offload: str, device: torch.device) -> OffloadPolicy:
+    # Pinned host buffers make the host<->device copies asynchronous on a GPU; without an
+    # accelerator, pinning fails.
     if offload == "params":
-        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        return CPUOffloadPolicy(pin_memory=device.type == "cuda")
     return OffloadPolicy()
 
 

@@ -1,6 +1,6 @@
 """Communication per collective kind during one step: count, bytes, time.
 
-    with count_comm() as comm:
+    with count_comm(torch.device("cpu")) as comm:
         step()
     stats = comm()   # {"all_reduce": OpStats(count=1, bytes=49792, time_s=0.0014), ...}
 
@@ -220,16 +220,17 @@ def _summarise(ops: list[_Op], events) -> dict[str, OpStats]:
 
 
 @contextmanager
-def count_comm() -> Iterator[Callable[[], dict[str, OpStats]]]:
+def count_comm(device: torch.device) -> Iterator[Callable[[], dict[str, OpStats]]]:
     """Count the collectives issued inside the block; the callable returns them after it."""
+    on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if on_cuda:
         activities.append(ProfilerActivity.CUDA)
     mode = _CommDispatchMode()
     result: list[dict[str, OpStats]] = []
     with profile(activities=activities, record_shapes=True) as prof:
         with mode:
             yield lambda: result[0]
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # let the NCCL kernels finish inside the profile
+        if on_cuda:
+            torch.cuda.synchronize(device)  # let the NCCL kernels finish inside the profile
     result.append(_summarise(mode.ops, prof.events()))

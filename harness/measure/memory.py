@@ -3,7 +3,7 @@
 Use one ``with`` block around exactly one full step (forward, backward, optimizer.step,
 zero_grad)::
 
-    with track_step_memory(model, opt, fsdp2=is_fsdp2) as probe:
+    with track_step_memory(model, opt, fsdp2=is_fsdp2, device=device) as probe:
         step(between_micro_steps=probe.micro_step_boundary)
     mem = probe.result()
 
@@ -15,16 +15,25 @@ Measure a step at or after the third: DDP rebuilds its buckets during the first 
 the optimizer creates its state on the first ``step()``; choosing that step is the caller's
 job.
 
+``device`` is where the step computes, which decides CPU vs CUDA below; it is not inferred
+from the parameters, since FSDP2 with CPUOffloadPolicy keeps the sharded parameters on the
+CPU while computing on CUDA.
+
 Where the numbers come from
-- CPU: ``torch.distributed._tools.mem_tracker.MemTracker`` (or ``FSDPMemTracker`` for FSDP2
+- CPU (``device.type != "cuda"``): ``torch.distributed._tools.mem_tracker.MemTracker`` (or ``FSDPMemTracker`` for FSDP2
   ``fully_shard`` models), a TorchDispatchMode that sees every tensor storage created in the
   step plus the module's and optimizer's existing tensors. ``peak_bytes`` is its peak "Total"
   and ``breakdown_bytes`` the same peak snapshot by category, so they sum exactly.
   ``rss_peak_bytes`` is the process VmHWM after resetting it (/proc/self/clear_refs "5");
   it is dominated by the libraries (~300 MB), so compare it across cells, not to tensors.
-- CUDA: ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` (stats reset before the step,
-  device synchronised after). The breakdown still comes from the same trackers on the
-  current CUDA device (the trackers round CUDA storages to the allocator's 512-byte blocks);
+- CUDA: ``peak_bytes`` is ``torch.cuda.max_memory_allocated(device)``. Before the step the
+  device is synchronised and both its peak and its accumulated allocator statistics are reset
+  (``reset_peak_memory_stats`` and ``reset_accumulated_memory_stats``), so every number in
+  ``cuda`` is for this step alone: ``max_allocated``, ``max_reserved``, ``fragmentation``
+  (max_reserved - max_allocated), ``alloc_retries`` (``num_alloc_retries``) and ``num_ooms``;
+  the device is synchronised again after the step. The breakdown still comes from the same
+  trackers, their snapshot for ``device`` (the trackers round CUDA storages to the
+  allocator's 512-byte blocks);
   whatever the allocator held at its peak that the tracker did not see (tensors from before
   the step that were not registered, library workspaces) is added to "other", so the
   breakdown still sums to ``peak_bytes``. The two peaks can fall at slightly different
@@ -68,7 +77,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-_KEYS = ("params", "grads", "optimizer", "activations", "other")
+BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
 
 # Tracker category names (the enums are str-valued) -> breakdown key; anything else -> other.
 _CATEGORY = {
@@ -129,7 +138,7 @@ def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fs
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:
-    out = dict.fromkeys(_KEYS, 0)
+    out = dict.fromkeys(BREAKDOWN_KEYS, 0)
     for category, nbytes in snapshot.items():
         if category != "Total":
             out[_CATEGORY.get(str(getattr(category, "value", category)), "other")] += nbytes
@@ -138,25 +147,18 @@ def _breakdown(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def _cuda_stats() -> dict[str, int]:
-    stats = torch.cuda.memory_stats()
-    allocated = torch.cuda.max_memory_allocated()
-    reserved = torch.cuda.max_memory_reserved()
-    out = {
+def _cuda_stats(device: torch.device) -> dict[str, int]:
+    """The step's allocator numbers for `device` (its stats were reset before the step)."""
+    stats = torch.cuda.memory_stats(device)
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    return {
         "max_allocated": allocated,
         "max_reserved": reserved,
         "fragmentation": reserved - allocated,
         "alloc_retries": stats.get("num_alloc_retries", 0),
         "num_ooms": stats.get("num_ooms", 0),
     }
-    try:
-        import pynvml
-    except ImportError:
-        return out
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-    out["nvml_used"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    return out
 
 
 class MemoryProbe:
@@ -177,16 +179,25 @@ class MemoryProbe:
 
 @contextmanager
 def track_step_memory(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None, *, fsdp2: bool
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, *, fsdp2: bool,
+    device: torch.device,
 ) -> Iterator[MemoryProbe]:
-    """Track one training step; ``probe.result()`` gives its StepMemory after the block."""
-    on_cuda = any(p.is_cuda for p in module.parameters())
+    """Track one training step computed on `device`; ``probe.result()`` gives its StepMemory.
+
+    CPU vs CUDA follows `device`, not where the parameters live. A bare "cuda" means the
+    current CUDA device (the trackers key their snapshots by an indexed device).
+    """
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    if on_cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     tracker, name = _make_tracker(module, optimizer, fsdp2)
     probe = MemoryProbe(tracker)
     rss_ok = _reset_rss_peak()
     if on_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
     with tracker:
         yield probe
     rss = _rss_peak() if rss_ok else None
@@ -198,9 +209,9 @@ def track_step_memory(
     gc.collect()
 
     if on_cuda:
-        torch.cuda.synchronize()
-        cuda = _cuda_stats()
-        breakdown = _breakdown(peaks.get(torch.device("cuda", torch.cuda.current_device()), {"Total": 0}))
+        torch.cuda.synchronize(device)
+        cuda = _cuda_stats(device)
+        breakdown = _breakdown(peaks.get(device, {"Total": 0}))
         untracked = cuda["max_allocated"] - sum(breakdown.values())
         if untracked < 0:
             raise AssertionError(f"tracker saw more than the allocator: {breakdown} vs {cuda}")

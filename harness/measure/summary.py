@@ -3,30 +3,46 @@
 
 - peak_mem_bytes: the max over ranks of each rank's peak (never a sum across ranks); the
   breakdown is that of the rank with the peak.
-- step_time_s: the median of the slowest rank's timed steps (the job waits for it);
-  step_time_iqr_s is that rank's inter-quartile range.
+- step_time_s: the median over timed steps of the slowest rank's time in each step (the job
+  waits for it at every step); step_time_iqr_s the inter-quartile range of the same series.
 - samples_per_s, tokens_per_s: the whole job's (global batch ÷ step time).
 - tflops_per_rank: model FLOPs (PaLM formula, no recomputation counted) per rank per second.
 - mfu: only against a known peak for the detected device; None otherwise, never a guess.
-- comm_*: counted on rank 0's comm step; every rank runs the same collectives.
+  mfu_suspect is set when it exceeds 1: a measuring error, not a fast run.
+- comm_*: counted on rank 0's comm step; every rank runs the same collectives. busbw_gbps
+  per op by the nccl-tests factors (on gloo, time includes waiting for the peer).
 """
 
 from __future__ import annotations
 
 from harness.config import CellSpec
+from harness.measure.comm import busbw_factor
+from harness.measure.memory import BREAKDOWN_KEYS
 from harness.measure.timing import median_iqr
 
-BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
+
+def _with_busbw(comm_by_op: dict, world_size: int) -> dict:
+    out = {}
+    for op, stats in comm_by_op.items():
+        busbw = None
+        if stats["time_s"] > 0:
+            try:
+                busbw = stats["bytes"] / stats["time_s"] * busbw_factor(op, world_size) / 1e9
+            except ValueError:
+                pass  # barrier, gather, scatter: nccl-tests defines no bus bandwidth for them
+        out[op] = {**stats, "busbw_gbps": busbw}
+    return out
 
 
 def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float | None) -> dict:
     peak_rank = max(per_rank, key=lambda r: r["peak_mem_bytes"])
-    medians = [median_iqr(r["step_times_s"]) for r in per_rank]
-    step_time, step_iqr = max(medians)
+    slowest_per_step = [max(times) for times in zip(*(r["step_times_s"] for r in per_rank))]
+    step_time, step_iqr = median_iqr(slowest_per_step)
     samples_per_s = cell.global_batch / step_time
     rank0 = per_rank[0]
     flops_per_s_per_rank = rank0["flops_per_sample"] * samples_per_s / cell.world_size
-    comm_by_op = rank0["comm_by_op"]
+    comm_by_op = _with_busbw(rank0["comm_by_op"], cell.world_size)
+    mfu = flops_per_s_per_rank / peak_flops_per_rank if peak_flops_per_rank else None
     return {
         "peak_mem_bytes": peak_rank["peak_mem_bytes"],
         "mem_breakdown_bytes": {k: peak_rank["mem_breakdown_bytes"][k] for k in BREAKDOWN_KEYS},
@@ -36,7 +52,8 @@ def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float |
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * rank0["tokens_per_sample"],
         "tflops_per_rank": flops_per_s_per_rank / 1e12,
-        "mfu": flops_per_s_per_rank / peak_flops_per_rank if peak_flops_per_rank else None,
+        "mfu": mfu,
+        "mfu_suspect": mfu is not None and mfu > 1.0,
         "comm_time_s_per_step": sum(op["time_s"] for op in comm_by_op.values()),
         "comm_bytes_per_step": sum(op["bytes"] for op in comm_by_op.values()),
         "comm_by_op": comm_by_op,

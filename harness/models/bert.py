@@ -57,4 +57,6 @@ def count_params(spec: ModelSpec) -> ParamCount:
     embedding = (spec.vocab_size + spec.seq_len + TYPE_VOCAB) * h
     # Embedding LayerNorm; MLM head: transform dense + LayerNorm, decoder tied but its own bias.
     extra = 2 * h + linear(h, h) + 2 * h + spec.vocab_size
-    return ParamCount(embedding + spec.n_layers * block + extra, embedding)
+    # The decoder's weight is the token table, yet the decoder is a V x h matmul every forward.
+    return ParamCount(embedding + spec.n_layers * block + extra, embedding,
+                      tied_head=spec.vocab_size * h)

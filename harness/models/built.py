@@ -23,14 +23,16 @@ def analytic_n_params(spec: ModelSpec) -> int:
 def flops_per_sample(spec: ModelSpec) -> float:
     """Training FLOPs (forward + backward) per sample by the PaLM formula (Chowdhery et al. 2022).
 
-    Per token 6*N + 12*L*H*Q*T, times T tokens per sample, where N counts the non-embedding
-    parameters: token, position (and BERT's segment) tables and ViT's class token are left out,
-    and so is a LM head tied to the token table, since it is the same tensor. The causal mask is
-    NOT credited with halving the attention term, as in torchtitan. For mlp (no attention,
-    one "token" per sample) this is 6*N.
+    Per token 6*N + 12*L*H*Q*T, times T tokens per sample, where N counts the parameters that
+    take part in a matmul: the token, position (and BERT's segment) table lookups and ViT's
+    class token are left out, while the LM head (gpt2, llama, BERT's MLM decoder) is always in,
+    V*h, whether or not its weight is tied to the token table: it is a V x h matmul in every
+    forward either way, so a tied and an untied model of the same sizes have the same FLOPs.
+    The causal mask is NOT credited with halving the attention term, as in torchtitan. For mlp
+    (no attention, one "token" per sample) this is 6*N.
     """
     count = _FAMILIES[spec.family].count_params(spec)
-    n, t = count.total - count.embedding, spec.tokens_per_sample
+    n, t = count.matmul, spec.tokens_per_sample
     attention = 12 * spec.n_layers * (spec.n_heads or 0) * spec.head_dim * t
     return float((6 * n + attention) * t)
 

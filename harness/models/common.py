@@ -14,7 +14,18 @@ class ParamCount(NamedTuple):
     """Parameter counts from the spec alone, so real sizes can be planned without building."""
 
     total: int  # every parameter, a tied weight once
-    embedding: int  # lookup tables (token, position, ...): no matmul, so no FLOPs
+    embedding: int  # lookup tables (token, position, ...): the lookup is no matmul, so no FLOPs
+    # A LM head whose weight is the token table: counted once above (inside `embedding`), but
+    # it is a V x h matmul in every forward all the same, so it is credited with FLOPs.
+    tied_head: int = 0
+
+    @property
+    def matmul(self) -> int:
+        """N of the PaLM FLOPs formula: every parameter but the lookups, the LM head included.
+
+        Tied or untied, a LM head adds the same V*h here.
+        """
+        return self.total - self.embedding + self.tied_head
 
 
 def linear(n_in: int, n_out: int, bias: bool = True) -> int:

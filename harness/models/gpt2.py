@@ -34,5 +34,7 @@ def build_module(spec: ModelSpec) -> nn.Module:
 def count_params(spec: ModelSpec) -> ParamCount:
     h, f = spec.hidden, spec.ffn
     block = 2 * h + linear(h, 3 * h) + linear(h, h) + 2 * h + linear(h, f) + linear(f, h)
-    embedding = spec.vocab_size * h + spec.seq_len * h  # the LM head is tied to the token table
-    return ParamCount(embedding + spec.n_layers * block + 2 * h, embedding)
+    embedding = spec.vocab_size * h + spec.seq_len * h
+    # The LM head is tied to the token table (no parameters of its own) but still a V x h matmul.
+    return ParamCount(embedding + spec.n_layers * block + 2 * h, embedding,
+                      tied_head=spec.vocab_size * h)

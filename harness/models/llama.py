@@ -33,6 +33,9 @@ def count_params(spec: ModelSpec) -> ParamCount:
         + linear(spec.n_heads * d, h, False)
     block = h + attention + h + 3 * linear(h, f, False)  # two RMSNorms, SwiGLU gate/up/down
     embedding = spec.vocab_size * h
-    # An untied LM head is a real matmul, so it counts as non-embedding (as in torchtitan).
-    head = 0 if spec.tie_embeddings else spec.vocab_size * h
+    # The LM head is a V x h matmul either way: untied it has its own parameters; tied it has
+    # none, but is credited with the same FLOPs, so tied and untied models compare.
+    head = spec.vocab_size * h
+    if spec.tie_embeddings:
+        return ParamCount(embedding + spec.n_layers * block + h, embedding, tied_head=head)
     return ParamCount(embedding + spec.n_layers * block + h + head, embedding)

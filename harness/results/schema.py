@@ -6,10 +6,17 @@ migrate older records step by step (``migrate``) so a report can span old and ne
 
 from __future__ import annotations
 
+import math
+
 from harness.config import CellSpec
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
+
+
+def _finite_or_none(values: list[float]) -> list[float | None]:
+    """JSON has no NaN or Infinity: a diverged loss (fp16 overflow) is written as null."""
+    return [v if math.isfinite(v) else None for v in values]
 
 
 def make_record(
@@ -19,6 +26,7 @@ def make_record(
     status: str,
     reason: str = "",
     n_params: int | None = None,
+    attn_implementation: str | None = None,
     metrics: dict | None = None,
     per_rank: list[dict] | None = None,
     losses: list[float] | None = None,
@@ -34,13 +42,13 @@ def make_record(
         "reason": reason,
         "markers": markers,
         "world_size": cell.world_size,
-        "model": {"name": cell.model, "n_params": n_params},
+        "model": {"name": cell.model, "n_params": n_params, "attn_implementation": attn_implementation},
         "strategy": {k: v for k, v in cell.to_dict()["strategy"].items()},
         "precision": cell.strategy.precision,
         "cell": cell.to_dict(),
         "metrics": metrics or {},
         "per_rank": per_rank or [],
-        "losses": losses or [],
+        "losses": _finite_or_none(losses or []),
         "equivalence": equivalence,
         "wall_s": wall_s,
     }

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,16 +23,19 @@ from harness.config import CellSpec
 
 LOG_TAIL_LINES = 30
 POLL_S = 0.2
+DEFAULT_CELL_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
-    cell_timeout_s: float = 600.0
+    # Seconds without an event from the workers (a cell starting or ending) before the
+    # launch is declared hung; launch start-up counts against the first cell.
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
 
-    @staticmethod
-    def torchrun_args(world_size: int) -> list[str]:
-        # --standalone: a local rendezvous on a free port, so concurrent runs never collide.
-        return ["--standalone", "--nproc-per-node", str(world_size)]
+
+def torchrun_args(world_size: int) -> list[str]:
+    # --standalone: a local rendezvous on a free port, so concurrent runs never collide.
+    return ["--standalone", "--nproc-per-node", str(world_size)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,21 +54,51 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
-def _kill_launch(proc: subprocess.Popen) -> None:
-    """End torchrun and every worker it started. The workers run in sessions of their own,
-    so killing torchrun's process group alone would orphan a hung rank."""
-    try:
-        parent = psutil.Process(proc.pid)
-        processes = [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        processes = []
-    for process in processes:
+class _Launch:
+    """A torchrun and every process it starts, remembered as they appear so that all of
+    them can be ended: a hung rank outlives a killed torchrun otherwise."""
+
+    def __init__(self, cmd: list[str], log_file: Path, env: dict[str, str]):
+        with log_file.open("w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._root = psutil.Process(self.proc.pid)
+        self._known = {self._root}
+
+    def alive(self) -> bool:
+        if self.proc.poll() is not None:
+            return False
         try:
-            process.kill()
+            self._known.update(self._root.children(recursive=True))
         except psutil.NoSuchProcess:
             pass
-    proc.wait()
-    psutil.wait_procs(processes, timeout=10)
+        return True
+
+    def kill(self) -> None:
+        self.alive()  # pick up the latest children first
+        for process in self._known:
+            try:
+                process.kill()  # psutil checks the start time: a reused pid is never hit
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+        psutil.wait_procs(list(self._known), timeout=10)
+
+
+def _events(stream, launch: _Launch) -> Iterator[dict | None]:
+    """The worker events as they are written; None on each idle poll. Ends once the launch
+    has exited and everything it wrote has been read."""
+    partial, exited = "", False
+    while True:
+        partial += stream.readline()
+        if partial.endswith("\n"):
+            yield json.loads(partial)
+            partial = ""
+            continue
+        if exited:
+            return
+        exited = not launch.alive()
+        yield None
+        time.sleep(POLL_S)
 
 
 def _outcome_from_worker(cell: CellSpec, per_rank: list[dict], wall_s: float) -> CellOutcome:
@@ -79,7 +112,8 @@ def _outcome_from_worker(cell: CellSpec, per_rank: list[dict], wall_s: float) ->
 
 def run_batch(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
               on_outcome: Callable[[CellOutcome], None]) -> None:
-    """Run ``cells`` (all of one world size), calling ``on_outcome`` as each one ends."""
+    """Run ``cells`` (all of one world size), calling ``on_outcome`` as each one ends.
+    Every launch settles at least one cell, so the loop ends."""
     remaining = list(cells)
     attempt = 0
     while remaining:
@@ -94,60 +128,64 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     cells_file, stream_file, log_file = workdir / "cells.json", workdir / "stream.jsonl", workdir / "log.txt"
     cells_file.write_text(json.dumps([c.to_dict() for c in cells]))
     stream_file.touch()
-    by_id = {c.cell_id: c for c in cells}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        *options.torchrun_args(cells[0].world_size),
+        sys.executable, "-m", "torch.distributed.run", *torchrun_args(cells[0].world_size),
         "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
     ]
     # One OpenMP thread per rank unless the user chose otherwise: torchrun does this only
     # for several ranks, which would give the one-process reference more cores than each
     # rank of the cells it is compared with (and spin-waiting threads on a busy host).
     env = {"OMP_NUM_THREADS": "1", **os.environ}
-    with log_file.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    done: set[str] = set()
-    running: str | None = None
-    started_at = time.monotonic()
-    partial, exited, timed_out = "", False, False
-    with stream_file.open() as stream:
-        while True:
-            partial += stream.readline()
-            if partial.endswith("\n"):
-                event = json.loads(partial)
-                partial = ""
+
+    # The worker runs the cells in order, so the n-th "done" is cells[n] (a batch may hold
+    # the same cell twice: the isolation test does).
+    n_done = 0
+    any_event = restart = timed_out = False
+    started = last_event = time.monotonic()
+    launch = _Launch(cmd, log_file, env)
+    try:
+        with stream_file.open() as stream:
+            for event in _events(stream, launch):
+                now = time.monotonic()
+                if event is None:
+                    if now - last_event > options.cell_timeout_s:
+                        timed_out = True
+                        break
+                    continue
+                any_event, last_event = True, now
+                if event["event"] in ("start", "done") and event["cell_id"] != cells[n_done].cell_id:
+                    raise RuntimeError(f"worker reported {event['cell_id']}, expected {cells[n_done].cell_id}")
                 if event["event"] == "start":
-                    running, started_at = event["cell_id"], time.monotonic()
-                else:
-                    done.add(event["cell_id"])
-                    on_outcome(_outcome_from_worker(by_id[event["cell_id"]], event["per_rank"],
-                                                    time.monotonic() - started_at))
-                    running, started_at = None, time.monotonic()
-                continue
-            if exited:
-                break
-            exited = proc.poll() is not None  # after exit, one more pass drains the stream
-            if time.monotonic() - started_at > options.cell_timeout_s:
-                # No event for too long: a hung collective, or a launch that never started.
-                _kill_launch(proc)
-                culprit = running or next(c.cell_id for c in cells if c.cell_id not in done)
-                on_outcome(CellOutcome(cell=by_id[culprit], status="timeout",
-                                       reason=f"no result after {options.cell_timeout_s:.0f} s; "
-                                              f"log tail:\n{_tail(log_file)}",
-                                       per_rank=[], wall_s=time.monotonic() - started_at))
-                done.add(culprit)
-                running, timed_out = None, True
-                break
-            time.sleep(POLL_S)
-    _kill_launch(proc)  # stragglers of a finished launch must not outlive it
-    left = [c for c in cells if c.cell_id not in done]
-    if left and not timed_out:
-        # The workers died: blame the running cell (or, before any cell started, the first),
-        # record it, and hand the rest back for a fresh launch. Every launch thus settles at
-        # least one cell, so a batch always ends.
-        culprit = by_id[running] if running is not None else left[0]
-        on_outcome(CellOutcome(cell=culprit, status="failed",
-                               reason=f"workers exited with status {proc.returncode}; log tail:\n{_tail(log_file)}",
-                               per_rank=[], wall_s=time.monotonic() - started_at))
-        left.remove(culprit)
+                    started = now
+                elif event["event"] == "done":
+                    on_outcome(_outcome_from_worker(cells[n_done], event["per_rank"], now - started))
+                    n_done += 1
+                elif event["event"] == "restart":
+                    restart = True
+    finally:
+        launch.kill()  # whatever happened, no process of this launch outlives it
+
+    left = cells[n_done:]
+    wall = time.monotonic() - started
+    if timed_out:
+        reason = f"no result after {options.cell_timeout_s:.0f} s; log tail:\n{_tail(log_file)}"
+        if not any_event:
+            # The launch never started a cell (rendezvous or start-up hang): waiting the
+            # full timeout once per remaining cell would only repeat that.
+            for cell in left:
+                on_outcome(CellOutcome(cell=cell, status="timeout", reason=reason, per_rank=[], wall_s=wall))
+            return []
+        if not left:
+            return []  # every cell reported; the workers hung on the way out
+        # The running cell (or, between cells, the next one) is the one that hung.
+        on_outcome(CellOutcome(cell=left[0], status="timeout", reason=reason, per_rank=[], wall_s=wall))
+        return left[1:]
+    if left and not restart:
+        # The workers died: blame the cell that was running (the first not done), record
+        # it, and hand the rest back for a fresh launch.
+        on_outcome(CellOutcome(cell=left[0], status="failed",
+                               reason=f"workers exited with status {launch.proc.returncode}; "
+                                      f"log tail:\n{_tail(log_file)}",
+                               per_rank=[], wall_s=wall))
+        return left[1:]
     return left

@@ -78,6 +78,7 @@ class MatrixRun:
                 cell,
                 status="ok",
                 n_params=rank0["n_params"],
+                attn_implementation=rank0["attn_implementation"],
                 metrics=summary.summarize(cell, outcome.per_rank, peak),
                 per_rank=summary.per_rank_view(outcome.per_rank),
                 losses=rank0["losses"],

@@ -25,7 +25,13 @@ def world_size(gpus: int | None) -> int:
     """Ranks per node (one node in this release): every GPU, or 2 CPU processes."""
     if gpus is not None:
         return gpus
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+    return torch.cuda.device_count() if distributed.device_type() == "cuda" else 2
+
+
+def selected_cells(items: list[pytest.Item]) -> list:
+    """The cells behind collected test items (matrix tests are parametrised by ``cell``)."""
+    return [item.callspec.params["cell"] for item in items
+            if hasattr(item, "callspec") and "cell" in item.callspec.params]
 
 
 def out_dir(config: pytest.Config) -> Path:

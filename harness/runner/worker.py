@@ -10,7 +10,9 @@ same synthetic global batches the reference sees:
 Each probe gets a step of its own because both slow the step they watch. Rank 0 writes one
 JSON line per event to the stream file (``start`` before a cell, ``done`` after it with
 every rank's numbers), flushed at once, so the launcher can report progress and knows which
-cell was running if the process dies.
+cell was running if the process dies. After a cell that failed on any rank, the process
+group may be out of step (a rank left mid-collective), so the workers write ``restart`` and
+leave; the launcher runs the remaining cells in a fresh launch.
 """
 
 from __future__ import annotations
@@ -98,9 +100,9 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
 
     losses = [step(i) for i in range(cell.warmup)]
     i = cell.warmup
-    with memory.track_step_memory(prep.model, prep.optimizer, fsdp2=prep.fsdp2) as memory_probe:
+    with memory.track_step_memory(prep.model, prep.optimizer, fsdp2=prep.fsdp2, device=env.device) as memory_probe:
         losses.append(step(i, memory_probe.micro_step_boundary))
-    with comm.count_comm() as comm_stats:
+    with comm.count_comm(env.device) as comm_stats:
         losses.append(step(i + 1))
     step_times: list[float] = []
     for i in range(cell.warmup + cell.probe_steps, cell.steps):
@@ -124,13 +126,15 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
         "comm_by_op": {op: vars(stats) for op, stats in comm_stats().items()},
         "losses": loss_tensor.tolist(),
         "n_params": built.n_params,
+        "attn_implementation": built.attn_implementation,
         "tokens_per_sample": built.tokens_per_sample,
         "flops_per_sample": built.flops_per_sample,
     }
 
 
 def outcome_of(error: BaseException) -> str:
-    if isinstance(error, torch.OutOfMemoryError):
+    # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError that says so.
+    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
         return "oom"
     return "failed"
 
@@ -180,8 +184,15 @@ def main() -> None:
         per_rank: list[dict | None] = [None] * env.world_size
         dist.all_gather_object(per_rank, result)
         stream.write({"event": "done", "cell_id": cell.cell_id, "per_rank": per_rank})
+        if any(r["status"] != "ok" for r in per_rank):
+            stream.write({"event": "restart"})
+            break
         release_memory(env.device)
     dist.destroy_process_group()
+    # Some libraries abort in their destructors at interpreter exit after a good run
+    # (DeepSpeed ZeRO-3: "terminate called without an active exception"); every result is
+    # written by now, so leave without running them.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -50,4 +50,5 @@ def incompatibility(cell: CellSpec) -> str | None:
 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     """Why this machine cannot run the cell (recorded as an ``unsupported`` result), or None."""
-    return REGISTRY[cell.strategy.name].unsupported_reason(cell, device_type)
+    check = getattr(REGISTRY[cell.strategy.name], "unsupported_reason", None)
+    return check(cell, device_type) if check else None

@@ -1,9 +1,14 @@
-"""What every strategy file provides: its capabilities and a ``prepare`` function.
+"""What every strategy file provides:
 
-``prepare`` takes a built (and, if asked, checkpoint-wrapped) model and returns it wrapped
-for the strategy with its optimizer, how to skip gradient synchronisation on accumulation
-micro-steps, and how the forward pass is cast. The worker's training step is the same for
-every strategy; everything that differs lives behind this record.
+- ``CAPABILITIES``: the feature values it composes with;
+- ``prepare(model, block_type, cell, env) -> Prepared``: the built (and, if asked,
+  checkpoint-wrapped) model wrapped for the strategy, with its optimizer, how to skip
+  gradient synchronisation on accumulation micro-steps, and how the forward pass is cast;
+- optionally ``unsupported_reason(cell, device_type) -> str | None``: why this hardware cannot
+  run a cell (recorded as an ``unsupported`` result).
+
+The worker's training step is the same for every strategy; everything that differs lives
+behind ``Prepared``.
 """
 
 from __future__ import annotations
@@ -11,13 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 
 ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
 ALL_CHECKPOINTING = frozenset({"none", "full", "selective"})
@@ -51,9 +53,10 @@ class Prepared:
     fsdp2: bool = False
 
 
-class Strategy(Protocol):
-    CAPABILITIES: Capabilities
-
-    def prepare(self, model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared: ...
-
-    def unsupported_reason(self, cell: CellSpec, device_type: str) -> str | None: ...
+# Both FSDP generations: bf16 via their mixed-precision policies; fp16 would need a sharded
+# GradScaler, which is not wired yet.
+FSDP_CAPABILITIES = Capabilities(
+    precisions=frozenset({"fp32", "bf16"}),
+    offload=frozenset({"none", "params"}),
+    notes={"fp16": "fp16 with FSDP needs a sharded GradScaler, not wired in this release: use bf16"},
+)

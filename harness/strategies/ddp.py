@@ -20,7 +20,7 @@ def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParal
     """DDP on the cell's device with its compression hook; shared with ZeRO-1."""
     model = model.to(env.device)
     kwargs = {}
-    if compression.needs_single_bucket(cell.strategy.compression):
+    if compression.needs_single_bucket(cell.strategy.compression, env.backend):
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kwargs["bucket_cap_mb"] = math.ceil(param_bytes / 2**20) + 1
     ddp_model = DistributedDataParallel(

@@ -19,13 +19,9 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import FSDP_CAPABILITIES, Prepared
 
-CAPABILITIES = Capabilities(
-    precisions=frozenset({"fp32", "bf16"}),
-    offload=frozenset({"none", "params"}),
-    notes={"fp16": "fp16 with FSDP needs a sharded GradScaler, not wired in this release: use bf16"},
-)
+CAPABILITIES = FSDP_CAPABILITIES
 
 
 def _mesh(cell: CellSpec, env: DistEnv):
@@ -59,7 +55,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         "mesh": _mesh(cell, env),
         "reshard_after_forward": s.name != "fsdp_grad_op",
         "mp_policy": _mixed_precision(s.precision),
-        "offload_policy": offload.fsdp2_policy(s.offload),
+        "offload_policy": offload.fsdp2_policy(s.offload, env.device),
     }
     for module in model.modules():
         if isinstance(module, block_type):
@@ -72,7 +68,3 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         use_autocast=False,
         fsdp2=True,
     )
-
-
-def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
-    return None

@@ -13,13 +13,9 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import FSDP_CAPABILITIES, Prepared
 
-CAPABILITIES = Capabilities(
-    precisions=frozenset({"fp32", "bf16"}),
-    offload=frozenset({"none", "params"}),
-    notes={"fp16": "fp16 with FSDP needs a sharded GradScaler, not wired in this release: use bf16"},
-)
+CAPABILITIES = FSDP_CAPABILITIES
 
 SHARDING = {
     "fsdp1_full": ShardingStrategy.FULL_SHARD,

@@ -15,7 +15,3 @@ CAPABILITIES = Capabilities(min_world_size=1, max_world_size=1)
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     model = model.to(env.device)
     return Prepared(model=model, optimizer=optimizers.adamw(model.parameters(), cell.lr))
-
-
-def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
-    return None

@@ -23,7 +23,3 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         **optimizers.optimizer_kwargs(cell.lr),
     )
     return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync)
-
-
-def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
-    return None

@@ -15,7 +15,8 @@ from typing import Literal, get_args
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
-Offload = Literal["none", "params"]
+Offload = Literal["none", "params", "optimizer", "optimizer_params"]
+Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"]
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
 HsdpMesh = Literal["explicit", "fsdp_default"]
 
@@ -30,6 +31,12 @@ STRATEGY_NAMES = (
     "fsdp1_grad_op",
     "fsdp1_no_shard",
     "fsdp1_hybrid",
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+    "fairscale_oss",
+    "fairscale_sdp",
+    "fairscale_fsdp",
 )
 
 
@@ -51,7 +58,9 @@ class StrategySpec:
     name: str
     precision: Precision = "fp32"
     checkpointing: Checkpointing = "none"
+    # What lives in host memory: parameters, optimizer state, or both.
     offload: Offload = "none"
+    optimizer: Optimizer = "adamw"
     accumulation: int = 1
     compression: Compression = "none"
     # PowerSGD's matrix approximation rank (only read when compression == "powersgd").
@@ -67,6 +76,7 @@ class StrategySpec:
         _check_choice("precision", self.precision, get_args(Precision))
         _check_choice("checkpointing", self.checkpointing, get_args(Checkpointing))
         _check_choice("offload", self.offload, get_args(Offload))
+        _check_choice("optimizer", self.optimizer, get_args(Optimizer))
         _check_choice("compression", self.compression, get_args(Compression))
         _check_choice("hsdp_mesh", self.hsdp_mesh, get_args(HsdpMesh))
         _check_positive("accumulation", self.accumulation)
@@ -129,6 +139,8 @@ class CellSpec:
         parts = [self.model, s.name, s.precision, f"ckpt_{s.checkpointing}"]
         if s.offload != "none":
             parts.append(f"offload_{s.offload}")
+        if s.optimizer != "adamw":
+            parts.append(s.optimizer)
         if s.accumulation != 1:
             parts.append(f"accum{s.accumulation}")
         if s.compression != "none":
@@ -142,13 +154,14 @@ class CellSpec:
     def reference(self) -> CellSpec:
         """The single-process run this cell must train identically to.
 
-        Same model, seed, precision, data and steps; the whole global batch in one process
-        and one micro-step, no feature that should not change the maths (checkpointing,
-        offload, compression, accumulation).
+        Same model, seed, precision, optimizer, data and steps; the whole global batch in one
+        process and one micro-step, no feature that should not change the maths
+        (checkpointing, offload, compression, accumulation).
         """
         return dataclasses.replace(
             self,
-            strategy=StrategySpec(name="single", precision=self.strategy.precision),
+            strategy=StrategySpec(name="single", precision=self.strategy.precision,
+                                  optimizer=self.strategy.optimizer),
             micro_batch=self.global_batch,
             world_size=1,
         )

@@ -9,17 +9,33 @@ from __future__ import annotations
 import re
 from typing import get_args
 
-from harness.config import STRATEGY_NAMES, CellSpec, Checkpointing, Compression, Offload, Precision
+from harness.config import STRATEGY_NAMES, CellSpec, Checkpointing, Compression, Offload, Optimizer, Precision
 
 MODEL_FAMILIES = ("gpt2", "llama", "bert", "vit", "mlp")
 ACCUMULATION_MARKERS = (1, 2, 4, 8)
 WORLD_SIZE_MARKERS = (1, 2, 4, 8, 16)
 
+# The ZeRO stage a strategy implements, whatever the engine (Rajbhandari et al. 2020):
+# 1 shards optimizer state, 2 also gradients, 3 also parameters. Also the `zero_idea` of a
+# cell record, so a report can put the engines' takes on one idea in one table.
+ZERO_IDEA = {
+    "zero1": "zero1",
+    "deepspeed_zero1": "zero1",
+    "fairscale_oss": "zero1",
+    "deepspeed_zero2": "zero2",
+    "fairscale_sdp": "zero2",
+    "fsdp_grad_op": "zero2",
+    "deepspeed_zero3": "zero3",
+    "fsdp_full": "zero3",
+    "fsdp1_full": "zero3",
+    "fairscale_fsdp": "zero3",
+}
+
 # Strategy -> the family markers it also carries.
 STRATEGY_FAMILIES = {
     "single": ("reference",),
     "ddp": ("ddp",),
-    "zero1": ("zero1", "ddp"),
+    "zero1": ("ddp",),
     "fsdp_full": ("fsdp",),
     "fsdp_grad_op": ("fsdp",),
     "fsdp_hybrid": ("fsdp",),
@@ -27,6 +43,12 @@ STRATEGY_FAMILIES = {
     "fsdp1_grad_op": ("fsdp1",),
     "fsdp1_no_shard": ("fsdp1",),
     "fsdp1_hybrid": ("fsdp1",),
+    "deepspeed_zero1": ("deepspeed",),
+    "deepspeed_zero2": ("deepspeed",),
+    "deepspeed_zero3": ("deepspeed",),
+    "fairscale_oss": ("fairscale",),
+    "fairscale_sdp": ("fairscale",),
+    "fairscale_fsdp": ("fairscale",),
 }
 
 CATALOGUE: dict[str, str] = {
@@ -34,9 +56,15 @@ CATALOGUE: dict[str, str] = {
     "reference": "the single-process reference run",
     "fsdp": "any FSDP2 (fully_shard) strategy",
     "fsdp1": "any FSDP1 (FullyShardedDataParallel) strategy",
+    "deepspeed": "any DeepSpeed engine strategy",
+    "fairscale": "any FairScale strategy",
+    "zero1": "ZeRO stage 1 in any engine (torch ZeroRedundancyOptimizer, DeepSpeed, FairScale OSS)",
+    "zero2": "ZeRO stage 2 in any engine (optimizer state and gradients sharded)",
+    "zero3": "ZeRO stage 3 in any engine (optimizer state, gradients and parameters sharded)",
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
-    **{f"offload_{o}": f"offload: {o}" for o in get_args(Offload)},
+    **{f"offload_{o}": f"offload: {o}" for o in ("none", "params", "optimizer")},
+    **{o: f"optimizer {o}" for o in get_args(Optimizer)},
     **{f"accum{n}": f"gradient accumulation over {n} micro-steps" for n in ACCUMULATION_MARKERS},
     **{f"compress_{c}": f"gradient compression: {c}" for c in get_args(Compression)},
     **{f"ws{n}": f"world size {n}" for n in WORLD_SIZE_MARKERS},
@@ -49,12 +77,16 @@ def markers_of(cell: CellSpec) -> list[str]:
 
     s = cell.strategy
     family = get_preset(cell.model).family
+    # "optimizer_params" offloads both: it carries both markers.
+    offload = ["none"] if s.offload == "none" else s.offload.split("_")
     marks = [
         s.name,
         *STRATEGY_FAMILIES[s.name],
+        *([ZERO_IDEA[s.name]] if s.name in ZERO_IDEA else []),
         s.precision,
         f"ckpt_{s.checkpointing}",
-        f"offload_{s.offload}",
+        *(f"offload_{o}" for o in offload),
+        s.optimizer,
         f"accum{s.accumulation}",
         f"compress_{s.compression}",
         f"ws{cell.world_size}",
@@ -63,7 +95,7 @@ def markers_of(cell: CellSpec) -> list[str]:
     unknown = [m for m in marks if m not in CATALOGUE]
     if unknown:
         raise ValueError(f"cell {cell.cell_id} has unregistered markers {unknown}")
-    return list(dict.fromkeys(marks))  # de-duplicated, order kept (zero1 lists itself twice)
+    return list(dict.fromkeys(marks))  # de-duplicated, order kept (zero1 is its own idea)
 
 
 _KEYWORDS = {"and", "or", "not"}

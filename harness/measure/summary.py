@@ -75,5 +75,6 @@ def per_rank_view(per_rank: list[dict]) -> list[dict]:
             "step_time_s": median,
             "step_time_iqr_s": iqr,
             "step_times_s": r["step_times_s"],
+            "engine": r["engine"],
         })
     return rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from harness.config import CellSpec
+from harness.markers import ZERO_IDEA
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
@@ -42,6 +43,7 @@ def make_record(
         "reason": reason,
         "markers": markers,
         "world_size": cell.world_size,
+        "zero_idea": ZERO_IDEA.get(cell.strategy.name),
         "model": {"name": cell.model, "n_params": n_params, "attn_implementation": attn_implementation},
         "strategy": {k: v for k, v in cell.to_dict()["strategy"].items()},
         "precision": cell.strategy.precision,

@@ -78,11 +78,16 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
         with nullcontext() if last else prep.no_sync():
             with precision.autocast(cell.strategy.precision, env.device, enabled=prep.use_autocast):
                 loss = built.loss(prep.model, batch) / n_micro
-            scaler.scale(loss).backward()
+            if prep.owns_optimizer_step:
+                prep.backward(loss)
+            else:
+                scaler.scale(loss).backward()
+        prep.after_micro_step()
         total += loss.detach().float()
-    scaler.step(prep.optimizer)
-    scaler.update()
-    prep.optimizer.zero_grad(set_to_none=True)
+    if not prep.owns_optimizer_step:
+        scaler.step(prep.optimizer)
+        scaler.update()
+        prep.optimizer.zero_grad(set_to_none=prep.grads_set_to_none)
     return total
 
 
@@ -91,7 +96,7 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
     faults.inject(cell.cell_id, env)
     built = models.build(models.get_preset(cell.model), seed=cell.seed)
     checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing)
-    prep = strategies.REGISTRY[cell.strategy.name].prepare(built.module, built.block_type, cell, env)
+    prep = strategies.module(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
     scaler = precision.grad_scaler(cell.strategy.precision, env.device)
     batches = local_batches(built, cell, env)
 
@@ -100,7 +105,8 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
 
     losses = [step(i) for i in range(cell.warmup)]
     i = cell.warmup
-    with memory.track_step_memory(prep.model, prep.optimizer, fsdp2=prep.fsdp2, device=env.device) as memory_probe:
+    with memory.track_step_memory(prep.memory_module or prep.model, prep.memory_optimizer or prep.optimizer,
+                                  fsdp2=prep.fsdp2, device=env.device) as memory_probe:
         losses.append(step(i, memory_probe.micro_step_boundary))
     with comm.count_comm(env.device) as comm_stats:
         losses.append(step(i + 1))
@@ -124,6 +130,7 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
         "memory_tracker": mem.tracker,
         "step_times_s": step_times,
         "comm_by_op": {op: vars(stats) for op, stats in comm_stats().items()},
+        "engine": prep.engine_report(),
         "losses": loss_tensor.tolist(),
         "n_params": built.n_params,
         "attn_implementation": built.attn_implementation,

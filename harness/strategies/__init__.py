@@ -1,24 +1,40 @@
-"""The strategy registry and the up-front compatibility check of a cell."""
+"""The strategy registry and the up-front compatibility check of a cell.
+
+Strategy files are imported on first use: DeepSpeed and FairScale take seconds to import
+(and DeepSpeed probes for accelerators as it does), which a run of torch-native cells
+should not pay.
+"""
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 from harness.config import CellSpec
-from harness.strategies import ddp, fsdp, fsdp1, single, torch_zero
 
-REGISTRY: dict[str, ModuleType] = {
-    "single": single,
-    "ddp": ddp,
-    "zero1": torch_zero,
-    "fsdp_full": fsdp,
-    "fsdp_grad_op": fsdp,
-    "fsdp_hybrid": fsdp,
-    "fsdp1_full": fsdp1,
-    "fsdp1_grad_op": fsdp1,
-    "fsdp1_no_shard": fsdp1,
-    "fsdp1_hybrid": fsdp1,
+_MODULES = {
+    "single": "single",
+    "ddp": "ddp",
+    "zero1": "torch_zero",
+    "fsdp_full": "fsdp",
+    "fsdp_grad_op": "fsdp",
+    "fsdp_hybrid": "fsdp",
+    "fsdp1_full": "fsdp1",
+    "fsdp1_grad_op": "fsdp1",
+    "fsdp1_no_shard": "fsdp1",
+    "fsdp1_hybrid": "fsdp1",
+    "deepspeed_zero1": "deepspeed_zero",
+    "deepspeed_zero2": "deepspeed_zero",
+    "deepspeed_zero3": "deepspeed_zero",
+    "fairscale_oss": "fairscale",
+    "fairscale_sdp": "fairscale",
+    "fairscale_fsdp": "fairscale",
 }
+
+
+def module(name: str) -> ModuleType:
+    """The strategy file implementing strategy ``name``."""
+    return importlib.import_module(f"harness.strategies.{_MODULES[name]}")
 
 
 def incompatibility(cell: CellSpec) -> str | None:
@@ -28,11 +44,12 @@ def incompatibility(cell: CellSpec) -> str | None:
     is built. (Hardware limits are ``unsupported_reason`` and are recorded as results.)
     """
     s = cell.strategy
-    caps = REGISTRY[s.name].CAPABILITIES
+    caps = module(s.name).CAPABILITIES
     checks = [
         ("precision", s.precision, caps.precisions),
         ("checkpointing", s.checkpointing, caps.checkpointing),
         ("offload", s.offload, caps.offload),
+        ("optimizer", s.optimizer, caps.optimizers),
         ("compression", s.compression, caps.compression),
     ]
     for axis, value, allowed in checks:
@@ -50,5 +67,5 @@ def incompatibility(cell: CellSpec) -> str | None:
 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     """Why this machine cannot run the cell (recorded as an ``unsupported`` result), or None."""
-    check = getattr(REGISTRY[cell.strategy.name], "unsupported_reason", None)
+    check = getattr(module(cell.strategy.name), "unsupported_reason", None)
     return check(cell, device_type) if check else None

@@ -33,12 +33,21 @@ class Capabilities:
     precisions: frozenset[str] = ALL_PRECISIONS
     checkpointing: frozenset[str] = ALL_CHECKPOINTING
     offload: frozenset[str] = frozenset({"none"})
+    optimizers: frozenset[str] = frozenset({"adamw"})
     compression: frozenset[str] = frozenset({"none"})
     accumulation: bool = True
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.
     notes: dict[str, str] = field(default_factory=dict)
+
+
+def _no_op() -> None:
+    pass
+
+
+def _nothing_to_report() -> dict:
+    return {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +60,25 @@ class Prepared:
     use_autocast: bool = True
     # FSDP2 models are measured with FSDPMemTracker, which knows their sharded parameters.
     fsdp2: bool = False
+    # torch 2 zeroes gradients by setting them to None; FairScale's ShardedDataParallel
+    # keeps references to the .grad tensors and silently reduces wrong gradients then.
+    grads_set_to_none: bool = True
+    # Engines that own the backward pass and the optimizer step (DeepSpeed) replace the
+    # GradScaler path: ``backward(loss)`` for each micro-step's (already 1/accumulation
+    # scaled) loss, ``after_micro_step()`` after each, and no optimizer step of the harness.
+    backward: Callable[[torch.Tensor], None] | None = None
+    after_micro_step: Callable[[], None] = _no_op
+    # The tensors the memory tracker should attribute as model and optimizer state, where
+    # the engine's wrappers hide them (DeepSpeed: engine.module, the wrapped torch optimizer).
+    memory_module: nn.Module | None = None
+    memory_optimizer: torch.optim.Optimizer | None = None
+    # Engine-specific measurements for the record's per-rank ``engine`` entry (DeepSpeed's
+    # comms_logger and memory estimators), read after the last step.
+    engine_report: Callable[[], dict] = _nothing_to_report
+
+    @property
+    def owns_optimizer_step(self) -> bool:
+        return self.backward is not None
 
 
 # Both FSDP generations: bf16 via their mixed-precision policies; fp16 would need a sharded

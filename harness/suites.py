@@ -16,9 +16,11 @@ import itertools
 from collections.abc import Callable
 
 from harness import strategies
-from harness.config import STRATEGY_NAMES, CellSpec, StrategySpec
+from harness.config import CellSpec, StrategySpec
 
 MICRO_BATCH = 2
+TORCH_NATIVE = ("single", "ddp", "zero1", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid",
+                "fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard", "fsdp1_hybrid")
 
 
 def _cell(model: str, strategy: str, world_size: int, **options) -> CellSpec:
@@ -43,8 +45,8 @@ def smoke(world_size: int) -> list[CellSpec]:
 
 def default(world_size: int) -> list[CellSpec]:
     cells = []
-    # Every strategy, fp32, on GPT-2; the common ones on LLaMA.
-    cells += [_cell("gpt2-tiny", s, world_size) for s in STRATEGY_NAMES]
+    # Every torch-native strategy, fp32, on GPT-2; the common ones on LLaMA.
+    cells += [_cell("gpt2-tiny", s, world_size) for s in TORCH_NATIVE]
     cells += [_cell("llama-tiny", s, world_size) for s in ("single", "ddp", "zero1", "fsdp_full", "fsdp1_full")]
     # Precision.
     cells += [_cell("gpt2-tiny", s, world_size, precision="bf16") for s in ("single", "ddp", "fsdp_full", "fsdp1_full")]
@@ -78,7 +80,7 @@ def default(world_size: int) -> list[CellSpec]:
 def full(world_size: int) -> list[CellSpec]:
     cells = []
     for model, strategy, precision, ckpt, accum in itertools.product(
-        ("gpt2-tiny", "llama-tiny"), STRATEGY_NAMES, ("fp32", "bf16"), ("none", "full", "selective"), (1, 4)
+        ("gpt2-tiny", "llama-tiny"), TORCH_NATIVE, ("fp32", "bf16"), ("none", "full", "selective"), (1, 4)
     ):
         cell = _cell(model, strategy, world_size, precision=precision, checkpointing=ckpt, accumulation=accum)
         if strategies.incompatibility(cell) is None:

@@ -35,8 +35,11 @@ bootstrap() {
     # Hold torch at the version in the venv, so no dependency can swap an image's own CUDA
     # build (or a pre-release such as 2.6.0a0) for a PyPI one.
     local constraints="$VENV/torch-constraint.txt"
-    "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
-    "$VENV/bin/pip" install --quiet -c "$constraints" -e .
+    "$VENV/bin/python" -W ignore -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+    # --no-build-isolation: deepspeed imports torch while it builds. That makes this venv's
+    # own setuptools build shardbench too, so bring it up to what pyproject.toml asks.
+    "$VENV/bin/pip" install --quiet -c "$constraints" "setuptools>=68" wheel
+    "$VENV/bin/pip" install --quiet -c "$constraints" --no-build-isolation -e ".[engines]"
     rm -f "$VENV"/.installed-*
     touch "$stamp"
 }

@@ -1,8 +1,24 @@
-"""The optimizer every strategy builds: torch's AdamW with its defaults and the cell's lr.
+"""The optimizer axis: which update rule every rank (and the single-process reference) runs.
 
-One definition, so that a sharded optimizer (ZeRO-1, FSDP) and the single-process reference
-run the same update rule and the equivalence gate compares like with like. Wrappers that
-construct the optimizer themselves (ZeroRedundancyOptimizer) take the class and kwargs.
+- ``adamw``: torch.optim.AdamW with its defaults and the cell's lr.
+- ``adam8bit`` / ``adamw8bit``: bitsandbytes' block-wise 8-bit Adam / AdamW (state as uint8
+  codes plus one fp32 absmax per 256-value block; tensors under 4096 elements keep 32-bit
+  state, bitsandbytes' ``min_8bit_size``). About 0.5× the parameter bytes of state where
+  AdamW holds 2×.
+- ``paged_adamw8bit``: bitsandbytes' PagedAdamW8bit, whose state lives in CUDA unified
+  memory. On CPU bitsandbytes falls back to the non-paged optimizer (it warns
+  "Paged optimizers are not supported on CPU. Falling back to non-paged optimizer behavior."
+  at the first step), so a CPU cell would measure ``adamw8bit`` under another name:
+  ``unsupported_reason`` refuses it there instead.
+- ``adafactor``: torch.optim.Adafactor (factored second moment: row and column statistics
+  for matrices, no first moment) with its defaults and the cell's lr.
+
+One definition, so that a sharded optimizer and the single-process reference run the same
+update rule and the equivalence gate compares like with like (the reference cell uses the
+same optimizer: CellSpec.reference). Wrappers that construct the optimizer themselves
+(ZeroRedundancyOptimizer, FairScale OSS) take ``optimizer_class_and_kwargs``.
+
+bitsandbytes is imported on use: it takes seconds and prints about kernels it cannot load.
 """
 
 from __future__ import annotations
@@ -11,12 +27,43 @@ from collections.abc import Iterable
 
 import torch
 
-OPTIMIZER_CLASS = torch.optim.AdamW
+NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor")
+BITSANDBYTES = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit"})
+
+PAGED_ON_CPU = (
+    "bitsandbytes paged optimizers need CUDA unified memory: on CPU PagedAdamW8bit falls back"
+    " to the non-paged optimizer ('Paged optimizers are not supported on CPU. Falling back to"
+    " non-paged optimizer behavior.'), so the cell would measure adamw8bit under another name"
+)
 
 
-def optimizer_kwargs(lr: float) -> dict:
-    return {"lr": lr}
+def optimizer_class_and_kwargs(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and its keyword arguments (all defaults but lr)."""
+    if name == "adamw":
+        return torch.optim.AdamW, {"lr": lr}
+    if name == "adafactor":
+        return torch.optim.Adafactor, {"lr": lr}
+    if name in BITSANDBYTES:
+        import bitsandbytes.optim as bnb_optim
+
+        cls = {"adam8bit": bnb_optim.Adam8bit, "adamw8bit": bnb_optim.AdamW8bit,
+               "paged_adamw8bit": bnb_optim.PagedAdamW8bit}[name]
+        return cls, {"lr": lr}
+    raise ValueError(f"optimizer={name!r}: choose one of {', '.join(NAMES)}")
+
+
+def make(params: Iterable[torch.nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_class_and_kwargs(name, lr)
+    return cls(params, **kwargs)
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return OPTIMIZER_CLASS(params, **optimizer_kwargs(lr))
+    """AdamW with the cell defaults (callers outside the cell axis: suites/test_perf.py)."""
+    return make(params, "adamw", lr)
+
+
+def unsupported_reason(name: str, device_type: str) -> str | None:
+    """Why this hardware cannot run optimizer ``name`` as itself, or None."""
+    if name == "paged_adamw8bit" and device_type != "cuda":
+        return PAGED_ON_CPU
+    return None

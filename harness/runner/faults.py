@@ -8,6 +8,10 @@ Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` 
   the remaining cells).
 - ``hang``: rank 0 sleeps forever, as in a collective that never completes (the launcher
   records ``timeout`` after --cell-timeout and kills every process of the launch).
+- ``grads_set_to_none``: not an exception but a wrong computation: FairScale's
+  ShardedDataParallel zeroes gradients the torch 2 default way (set to None), which it
+  silently mishandles; the equivalence gate must fail the cell (tests/test_fairscale.py).
+  Honoured by harness/strategies/fairscale.py; ignored by other strategies.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import time
 from harness.distributed import DistEnv
 
 ENV_VAR = "SHARDBENCH_FAULT"
-FAULTS = ("raise", "crash", "hang")
+GRADS_SET_TO_NONE = "grads_set_to_none"
+FAULTS = ("raise", "crash", "hang", GRADS_SET_TO_NONE)
 
 
 class InjectedFault(RuntimeError):

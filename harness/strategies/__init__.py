@@ -67,5 +67,10 @@ def incompatibility(cell: CellSpec) -> str | None:
 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     """Why this machine cannot run the cell (recorded as an ``unsupported`` result), or None."""
+    from harness.features import optimizers  # the optimizer's own hardware limit, any strategy
+
+    why = optimizers.unsupported_reason(cell.strategy.optimizer, device_type)
+    if why:
+        return f"optimizer={cell.strategy.optimizer}: {why}"
     check = getattr(module(cell.strategy.name), "unsupported_reason", None)
     return check(cell, device_type) if check else None

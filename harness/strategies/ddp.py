@@ -13,7 +13,8 @@ from harness.distributed import DistEnv
 from harness.features import compression, optimizers
 from harness.strategies.base import Capabilities, Prepared
 
-CAPABILITIES = Capabilities(compression=frozenset({"none", "fp16", "bf16", "powersgd"}))
+CAPABILITIES = Capabilities(compression=frozenset({"none", "fp16", "bf16", "powersgd"}),
+                            optimizers=frozenset(optimizers.NAMES))
 
 
 def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParallel:
@@ -34,7 +35,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     ddp_model = wrap(model, cell, env)
     return Prepared(
         model=ddp_model,
-        optimizer=optimizers.adamw(ddp_model.parameters(), cell.lr),
+        optimizer=optimizers.make(ddp_model.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=ddp_model.no_sync,
     )
 

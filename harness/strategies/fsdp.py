@@ -8,6 +8,8 @@ transformer block plus the root.
 
 from __future__ import annotations
 
+import dataclasses
+
 from contextlib import contextmanager
 
 import torch
@@ -21,7 +23,7 @@ from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
 from harness.strategies.base import FSDP_CAPABILITIES, Prepared
 
-CAPABILITIES = FSDP_CAPABILITIES
+CAPABILITIES = dataclasses.replace(FSDP_CAPABILITIES, optimizers=frozenset(optimizers.NAMES))
 
 
 def _mesh(cell: CellSpec, env: DistEnv):
@@ -63,7 +65,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     fully_shard(model, **shard_kwargs)
     return Prepared(
         model=model,
-        optimizer=optimizers.adamw(model.parameters(), cell.lr),
+        optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=lambda: _no_gradient_sync(model),
         use_autocast=False,
         fsdp2=True,

@@ -3,6 +3,8 @@ transformer block, in its four sharding strategies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
@@ -15,7 +17,7 @@ from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
 from harness.strategies.base import FSDP_CAPABILITIES, Prepared
 
-CAPABILITIES = FSDP_CAPABILITIES
+CAPABILITIES = dataclasses.replace(FSDP_CAPABILITIES, optimizers=frozenset(optimizers.NAMES))
 
 SHARDING = {
     "fsdp1_full": ShardingStrategy.FULL_SHARD,
@@ -52,7 +54,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     )
     return Prepared(
         model=wrapped,
-        optimizer=optimizers.adamw(wrapped.parameters(), cell.lr),
+        optimizer=optimizers.make(wrapped.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=wrapped.no_sync,
         use_autocast=False,
     )

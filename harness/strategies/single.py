@@ -9,9 +9,9 @@ from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.strategies.base import Capabilities, Prepared
 
-CAPABILITIES = Capabilities(min_world_size=1, max_world_size=1)
+CAPABILITIES = Capabilities(min_world_size=1, max_world_size=1, optimizers=frozenset(optimizers.NAMES))
 
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     model = model.to(env.device)
-    return Prepared(model=model, optimizer=optimizers.adamw(model.parameters(), cell.lr))
+    return Prepared(model=model, optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr))

@@ -12,14 +12,11 @@ from harness.features import optimizers
 from harness.strategies import ddp
 from harness.strategies.base import Capabilities, Prepared
 
-CAPABILITIES = Capabilities()
+CAPABILITIES = Capabilities(optimizers=frozenset(optimizers.NAMES))
 
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     ddp_model = ddp.wrap(model, cell, env)
-    optimizer = ZeroRedundancyOptimizer(
-        ddp_model.parameters(),
-        optimizer_class=optimizers.OPTIMIZER_CLASS,
-        **optimizers.optimizer_kwargs(cell.lr),
-    )
+    optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(cell.strategy.optimizer, cell.lr)
+    optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=optimizer_class, **kwargs)
     return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync)

@@ -1,0 +1,117 @@
+"""FairScale's ZeRO family, the pre-torch-native implementations:
+
+- fairscale_oss: ``fairscale.optim.OSS`` shards the optimizer state over the ranks (ZeRO-1);
+  torch DDP still all-reduces full gradients; each rank broadcasts its updated parameters.
+- fairscale_sdp: ``ShardedDataParallel`` + OSS (ZeRO-2): each gradient is reduced only to the
+  rank that owns its optimizer shard.
+- fairscale_fsdp: ``fairscale.nn.FullyShardedDataParallel`` (ZeRO-3), one unit per
+  transformer block plus the root. It needs CUDA (streams and events throughout); on CPU it
+  fails with "Torch not compiled with CUDA enabled" / KeyError 'all_gather', so it is
+  recorded ``unsupported`` there.
+
+The optimizer inside OSS is the cell's (features/optimizers.py), built by OSS on its shard.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from harness.config import CellSpec
+from harness.distributed import DistEnv
+from harness.features import optimizers
+from harness.features.precision import DTYPES
+from harness.runner import faults
+from harness.strategies import ddp
+from harness.strategies.base import Capabilities, Prepared
+
+CAPABILITIES = Capabilities(
+    precisions=frozenset({"fp32", "bf16", "fp16"}),
+    optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"}),
+    notes={
+        "fp16": (
+            "fp16 with FairScale needs its ShardedGradScaler (ranks see different gradient"
+            " shards, so torch's GradScaler can skip the step on one rank only): not wired in"
+            " this release, use bf16"
+        ),
+    },
+)
+
+FSDP_NEEDS_CUDA = (
+    "FairScale FullyShardedDataParallel needs CUDA: it creates CUDA streams and events"
+    " ('Torch not compiled with CUDA enabled' / KeyError 'all_gather' on CPU)"
+)
+
+
+def _oss(params, cell: CellSpec):
+    from fairscale.optim import OSS
+
+    optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(cell.strategy.optimizer, cell.lr)
+    return OSS(params, optim=optimizer_class, **kwargs)
+
+
+def _prepare_oss(model: nn.Module, cell: CellSpec, env: DistEnv) -> Prepared:
+    ddp_model = ddp.wrap(model, cell, env)
+    optimizer = _oss(ddp_model.parameters(), cell)
+    # OSS keeps the sharded state in its local optimizer: that is what the tracker must see.
+    return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync,
+                    memory_optimizer=optimizer.optim)
+
+
+def _prepare_sdp(model: nn.Module, cell: CellSpec, env: DistEnv) -> Prepared:
+    from fairscale.nn.data_parallel import ShardedDataParallel
+
+    model = model.to(env.device)
+    optimizer = _oss(model.parameters(), cell)
+    sdp_model = ShardedDataParallel(model, optimizer)
+    # SDP's reduce hooks hold references to the .grad tensors: torch 2's default
+    # zero_grad(set_to_none=True) detaches them and SDP then silently reduces wrong
+    # gradients (1.2-1.9x too large, cpu-gloo-facts.md). The fault kind exists so the
+    # harness's tests can show the equivalence gate catching exactly that.
+    set_to_none = faults.planned().get(cell.cell_id) == faults.GRADS_SET_TO_NONE
+    return Prepared(model=sdp_model, optimizer=optimizer, no_sync=sdp_model.no_sync,
+                    grads_set_to_none=set_to_none, memory_module=model,
+                    memory_optimizer=optimizer.optim)
+
+
+def _prepare_fsdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    """ZeRO-3 on CUDA: each transformer block its own FSDP unit, then the root."""
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    s = cell.strategy
+    kwargs = {"reshard_after_forward": True, "compute_device": env.device}
+    if s.precision != "fp32":
+        # FairScale's mixed precision: fp32 master shards, compute in compute_dtype;
+        # reduce-scatter in fp32 (the FSDP recipe of harness/strategies/fsdp.py).
+        kwargs.update(mixed_precision=True, compute_dtype=DTYPES[s.precision],
+                      fp32_reduce_scatter=True)
+    model = model.to(env.device)
+    # Replace each block in its parent (not while iterating over modules()).
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, block_type)]
+    for parent, name in targets:
+        setattr(parent, name, FSDP(getattr(parent, name), **kwargs))
+    wrapped = FSDP(model, **kwargs)
+    return Prepared(
+        model=wrapped,
+        optimizer=optimizers.make(wrapped.parameters(), s.optimizer, cell.lr),
+        no_sync=wrapped.no_sync,
+        # FairScale FSDP casts parameters itself (mixed_precision / compute_dtype).
+        use_autocast=False,
+    )
+
+
+def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    name = cell.strategy.name
+    if name == "fairscale_oss":
+        return _prepare_oss(model, cell, env)
+    if name == "fairscale_sdp":
+        return _prepare_sdp(model, cell, env)
+    if name == "fairscale_fsdp":
+        return _prepare_fsdp(model, block_type, cell, env)
+    raise ValueError(f"strategy={name!r}: not a FairScale strategy")
+
+
+def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
+    if cell.strategy.name == "fairscale_fsdp" and device_type != "cuda":
+        return FSDP_NEEDS_CUDA
+    return None

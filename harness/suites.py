@@ -71,6 +71,27 @@ def default(world_size: int) -> list[CellSpec]:
         _cell("gpt2-tiny", "ddp", world_size, compression="powersgd", powersgd_rank=1),
         _cell("gpt2-tiny", "ddp", world_size, compression="powersgd", powersgd_rank=4),
     ]
+    # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU
+    # Adam (optimizer offload) is compiled on first use, outside any measured step.
+    for model in ("gpt2-tiny", "llama-tiny"):
+        cells += [_cell(model, f"deepspeed_zero{stage}", world_size, precision=p)
+                  for stage in (1, 2, 3) for p in ("fp32", "bf16")]
+        cells += [
+            _cell(model, "deepspeed_zero2", world_size, offload="optimizer"),
+            _cell(model, "deepspeed_zero3", world_size, offload="params"),
+            _cell(model, "deepspeed_zero3", world_size, checkpointing="full", accumulation=4),
+        ]
+    # FairScale's ZeRO-1 and ZeRO-2; its FSDP needs CUDA (unsupported here).
+    cells += [_cell("gpt2-tiny", s, world_size) for s in ("fairscale_oss", "fairscale_sdp", "fairscale_fsdp")]
+    cells += [_cell("llama-tiny", s, world_size) for s in ("fairscale_oss", "fairscale_sdp")]
+    cells += [_cell("gpt2-tiny", "fairscale_sdp", world_size, precision="bf16")]
+    # 8-bit and factored optimizers under DDP and a sharded strategy, each gated against a
+    # reference with the same optimizer; paged 8-bit is CUDA-only (unsupported here).
+    for optimizer in ("adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"):
+        cells += [_cell("gpt2-tiny", s, world_size, optimizer=optimizer) for s in ("single", "ddp")]
+    cells += [_cell("gpt2-tiny", "fairscale_sdp", world_size, optimizer=o) for o in ("adamw8bit", "adafactor")]
+    cells += [_cell("gpt2-tiny", "fsdp1_full", world_size, optimizer="adamw8bit")]
+    cells += [_cell("llama-tiny", s, world_size, optimizer="adam8bit") for s in ("single", "ddp")]
     # The other model families.
     for model, strategy in (("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp")):
         cells += [_cell(model, "single", world_size), _cell(model, strategy, world_size)]

@@ -5,10 +5,8 @@ from harness.config import CellSpec, StrategySpec
 
 
 # Markers the default suite leaves to other suites: world sizes other than its own, the
-# accumulation depths between 1 and 4, and engines still on their way in.
-NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8", "deepspeed", "deepspeed_zero1", "deepspeed_zero2",
-                  "deepspeed_zero3", "fairscale", "fairscale_oss", "fairscale_sdp", "fairscale_fsdp",
-                  "offload_optimizer", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"}
+# accumulation depths between 1 and 4.
+NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8"}
 
 
 def test_default_suite_covers_every_axis_value():

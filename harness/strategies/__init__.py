@@ -44,7 +44,9 @@ def incompatibility(cell: CellSpec) -> str | None:
     is built. (Hardware limits are ``unsupported_reason`` and are recorded as results.)
     """
     s = cell.strategy
-    caps = module(s.name).CAPABILITIES
+    mod = module(s.name)
+    # A file serving several strategies may narrow CAPABILITIES per strategy name.
+    caps = mod.capabilities_for(s.name) if hasattr(mod, "capabilities_for") else mod.CAPABILITIES
     checks = [
         ("precision", s.precision, caps.precisions),
         ("checkpointing", s.checkpointing, caps.checkpointing),

@@ -14,6 +14,8 @@ The optimizer inside OSS is the cell's (features/optimizers.py), built by OSS on
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from harness.config import CellSpec
@@ -24,17 +26,41 @@ from harness.runner import faults
 from harness.strategies import ddp
 from harness.strategies.base import Capabilities, Prepared
 
-CAPABILITIES = Capabilities(
-    precisions=frozenset({"fp32", "bf16", "fp16"}),
-    optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"}),
+_FP16_NEEDS_SHARDED_SCALER = (
+    "fp16 with ShardedDataParallel needs FairScale's ShardedGradScaler: each rank keeps only"
+    " the gradients of its own optimizer shard, so torch's GradScaler can find an inf on one"
+    " rank only and skip the step there alone; not wired in this release, use bf16"
+)
+
+# fairscale_oss: DDP all-reduces full gradients, so every rank's GradScaler sees the same
+# gradients (fp16 composes), and OSS builds any per-tensor optimizer on whole tensors.
+CAPABILITIES = Capabilities(optimizers=frozenset(optimizers.NAMES))
+
+_SDP_CAPABILITIES = dataclasses.replace(
+    CAPABILITIES,
+    precisions=frozenset({"fp32", "bf16"}),
+    notes={"fp16": _FP16_NEEDS_SHARDED_SCALER},
+)
+
+# Flat parameters as in torch's FSDP1 (harness/strategies/fsdp1.py): the same optimizer
+# reasoning. Not run yet: it needs CUDA.
+_FSDP_CAPABILITIES = dataclasses.replace(
+    CAPABILITIES,
+    precisions=frozenset({"fp32", "bf16"}),
+    optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit"}),
     notes={
-        "fp16": (
-            "fp16 with FairScale needs its ShardedGradScaler (ranks see different gradient"
-            " shards, so torch's GradScaler can skip the step on one rank only): not wired in"
-            " this release, use bf16"
+        "fp16": "fp16 with FairScale FSDP needs its ShardedGradScaler: not wired in this release, use bf16",
+        "adafactor": (
+            "FairScale FSDP flat parameters are 1-D: Adafactor falls back to its unfactored"
+            " second moment, a different update rule than the reference's factored one"
         ),
     },
 )
+
+
+def capabilities_for(name: str) -> Capabilities:
+    return {"fairscale_sdp": _SDP_CAPABILITIES, "fairscale_fsdp": _FSDP_CAPABILITIES}.get(name, CAPABILITIES)
+
 
 FSDP_NEEDS_CUDA = (
     "FairScale FullyShardedDataParallel needs CUDA: it creates CUDA streams and events"

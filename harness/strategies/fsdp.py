@@ -23,7 +23,27 @@ from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
 from harness.strategies.base import FSDP_CAPABILITIES, Prepared
 
-CAPABILITIES = dataclasses.replace(FSDP_CAPABILITIES, optimizers=frozenset(optimizers.NAMES))
+# FSDP2 parameters are DTensors; what the optimizer does with them decides what composes.
+_NO_DTENSOR_8BIT = (
+    "bitsandbytes 8-bit optimizers do not take DTensor parameters (FSDP2): their update kernel"
+    " fails with 'got mixed torch.Tensor and DTensor'"
+)
+CAPABILITIES = dataclasses.replace(
+    FSDP_CAPABILITIES,
+    optimizers=frozenset({"adamw"}),
+    notes={
+        **FSDP_CAPABILITIES.notes,
+        "adam8bit": _NO_DTENSOR_8BIT,
+        "adamw8bit": _NO_DTENSOR_8BIT,
+        "paged_adamw8bit": _NO_DTENSOR_8BIT,
+        "adafactor": (
+            "torch.optim.Adafactor does not take FSDP2's Shard(0) DTensor parameters: its"
+            " column statistic is a norm over the sharded dimension (a Partial DTensor) and the"
+            " in-place pow_ that follows has no sharding rule ('Sharding propagation failed for"
+            " aten.pow_.Scalar')"
+        ),
+    },
+)
 
 
 def _mesh(cell: CellSpec, env: DistEnv):

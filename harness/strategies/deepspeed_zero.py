@@ -1,0 +1,283 @@
+"""DeepSpeed ZeRO stages 1-3 (deepspeed_zero1/2/3): the DeepSpeed engine owns the backward
+pass, gradient reduction and the optimizer step.
+
+The engine's config is built from the cell (no JSON files):
+
+- ``zero_optimization.stage`` from the strategy name; ``train_micro_batch_size_per_gpu`` =
+  cell.micro_batch; ``gradient_accumulation_steps`` = cell.strategy.accumulation.
+- precision: fp32 (nothing), ``bf16: {enabled}`` (DeepSpeed casts the model to bf16 and keeps
+  fp32 master weights in the ZeRO optimizer, so no autocast), ``fp16: {enabled,
+  loss_scale: 0}`` (dynamic loss scaling) where the device has fp16. DeepSpeed's CPU
+  accelerator has fp16 where oneDNN has it (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``,
+  e.g. AVX512-FP16/AMX CPUs); elsewhere deepspeed.initialize raises "Type fp16 is not
+  supported on your device.", which ``unsupported_reason`` reports before launching.
+- buckets sized to the model: DeepSpeed's defaults (reduce/allgather buckets of 5e8
+  elements) allocate a ~1.9 GiB fp32 buffer per rank whatever the model, which would be
+  the peak of every small-model cell. Every bucket is set to the model's element count (one
+  bucket holds all gradients, like DDP with one bucket) and ZeRO-3's persistence threshold
+  to 0 so every parameter is partitioned (the default 1e5 elements would keep most of a
+  tiny model's parameters whole on every rank and make ZeRO-3 look like ZeRO-2). The values
+  are in ``engine_report()["config"]``.
+- offload: "optimizer" -> ``offload_optimizer: cpu`` (stages 1-3) with DeepSpeed's CPU Adam
+  (DeepSpeed refuses a client torch optimizer with ZeRO-Offload unless forced);
+  "params" -> ``offload_param: cpu`` (stage 3 only; works without offload_optimizer);
+  "optimizer_params" -> both.
+- comms_logger on (prof_all): its per-op counts and message bytes are snapshotted at every
+  optimizer-step boundary, so ``engine_report()`` gives each step's own numbers, including
+  the harness's comm-counted step.
+
+The harness's training step divides each micro-step's loss by the accumulation count
+itself, so ``engine.backward(loss, scale_wrt_gas=False)`` (DeepSpeed would divide again),
+and ``engine.step()`` after every micro-step (DeepSpeed reduces and updates only at the
+accumulation boundary).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from harness.config import CellSpec
+from harness.distributed import DistEnv
+from harness.features import optimizers
+from harness.strategies.base import ALL_PRECISIONS, Capabilities, Prepared
+
+STAGES = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
+
+# DeepSpeed's own message (deepspeed/runtime/engine.py, _do_sanity_check, 0.19.8), raised
+# from deepspeed.initialize when the accelerator reports no fp16 (the CPU accelerator asks
+# oneDNN: torch.ops.mkldnn._is_mkldnn_fp16_supported()).
+FP16_UNSUPPORTED = "Type fp16 is not supported on your device."
+
+# Parameter offload (offload_param) exists for ZeRO-3 only; on its own (without
+# offload_optimizer) it runs and passes the gate with DeepSpeed 0.19.8.
+STAGE3_ONLY_NOTE = "offload_param is a ZeRO-3 feature in DeepSpeed: use deepspeed_zero3"
+
+CAPABILITIES = Capabilities(
+    precisions=ALL_PRECISIONS,
+    offload=frozenset({"none", "optimizer", "params", "optimizer_params"}),
+    optimizers=frozenset({"adamw"}),
+)
+_STAGE12_CAPABILITIES = Capabilities(
+    precisions=ALL_PRECISIONS,
+    offload=frozenset({"none", "optimizer"}),
+    optimizers=frozenset({"adamw"}),
+    notes={"params": STAGE3_ONLY_NOTE, "optimizer_params": STAGE3_ONLY_NOTE},
+)
+
+
+def capabilities_for(name: str) -> Capabilities:
+    """Stage-dependent capabilities: parameter offload exists for ZeRO-3 only."""
+    return CAPABILITIES if STAGES[name] == 3 else _STAGE12_CAPABILITIES
+
+
+# DeepSpeed JIT-compiles its CPU Adam (~80 s with gcc) into TORCH_EXTENSIONS_DIR; torch's
+# default (~/.cache/torch_extensions/<python-torch tag>) is fine too, but a named cache makes
+# the cost visible and shared by tests and runs. A user's setting wins.
+EXTENSIONS_CACHE = Path.home() / ".cache" / "shardbench" / "torch_extensions"
+
+# torch.optim.AdamW defaults, which the reference uses; DeepSpeedCPUAdam's weight_decay
+# default is 0, so every value is passed explicitly.
+_ADAMW_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+
+# comms_logger record names -> the harness's op kinds (harness/measure/comm.py), and the
+# factor from DeepSpeed's message size to the harness's byte convention. DeepSpeed sizes a
+# message by the op's ``tensor`` argument: for all_gather_into_tensor that is the input
+# shard, where the harness counts the gathered output (world_size x).
+_DS_KIND = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "inference_all_reduce": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "all_gather_into_tensor": "all_gather",
+    "allgather_fn": "all_gather",
+    "all_gather": "all_gather",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "barrier": "barrier",
+}
+_GATHERED_BY_INPUT = {"all_gather_into_tensor", "allgather_fn"}
+
+
+def _bucket_config(model: nn.Module, stage: int) -> dict:
+    n_elements = sum(p.numel() for p in model.parameters())
+    zero = {
+        "reduce_bucket_size": n_elements,
+        "allgather_bucket_size": n_elements,
+    }
+    if stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": n_elements,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_model_persistence_threshold": 0,
+        }
+    return zero
+
+
+def ds_config(model: nn.Module, cell: CellSpec) -> dict:
+    """The DeepSpeed config of a cell."""
+    s = cell.strategy
+    stage = STAGES[s.name]
+    zero: dict = {"stage": stage, **_bucket_config(model, stage)}
+    if s.offload in ("optimizer", "optimizer_params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if s.offload in ("params", "optimizer_params"):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    config: dict = {
+        "train_micro_batch_size_per_gpu": cell.micro_batch,
+        "gradient_accumulation_steps": s.accumulation,
+        "train_batch_size": cell.global_batch,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "comms_logger": {"enabled": True, "prof_all": True, "verbose": False, "debug": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if s.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif s.precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0}  # 0: dynamic loss scaling
+    return config
+
+
+def _client_optimizer(model: nn.Module, cell: CellSpec) -> torch.optim.Optimizer:
+    if cell.strategy.offload in ("optimizer", "optimizer_params"):
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_CACHE))
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        # Built (or loaded from the cache) here, inside prepare: before the warm-up steps,
+        # so the compile never lands in a measured step.
+        return DeepSpeedCPUAdam(model.parameters(), lr=cell.lr, adamw_mode=True,
+                                bias_correction=True, **_ADAMW_DEFAULTS)
+    return optimizers.adamw(model.parameters(), cell.lr)
+
+
+def _estimates(model: nn.Module, cell: CellSpec) -> dict:
+    """DeepSpeed's model-states memory estimators for this cell's layout (bytes).
+
+    ZeRO-1 has no estimator of its own; the ZeRO-2 one is reported for it (it assumes
+    sharded gradients, so it underestimates ZeRO-1's gradient memory)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage3 import model_to_params as zero3_params
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    s = cell.strategy
+    offload_opt = s.offload in ("optimizer", "optimizer_params")
+    if STAGES[s.name] == 3:
+        total, largest_layer = zero3_params(model)
+        cpu, per_rank, largest = estimate_zero3_model_states_mem_needs(
+            total, largest_layer, num_gpus_per_node=cell.world_size, num_nodes=1,
+            cpu_offload=offload_opt or s.offload == "params",
+            cpu_offload_params=s.offload in ("params", "optimizer_params"),
+            zero_init=False)
+        return {"estimator": "estimate_zero3_model_states_mem_needs",
+                "estimate_zero3_per_rank_bytes": per_rank, "estimate_zero3_cpu_bytes": cpu,
+                "estimate_zero3_largest_layer_bytes": largest,
+                "estimate_total_params": total}
+    total = sum(dict((p.data_ptr(), p.numel()) for p in model.parameters()).values())
+    cpu, per_rank = estimate_zero2_model_states_mem_needs(
+        total, num_gpus_per_node=cell.world_size, num_nodes=1, cpu_offload=offload_opt)
+    return {"estimator": "estimate_zero2_model_states_mem_needs",
+            "estimate_zero2_per_rank_bytes": per_rank, "estimate_zero2_cpu_bytes": cpu,
+            "estimate_total_params": total}
+
+
+def _comms_snapshot() -> dict[str, tuple[int, int]]:
+    """comms_logger's running totals: record name -> (count, message bytes)."""
+    from deepspeed.comm.comm import comms_logger
+
+    return {name: (sum(v[0] for v in sizes.values()), sum(size * v[0] for size, v in sizes.items()))
+            for name, sizes in comms_logger.comms_dict.items()}
+
+
+def _delta(after: dict, before: dict) -> dict[str, dict]:
+    out = {}
+    for name, (count, nbytes) in after.items():
+        c0, b0 = before.get(name, (0, 0))
+        if count - c0:
+            out[name] = {"count": count - c0, "bytes": nbytes - b0}
+    return out
+
+
+def as_harness_ops(ds_ops: dict[str, dict], world_size: int) -> dict[str, dict]:
+    """comms_logger's per-record counts/bytes in the harness's op kinds and byte convention."""
+    out: dict[str, dict] = {}
+    for name, v in ds_ops.items():
+        kind = _DS_KIND.get(name, name)
+        factor = world_size if name in _GATHERED_BY_INPUT else 1
+        acc = out.setdefault(kind, {"count": 0, "bytes": 0})
+        acc["count"] += v["count"]
+        acc["bytes"] += v["bytes"] * factor
+    return out
+
+
+def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    import deepspeed
+
+    config = ds_config(model, cell)
+    estimates = _estimates(model, cell)
+    client_optimizer = _client_optimizer(model, cell)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
+                                                   config=config)
+    # The torch optimizer inside DeepSpeed's wrapper (ZeRO stages, BF16_Optimizer), which the
+    # memory tracker can register; the wrappers themselves are refused by it.
+    inner = getattr(optimizer, "optimizer", optimizer)
+
+    accumulation = cell.strategy.accumulation
+    micro_steps = 0
+    snapshots = [_comms_snapshot()]  # totals at each optimizer-step boundary
+
+    def backward(loss: torch.Tensor) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+
+    def after_micro_step() -> None:
+        nonlocal micro_steps
+        engine.step()
+        micro_steps += 1
+        if micro_steps % accumulation == 0:
+            snapshots.append(_comms_snapshot())
+
+    def engine_report() -> dict:
+        per_step = [_delta(b, a) for a, b in zip(snapshots, snapshots[1:])]
+        comm_step = cell.warmup + 1  # the step the worker counts with harness.measure.comm
+        ds_ops = per_step[comm_step] if comm_step < len(per_step) else {}
+        return {
+            "name": "deepspeed",
+            "version": deepspeed.__version__,
+            "zero_stage": STAGES[cell.strategy.name],
+            "config": config,
+            "optimizer": type(inner).__name__,
+            "optimizer_wrapper": type(optimizer).__name__,
+            "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
+            "comms_logger_step": comm_step,
+            "comms_logger_by_op": ds_ops,
+            "comms_logger_by_op_harness_kinds": as_harness_ops(ds_ops, env.world_size),
+            "comms_logger_by_step": per_step,
+            "memory_estimates": estimates,
+        }
+
+    return Prepared(
+        model=engine,
+        optimizer=optimizer,
+        use_autocast=False,
+        backward=backward,
+        after_micro_step=after_micro_step,
+        memory_module=engine.module,
+        memory_optimizer=inner,
+        engine_report=engine_report,
+    )
+
+
+def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
+    """fp16 on a CPU without oneDNN fp16: DeepSpeed's own refusal, asked of the same check
+    deepspeed.initialize makes (its CPU accelerator), so it holds on any CPU."""
+    if cell.strategy.precision == "fp16" and device_type == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        if not CPU_Accelerator().is_fp16_supported():
+            return f"DeepSpeed: {FP16_UNSUPPORTED} (the CPU accelerator has no fp16 support)"
+    return None

@@ -1,0 +1,144 @@
+"""DeepSpeed ZeRO-1/2/3: the config built from a cell, the capabilities, fp16 refusal, and
+real 2-rank runs (one MatrixRun) gated against the single-process reference, with
+DeepSpeed's comms_logger checked against the harness's own communication counter.
+
+The offload cell uses DeepSpeed's CPU Adam, JIT-compiled on first use into
+harness.strategies.deepspeed_zero.EXTENSIONS_CACHE (~/.cache/shardbench/torch_extensions,
+or $TORCH_EXTENSIONS_DIR): the first run of this file on a machine takes ~80-160 s longer.
+"""
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from harness import models, strategies  # noqa: E402
+from harness.config import CellSpec, StrategySpec  # noqa: E402
+from harness.results.store import RunStore  # noqa: E402
+from harness.runner.launcher import LaunchOptions  # noqa: E402
+from harness.runner.matrix import MatrixRun  # noqa: E402
+from harness.strategies import deepspeed_zero  # noqa: E402
+
+
+def cell(model: str, strategy: str, **options) -> CellSpec:
+    return CellSpec(model=model, strategy=StrategySpec(name=strategy, **options))
+
+
+def n_elements(model: str) -> int:
+    built = models.build(models.get_preset(model), seed=0)
+    return sum(p.numel() for p in built.module.parameters())
+
+
+# ---------------------------------------------------------------- without launching
+
+def test_config_is_built_from_the_cell_with_buckets_sized_to_the_model():
+    c = cell("gpt2-tiny", "deepspeed_zero3", precision="bf16", accumulation=4, offload="optimizer_params")
+    built = models.build(models.get_preset(c.model), seed=0)
+    config = deepspeed_zero.ds_config(built.module, c)
+    n = n_elements(c.model)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert config["train_micro_batch_size_per_gpu"] == c.micro_batch
+    assert config["gradient_accumulation_steps"] == 4
+    assert config["train_batch_size"] == c.global_batch
+    assert config["bf16"] == {"enabled": True} and "fp16" not in config
+    # DeepSpeed's defaults are 5e8-element buckets (~1.9 GiB fp32 per rank).
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == n < 5e8
+    assert zero["stage3_prefetch_bucket_size"] == n
+    assert zero["stage3_param_persistence_threshold"] == 0
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert config["comms_logger"]["enabled"]
+
+    fp16 = deepspeed_zero.ds_config(built.module, cell("gpt2-tiny", "deepspeed_zero1", precision="fp16"))
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0}  # dynamic loss scaling
+    assert fp16["zero_optimization"]["stage"] == 1 and "stage3_prefetch_bucket_size" not in fp16["zero_optimization"]
+
+
+def test_parameter_offload_is_refused_below_stage_3():
+    for offload in ("params", "optimizer_params"):
+        why = strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero2", offload=offload))
+        assert why and "ZeRO-3 feature" in why
+        assert strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero3", offload=offload)) is None
+    assert strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero1", offload="optimizer")) is None
+    assert "optimizer=adafactor" in strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero2", optimizer="adafactor"))
+
+
+def test_fp16_refusal_quotes_deepspeed_and_follows_its_cpu_check(monkeypatch):
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    # The quoted wording is what deepspeed.initialize raises.
+    assert f'"{deepspeed_zero.FP16_UNSUPPORTED}"' in inspect.getsource(DeepSpeedEngine._do_sanity_check)
+    fp16 = cell("gpt2-tiny", "deepspeed_zero2", precision="fp16")
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: False)
+    reason = strategies.unsupported_reason(fp16, "cpu")
+    assert reason and deepspeed_zero.FP16_UNSUPPORTED in reason
+    assert strategies.unsupported_reason(cell("gpt2-tiny", "deepspeed_zero2", precision="bf16"), "cpu") is None
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: True)  # oneDNN fp16 CPUs
+    assert strategies.unsupported_reason(fp16, "cpu") is None
+    assert strategies.unsupported_reason(fp16, "cuda") is None
+
+
+def test_comms_logger_records_convert_to_the_harness_convention():
+    ds = {"all_gather_into_tensor": {"count": 2, "bytes": 100}, "reduce_scatter_tensor": {"count": 1, "bytes": 400},
+          "all_reduce": {"count": 1, "bytes": 8}}
+    assert deepspeed_zero.as_harness_ops(ds, world_size=2) == {
+        "all_gather": {"count": 2, "bytes": 200}, "reduce_scatter": {"count": 1, "bytes": 400},
+        "all_reduce": {"count": 1, "bytes": 8}}
+
+
+# ---------------------------------------------------------------- real 2-rank runs
+
+CELLS = [
+    cell("gpt2-tiny", "deepspeed_zero1"),
+    cell("gpt2-tiny", "deepspeed_zero2", precision="bf16", offload="optimizer"),
+    cell("gpt2-tiny", "deepspeed_zero3", accumulation=4, checkpointing="full"),
+    cell("llama-tiny", "deepspeed_zero3", precision="bf16", offload="params"),
+    cell("llama-tiny", "deepspeed_zero2"),
+]
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict[str, dict]:
+    store = RunStore(tmp_path_factory.mktemp("ds") / "results", "run")
+    return MatrixRun(CELLS, store, LaunchOptions(), device_type="cpu", device_name=None, progress=print).run()
+
+
+@pytest.mark.parametrize("c", CELLS, ids=lambda c: c.cell_id)
+def test_cells_run_and_pass_the_gate(records, c):
+    record = records[c.cell_id]
+    assert record["status"] == "ok", record["reason"]
+    assert record["equivalence"]["passed"], record["equivalence"]
+
+
+@pytest.mark.parametrize("c", CELLS, ids=lambda c: c.cell_id)
+def test_comms_logger_agrees_with_the_harness_counter(records, c):
+    record = records[c.cell_id]
+    engine = record["per_rank"][0]["engine"]
+    harness_ops = record["metrics"]["comm_by_op"]  # rank 0's comm-counted step
+    assert engine["comms_logger_step"] == c.warmup + 1
+    deepspeed_ops = engine["comms_logger_by_op_harness_kinds"]
+    assert deepspeed_ops and set(deepspeed_ops) == set(harness_ops)
+    for op, ours in harness_ops.items():
+        theirs = deepspeed_ops[op]
+        assert theirs["count"] == ours["count"], op
+        assert theirs["bytes"] == pytest.approx(ours["bytes"], rel=0.05), op
+
+
+@pytest.mark.parametrize("c", CELLS, ids=lambda c: c.cell_id)
+def test_estimates_buckets_and_optimizer_are_recorded(records, c):
+    n = n_elements(c.model)
+    for rank in records[c.cell_id]["per_rank"]:
+        engine = rank["engine"]
+        zero = engine["config"]["zero_optimization"]
+        assert zero["stage"] == engine["zero_stage"] == deepspeed_zero.STAGES[c.strategy.name]
+        assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == n
+        estimates = engine["memory_estimates"]
+        stage_key = "zero3" if engine["zero_stage"] == 3 else "zero2"
+        assert estimates["estimator"] == f"estimate_{stage_key}_model_states_mem_needs"
+        assert estimates[f"estimate_{stage_key}_per_rank_bytes"] > 0
+        assert estimates[f"estimate_{stage_key}_cpu_bytes"] > 0
+        expected = "DeepSpeedCPUAdam" if "optimizer" in c.strategy.offload else "AdamW"
+        assert engine["optimizer"] == expected

@@ -1,0 +1,129 @@
+"""The optimizer axis (harness/features/optimizers.py), in one process: each optimizer builds
+and steps, 8-bit state is smaller than AdamW's, and the strategies refuse what does not
+compose with the reason observed."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from harness import strategies
+from harness.config import CellSpec, StrategySpec
+from harness.features import optimizers
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    # One matrix large enough for 8-bit state (bitsandbytes keeps tensors under 4096
+    # elements in 32-bit), one small vector.
+    return [torch.nn.Parameter(torch.randn(128, 64)), torch.nn.Parameter(torch.randn(64))]
+
+
+def _step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    loss = sum((p**2).sum() for p in params)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if torch.is_tensor(t))
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adamw8bit", "adafactor"])
+def test_each_optimizer_builds_and_steps(name):
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    optimizer = optimizers.make(params, name, lr=1e-2)
+    cls, kwargs = optimizers.optimizer_class_and_kwargs(name, 1e-2)
+    assert isinstance(optimizer, cls) and kwargs == {"lr": 1e-2}
+    _step(optimizer, params)
+    assert all(not torch.equal(p, b) for p, b in zip(params, before)), f"{name} did not update"
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_adamw_helper_is_the_adamw_cell_optimizer():
+    assert type(optimizers.adamw(_params(), 1e-3)) is torch.optim.AdamW
+
+
+def test_unknown_optimizer_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="adafactor"):
+        optimizers.optimizer_class_and_kwargs("lion", 1e-3)
+
+
+def test_8bit_and_adafactor_state_is_smaller_than_adamw():
+    sizes = {}
+    for name in ("adamw", "adam8bit", "adafactor"):
+        params = _params()
+        optimizer = optimizers.make(params, name, 1e-3)
+        _step(optimizer, params)
+        sizes[name] = _state_bytes(optimizer)
+    param_bytes = sum(p.numel() * p.element_size() for p in _params())
+    assert sizes["adamw"] >= 2 * param_bytes
+    # uint8 codes for both moments of the matrix (2 bytes/param vs 8), plus absmax and qmaps.
+    assert sizes["adam8bit"] < 0.5 * sizes["adamw"]
+    assert sizes["adafactor"] < 0.25 * sizes["adamw"]
+
+
+def test_paged_optimizer_falls_back_on_cpu_and_the_cell_says_so():
+    params = _params()
+    optimizer = optimizers.make(params, "paged_adamw8bit", 1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(optimizer, params)
+    # If bitsandbytes ever pages on CPU (or stops saying it does not), revisit PAGED_ON_CPU.
+    assert any("Paged optimizers are not supported on CPU" in str(w.message) for w in caught)
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", optimizer="paged_adamw8bit"))
+    assert "falls back to the non-paged optimizer" in strategies.unsupported_reason(cell, "cpu")
+    assert strategies.unsupported_reason(cell, "cuda") is None
+
+
+def _refusal(strategy: str, optimizer: str, **kw) -> str | None:
+    world = 1 if strategy == "single" else 2
+    return strategies.incompatibility(
+        CellSpec(model="gpt2-tiny", world_size=world, strategy=StrategySpec(name=strategy, optimizer=optimizer, **kw)))
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp", "zero1", "fairscale_oss", "fairscale_sdp"])
+@pytest.mark.parametrize("optimizer", optimizers.NAMES)
+def test_replicated_and_per_tensor_sharded_strategies_take_every_optimizer(strategy, optimizer):
+    assert _refusal(strategy, optimizer) is None
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_full", "fsdp_grad_op", "fsdp_hybrid"])
+@pytest.mark.parametrize("optimizer", ["adam8bit", "adamw8bit", "paged_adamw8bit"])
+def test_fsdp2_refuses_8bit_optimizers(strategy, optimizer):
+    assert "do not take DTensor parameters" in _refusal(strategy, optimizer)
+
+
+def test_fsdp2_refuses_adafactor():
+    assert "Sharding propagation failed" in _refusal("fsdp_full", "adafactor")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp1_full", "fsdp1_no_shard", "fairscale_fsdp"])
+def test_flat_parameter_strategies_take_8bit_but_refuse_adafactor(strategy):
+    assert _refusal(strategy, "adamw8bit") is None
+    assert "unfactored second moment" in _refusal(strategy, "adafactor")
+
+
+def test_fairscale_sdp_refuses_fp16_but_oss_takes_it():
+    assert "ShardedGradScaler" in strategies.incompatibility(
+        CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fairscale_sdp", precision="fp16")))
+    assert strategies.incompatibility(
+        CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fairscale_oss", precision="fp16"))) is None
+
+
+def test_quantized_optimizers_get_their_stated_tolerance():
+    from harness import equivalence
+
+    def tol(**kw):
+        return equivalence.tolerance(CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fsdp1_full", **kw)))
+
+    assert tol(optimizer="adam8bit") == equivalence.TOLERANCE_QUANTIZED_OPTIMIZER
+    assert tol(optimizer="adafactor") == equivalence.TOLERANCE_FP32  # not quantized
+    assert tol(optimizer="adam8bit", precision="bf16") == equivalence.TOLERANCE_LOW_PRECISION
+    # Still far below what a wrong strategy costs (unsynchronised ranks: 2e-3).
+    assert equivalence.TOLERANCE_QUANTIZED_OPTIMIZER * 10 < 2e-3

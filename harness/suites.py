@@ -90,7 +90,7 @@ def default(world_size: int) -> list[CellSpec]:
     for optimizer in ("adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"):
         cells += [_cell("gpt2-tiny", s, world_size, optimizer=optimizer) for s in ("single", "ddp")]
     cells += [_cell("gpt2-tiny", "fairscale_sdp", world_size, optimizer=o) for o in ("adamw8bit", "adafactor")]
-    cells += [_cell("gpt2-tiny", "fsdp1_full", world_size, optimizer="adamw8bit")]
+    cells += [_cell("gpt2-tiny", s, world_size, optimizer="adamw8bit") for s in ("fsdp1_full", "deepspeed_zero2")]
     cells += [_cell("llama-tiny", s, world_size, optimizer="adam8bit") for s in ("single", "ddp")]
     # The other model families.
     for model, strategy in (("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp")):

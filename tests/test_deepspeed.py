@@ -97,6 +97,7 @@ CELLS = [
     cell("gpt2-tiny", "deepspeed_zero3", accumulation=4, checkpointing="full"),
     cell("llama-tiny", "deepspeed_zero3", precision="bf16", offload="params"),
     cell("llama-tiny", "deepspeed_zero2"),
+    cell("gpt2-tiny", "deepspeed_zero2", optimizer="adamw8bit"),  # a bitsandbytes client optimizer
 ]
 
 
@@ -140,5 +141,8 @@ def test_estimates_buckets_and_optimizer_are_recorded(records, c):
         assert estimates["estimator"] == f"estimate_{stage_key}_model_states_mem_needs"
         assert estimates[f"estimate_{stage_key}_per_rank_bytes"] > 0
         assert estimates[f"estimate_{stage_key}_cpu_bytes"] > 0
-        expected = "DeepSpeedCPUAdam" if "optimizer" in c.strategy.offload else "AdamW"
+        expected = {"adamw": "AdamW", "adamw8bit": "AdamW8bit"}[c.strategy.optimizer]
+        if "optimizer" in c.strategy.offload:
+            expected = "DeepSpeedCPUAdam"
         assert engine["optimizer"] == expected
+        assert engine["config"].get("zero_allow_untested_optimizer", False) == (c.strategy.optimizer != "adamw")

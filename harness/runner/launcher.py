@@ -127,7 +127,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     workdir.mkdir(parents=True, exist_ok=True)
     cells_file, stream_file, log_file = workdir / "cells.json", workdir / "stream.jsonl", workdir / "log.txt"
     cells_file.write_text(json.dumps([c.to_dict() for c in cells]))
-    stream_file.touch()
+    stream_file.write_text("")  # a fresh stream: never read a previous launch's events
     cmd = [
         sys.executable, "-m", "torch.distributed.run", *torchrun_args(cells[0].world_size),
         "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),

@@ -34,7 +34,7 @@ ENV = DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backen
 def _bare_step():
     """The training step as anyone would write it: no harness in sight."""
     built = models.build(models.get_preset(CELL.model), seed=CELL.seed)
-    model, optimizer = built.module, optimizers.adamw(built.module.parameters(), CELL.lr)
+    model, optimizer = built.module, optimizers.make(built.module.parameters(), CELL.strategy.optimizer, CELL.lr)
     batch = built.make_batch(torch.Generator().manual_seed(0), CELL.micro_batch)
 
     def step():

@@ -45,10 +45,6 @@ def test_each_optimizer_builds_and_steps(name):
     assert all(torch.isfinite(p).all() for p in params)
 
 
-def test_adamw_helper_is_the_adamw_cell_optimizer():
-    assert type(optimizers.adamw(_params(), 1e-3)) is torch.optim.AdamW
-
-
 def test_unknown_optimizer_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="adafactor"):
         optimizers.optimizer_class_and_kwargs("lion", 1e-3)

@@ -57,11 +57,6 @@ def make(params: Iterable[torch.nn.Parameter], name: str, lr: float) -> torch.op
     return cls(params, **kwargs)
 
 
-def adamw(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """AdamW with the cell defaults (callers outside the cell axis: suites/test_perf.py)."""
-    return make(params, "adamw", lr)
-
-
 def unsupported_reason(name: str, device_type: str) -> str | None:
     """Why this hardware cannot run optimizer ``name`` as itself, or None."""
     if name == "paged_adamw8bit" and device_type != "cuda":

@@ -140,6 +140,25 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
+    """Per common cell, B against A: better / worse / not significant; the HTML page goes
+    into the report folder beside the runs' own reports."""
+    from harness.report import compare
+    from harness.results.store import resolve_run
+
+    root = args.out or REPO_ROOT
+    try:
+        compare.parse_thresholds(args.fail_on)
+        run_a, run_b = (resolve_run(root / "results", run) for run in (args.run_a, args.run_b))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    code = compare.main_compare(run_a, run_b, fmt=args.format, fail_on=args.fail_on)
+    page = compare.write_html(root / "reports" / "compare" / f"{run_a.name}_vs_{run_b.name}.html",
+                              compare.compare_runs(run_a, run_b), compare.run_name(run_a), compare.run_name(run_b))
+    print(f"\ncomparison page: {page}", file=sys.stderr)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardbench", description="Distributed training strategies, side by side.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run", help="run id under results/ (or 'latest'), or a run folder")
     rep.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
     rep.set_defaults(func=cmd_report)
+    cmp_ = sub.add_parser("compare", help="compare run B with baseline run A, cell by cell")
+    cmp_.add_argument("run_a", help="baseline: run id under results/ (or 'latest'), or a run folder")
+    cmp_.add_argument("run_b", help="candidate: run id under results/ (or 'latest'), or a run folder")
+    cmp_.add_argument("--format", choices=("text", "markdown", "html"), default="text")
+    cmp_.add_argument("--fail-on", default=None, metavar="SPEC",
+                      help="exit 1 on regressions beyond e.g. mem:5%%,time:10%%,throughput:10%%")
+    cmp_.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    cmp_.set_defaults(func=cmd_compare)
     return parser
 
 

@@ -26,6 +26,8 @@ def shardbench(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
         (["run", "--cell-timeout", "-5"], "--cell-timeout -5.0: must be positive"),
         (["list", "-m", "fsdp3"], "unknown marker(s) fsdp3"),
         (["report", "no-such-run"], "no run at"),
+        (["compare", "run-a", "run-b", "--fail-on", "cpu:5%"], "--fail-on='cpu:5%': expected comma-separated KEY:N%"),
+        (["compare", "run-a", "run-b"], "no run at"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_launched(tmp_path, args, message):

@@ -1,0 +1,489 @@
+"""Compare two runs cell by cell: run A is the baseline, run B the candidate.
+
+For every cell id present in both runs with status ``ok`` in both, three changes are given,
+each with a mark ``better`` / ``worse`` / ``not significant`` (``same`` for exactly equal
+memory):
+
+Peak memory (``metrics.peak_mem_bytes``; deterministic on CPU, it counts tensor bytes):
+    change = B / A - 1.  ``same`` if B == A; ``worse`` if change > +0.5 %; ``better`` if
+    change < -0.5 %; otherwise ``not significant``.
+
+Step time (decided from the per-step samples, never from two medians alone):
+    each run's series is the slowest rank per step: for step i, max over ranks r of
+    ``per_rank[r].step_times_s[i]`` (steps every rank has).  ratio = median(B) / median(A)
+    (these medians are what ``metrics.step_time_s`` records), change = ratio - 1.
+    p = two-sided Mann-Whitney U test of the two series, normal approximation with tie
+    correction and continuity correction.
+    ``worse``  iff p < 0.05 and ratio > 1.10;
+    ``better`` iff p < 0.05 and ratio < 0.90;
+    otherwise ``not significant``. The 10 % floor is asv's default (``asv compare
+    --factor 1.1``): the same code run twice on a shared host drifts by several per cent as
+    other work comes and goes, and a rank test alone calls such drift significant (two
+    default-suite runs an hour apart on this 2-core host: 15 of 41 cells "worse" at a 2 %
+    floor).  Fewer than 4 samples on either side: ``not significant``,
+    note "too few samples", p = None.
+
+Throughput (``metrics.tokens_per_s``, else ``samples_per_s``): change = B / A - 1.  A step's
+    throughput is the global batch over the slowest rank's step time, a decreasing function
+    of it, so the rank test on throughput is the same test as on step time: same p, and the
+    mark mirrors the step-time mark (time ``worse`` <=> throughput ``worse``).
+
+Cells only in A or only in B, and cells not ``ok`` in one run, are listed with their statuses;
+``ok`` in A and ``oom``/``timeout``/``failed``/``unsupported`` in B is a regression (mark
+``worse``), the reverse is ``better``.
+
+``--fail-on`` thresholds (``parse_thresholds``): "mem:5%,time:10%,throughput:10%" (any subset).
+``regressions`` returns the cells with a metric marked ``worse`` whose change is beyond its
+threshold (memory or step time up by more than it, throughput down by more than it), and
+every ``ok`` -> not-``ok`` status change whatever the thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+from harness.results.store import load_records
+
+ALPHA = 0.05
+MIN_TIME_EFFECT = 0.10  # |median ratio - 1| must exceed this to mark time/throughput
+MEM_THRESHOLD = 0.005  # relative peak-memory change that counts
+MIN_SAMPLES = 4
+
+BETTER, WORSE, NOT_SIGNIFICANT, SAME = "better", "worse", "not significant", "same"
+THRESHOLD_KEYS = ("mem", "time", "throughput")
+FORMATS = ("text", "markdown", "html")
+
+_MARK_SYMBOL = {BETTER: "✅", WORSE: "❌", NOT_SIGNIFICANT: "➖", SAME: "➖"}
+
+
+@dataclass
+class MetricChange:
+    """One metric of one cell: A's and B's values, change = B / A - 1, and the verdict."""
+
+    metric: str  # "mem", "time", "throughput"
+    a: float | None
+    b: float | None
+    change: float | None
+    mark: str
+    p_value: float | None = None
+    ratio: float | None = None  # median(B) / median(A) for time; B / A otherwise
+    n_a: int | None = None
+    n_b: int | None = None
+    note: str = ""
+
+
+@dataclass
+class CellComparison:
+    cell_id: str
+    # "compared" (ok in both), "only_a", "only_b", "status_change", "not_ok" (not ok in both)
+    kind: str
+    status_a: str | None
+    status_b: str | None
+    mem: MetricChange | None = None
+    time: MetricChange | None = None
+    throughput: MetricChange | None = None
+    reason_a: str = ""
+    reason_b: str = ""
+    note: str = ""
+
+    @property
+    def metrics(self) -> list[MetricChange]:
+        return [m for m in (self.mem, self.time, self.throughput) if m is not None]
+
+    @property
+    def status_regression(self) -> bool:
+        return self.kind == "status_change" and self.status_a == "ok"
+
+    @property
+    def verdict(self) -> str:
+        """The cell's overall mark: worse if anything got worse, better if anything got
+        better and nothing worse, else not significant; "" for cells not compared."""
+        if self.kind == "status_change":
+            return WORSE if self.status_a == "ok" else BETTER
+        if self.kind != "compared":
+            return ""
+        marks = {m.mark for m in self.metrics}
+        if WORSE in marks:
+            return WORSE
+        if BETTER in marks:
+            return BETTER
+        return NOT_SIGNIFICANT
+
+
+@dataclass
+class Regression:
+    comparison: CellComparison
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def cell_id(self) -> str:
+        return self.comparison.cell_id
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def _average_ranks(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1-based ranks with ties given their average rank, and the tie-group sizes."""
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    starts = np.cumsum(counts) - counts  # 0-based position of each group's first element
+    avg = starts + (counts + 1) / 2.0
+    return avg[inverse], counts
+
+
+def mann_whitney_u(x, y) -> tuple[float, float]:
+    """Two-sided Mann-Whitney U test (normal approximation, tie and continuity corrected).
+    Returns (U of x, p). p = 1 when every value is tied."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    n1, n2 = len(x), len(y)
+    if n1 == 0 or n2 == 0:
+        raise ValueError("mann_whitney_u needs at least one sample on each side")
+    n = n1 + n2
+    ranks, counts = _average_ranks(np.concatenate([x, y]))
+    u1 = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2.0)
+    mu = n1 * n2 / 2.0
+    tie_term = float((counts.astype(float) ** 3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
+    var = n1 * n2 / 12.0 * ((n + 1) - tie_term)
+    if var <= 0:
+        return u1, 1.0
+    z = max(abs(u1 - mu) - 0.5, 0.0) / math.sqrt(var)
+    return u1, min(1.0, math.erfc(z / math.sqrt(2.0)))
+
+
+def slowest_rank_series(record: dict) -> list[float]:
+    """For each step index, the max over ranks of per_rank[r].step_times_s[i]."""
+    lists = [r.get("step_times_s") or [] for r in record.get("per_rank") or []]
+    lists = [lst for lst in lists if lst]
+    if not lists:
+        return []
+    steps = min(len(lst) for lst in lists)
+    series = []
+    for i in range(steps):
+        vals = [lst[i] for lst in lists if lst[i] is not None]
+        if vals:
+            series.append(float(max(vals)))
+    return series
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def _rel(a, b) -> float | None:
+    if a is None or b is None or a == 0:
+        return None
+    return b / a - 1.0
+
+
+def compare_memory(a: float | None, b: float | None) -> MetricChange:
+    change = _rel(a, b)
+    if change is None:
+        return MetricChange("mem", a, b, None, NOT_SIGNIFICANT, note="no peak memory")
+    if a == b:
+        mark = SAME
+    elif change > MEM_THRESHOLD:
+        mark = WORSE
+    elif change < -MEM_THRESHOLD:
+        mark = BETTER
+    else:
+        mark = NOT_SIGNIFICANT
+    return MetricChange("mem", a, b, change, mark, ratio=b / a)
+
+
+def compare_step_times(series_a: list[float], series_b: list[float],
+                       median_a: float | None = None, median_b: float | None = None) -> MetricChange:
+    """The step-time rule of the module docstring. The medians fall back to the recorded
+    metrics.step_time_s when a run has no per-step samples."""
+    n_a, n_b = len(series_a), len(series_b)
+    a = float(np.median(series_a)) if n_a else median_a
+    b = float(np.median(series_b)) if n_b else median_b
+    change = _rel(a, b)
+    ratio = None if change is None else change + 1.0
+    if n_a < MIN_SAMPLES or n_b < MIN_SAMPLES:
+        return MetricChange("time", a, b, change, NOT_SIGNIFICANT, ratio=ratio, n_a=n_a, n_b=n_b,
+                            note="too few samples")
+    _, p = mann_whitney_u(series_a, series_b)
+    mark = NOT_SIGNIFICANT
+    if p < ALPHA and ratio is not None:
+        if ratio > 1.0 + MIN_TIME_EFFECT:
+            mark = WORSE
+        elif ratio < 1.0 - MIN_TIME_EFFECT:
+            mark = BETTER
+    return MetricChange("time", a, b, change, mark, p_value=p, ratio=ratio, n_a=n_a, n_b=n_b)
+
+
+def _throughput(rec_a: dict, rec_b: dict, time: MetricChange) -> MetricChange | None:
+    ma, mb = rec_a.get("metrics") or {}, rec_b.get("metrics") or {}
+    for key in ("tokens_per_s", "samples_per_s"):
+        if ma.get(key) is not None and mb.get(key) is not None:
+            a, b = ma[key], mb[key]
+            change = _rel(a, b)
+            mark = {WORSE: WORSE, BETTER: BETTER}.get(time.mark, NOT_SIGNIFICANT)
+            return MetricChange("throughput", a, b, change, mark, p_value=time.p_value,
+                                ratio=None if change is None else change + 1.0,
+                                n_a=time.n_a, n_b=time.n_b, note=key if not time.note else f"{key}; {time.note}")
+    return None
+
+
+def compare_records(rec_a: dict, rec_b: dict) -> CellComparison:
+    """Both records have status ok."""
+    ma, mb = rec_a.get("metrics") or {}, rec_b.get("metrics") or {}
+    mem = compare_memory(ma.get("peak_mem_bytes"), mb.get("peak_mem_bytes"))
+    time = compare_step_times(slowest_rank_series(rec_a), slowest_rank_series(rec_b),
+                              ma.get("step_time_s"), mb.get("step_time_s"))
+    return CellComparison(rec_a["cell_id"], "compared", "ok", "ok", mem=mem, time=time,
+                          throughput=_throughput(rec_a, rec_b, time))
+
+
+def _by_cell(records: list[dict]) -> dict[str, dict]:
+    # A re-run cell may appear twice (a resumed run): the last record wins.
+    return {r["cell_id"]: r for r in records}
+
+
+def compare_record_lists(records_a: list[dict], records_b: list[dict]) -> list[CellComparison]:
+    a, b = _by_cell(records_a), _by_cell(records_b)
+    out: list[CellComparison] = []
+    for cell_id in sorted(set(a) | set(b)):
+        ra, rb = a.get(cell_id), b.get(cell_id)
+        if rb is None:
+            out.append(CellComparison(cell_id, "only_a", ra["status"], None, reason_a=ra.get("reason", ""),
+                                      note="only in A"))
+        elif ra is None:
+            out.append(CellComparison(cell_id, "only_b", None, rb["status"], reason_b=rb.get("reason", ""),
+                                      note="only in B"))
+        elif ra["status"] == "ok" and rb["status"] == "ok":
+            out.append(compare_records(ra, rb))
+        else:
+            kind = "not_ok" if ra["status"] == rb["status"] or "ok" not in (ra["status"], rb["status"]) \
+                else "status_change"
+            note = f"{ra['status']} → {rb['status']}"
+            if kind == "status_change":
+                note += " (regression)" if ra["status"] == "ok" else " (fixed)"
+            out.append(CellComparison(cell_id, kind, ra["status"], rb["status"], reason_a=ra.get("reason", ""),
+                                      reason_b=rb.get("reason", ""), note=note))
+    return out
+
+
+def compare_runs(run_a: Path, run_b: Path) -> list[CellComparison]:
+    """A = baseline, B = candidate; one CellComparison per cell id in either run, sorted."""
+    return compare_record_lists(load_records(Path(run_a)), load_records(Path(run_b)))
+
+
+# ---------------------------------------------------------------- thresholds
+
+_THRESHOLD_RE = re.compile(r"^\s*([a-z]+)\s*:\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
+
+
+def parse_thresholds(spec: str | dict | None) -> dict[str, float]:
+    """"mem:5%,time:10%,throughput:10%" -> {"mem": 0.05, "time": 0.10, "throughput": 0.10}."""
+    if spec is None:
+        return {}
+    if isinstance(spec, dict):
+        return dict(spec)
+    usage = (f"--fail-on={spec!r}: expected comma-separated KEY:N% with KEY one of"
+             f" {', '.join(THRESHOLD_KEYS)} (e.g. mem:5%,time:10%)")
+    out: dict[str, float] = {}
+    parts = spec.split(",")
+    if not spec.strip():
+        raise ValueError(usage)
+    for part in parts:
+        m = _THRESHOLD_RE.match(part)
+        if not m or m.group(1) not in THRESHOLD_KEYS or m.group(1) in out:
+            raise ValueError(usage)
+        out[m.group(1)] = float(m.group(2)) / 100.0
+    return out
+
+
+def regressions(comparisons: list[CellComparison], thresholds: str | dict | None) -> list[Regression]:
+    """Cells with a metric marked worse beyond its threshold, and every ok -> not-ok cell."""
+    limits = parse_thresholds(thresholds)
+    out = []
+    for c in comparisons:
+        reasons = []
+        if c.status_regression:
+            reasons.append(f"status {c.status_a} → {c.status_b}")
+        for m in c.metrics:
+            limit = limits.get(m.metric)
+            if limit is None or m.mark != WORSE or m.change is None:
+                continue
+            amount = -m.change if m.metric == "throughput" else m.change
+            if amount > limit:
+                reasons.append(f"{m.metric} {m.change:+.1%} (threshold {limit:.0%})")
+        if reasons:
+            out.append(Regression(c, reasons))
+    return out
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def summary(comparisons: list[CellComparison]) -> str:
+    verdicts = [c.verdict for c in comparisons]
+    line = (f"{verdicts.count(BETTER)} better, {verdicts.count(WORSE)} worse,"
+            f" {verdicts.count(NOT_SIGNIFICANT)} not significant")
+    extra = []
+    for kind, label in (("only_a", "only in A"), ("only_b", "only in B"), ("not_ok", "not ok in both")):
+        n = sum(c.kind == kind for c in comparisons)
+        if n:
+            extra.append(f"{n} {label}")
+    return line + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _pct(change: float | None) -> str:
+    return "n/a" if change is None else f"{change:+.1%}"
+
+
+def _p(p: float | None) -> str:
+    if p is None:
+        return ""
+    return f"p={p:.1e}" if p < 0.001 else f"p={p:.3f}"
+
+
+def _cells(c: CellComparison, symbols: bool) -> dict[str, str]:
+    """Plain-text pieces of one row, shared by the renderers."""
+    def fmt(m: MetricChange | None, with_p: bool = False) -> str:
+        if m is None:
+            return ""
+        mark = _MARK_SYMBOL[m.mark] if symbols else m.mark
+        p = _p(m.p_value) if with_p else ""
+        note = f"{m.note}" if with_p and m.note == "too few samples" else ""
+        extras = ", ".join(x for x in (p, note) if x)
+        return f"{_pct(m.change)} {mark}" + (f" ({extras})" if extras else "")
+
+    status = "ok" if c.kind == "compared" else {
+        "only_a": f"only in A ({c.status_a})",
+        "only_b": f"only in B ({c.status_b})",
+    }.get(c.kind, f"{c.status_a} → {c.status_b}")
+    verdict = c.verdict
+    shown = (_MARK_SYMBOL[verdict] + " " + verdict) if symbols and verdict else verdict
+    reason = c.reason_b if c.status_b not in (None, "ok") else c.reason_a
+    reason = (reason.strip().splitlines() or [""])[-1][:120]
+    return {"cell": c.cell_id, "status": status, "mem": fmt(c.mem), "time": fmt(c.time, with_p=True),
+            "throughput": fmt(c.throughput), "verdict": shown, "reason": reason}
+
+
+_COLUMNS = ("cell", "status", "mem", "time", "throughput", "verdict")
+_HEADERS = {"cell": "cell", "status": "status", "mem": "peak mem", "time": "step time",
+            "throughput": "throughput", "verdict": "verdict", "reason": "reason"}
+
+
+def _md_escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def to_markdown(comparisons: list[CellComparison], run_a_name: str = "A", run_b_name: str = "B") -> str:
+    lines = [f"**shardbench compare**: `{_md_escape(run_a_name)}` (baseline) → `{_md_escape(run_b_name)}`",
+             "",
+             "| cell | status | peak mem | step time | throughput | verdict |",
+             "|---|---|---|---|---|---|"]
+    for c in comparisons:
+        row = _cells(c, symbols=True)
+        if row["reason"]:
+            row["status"] += f": {row['reason']}"
+        lines.append("| " + " | ".join(_md_escape(row[k]) for k in _COLUMNS) + " |")
+    lines += ["", summary(comparisons), ""]
+    return "\n".join(lines)
+
+
+def to_text(comparisons: list[CellComparison], run_a_name: str = "A", run_b_name: str = "B") -> str:
+    rows = [_HEADERS] + [_cells(c, symbols=False) for c in comparisons]
+    widths = {k: max(len(r[k]) for r in rows) for k in _COLUMNS}
+    lines = [f"compare: {run_a_name} (baseline) -> {run_b_name}"]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(r[k].ljust(widths[k]) for k in _COLUMNS).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * widths[k] for k in _COLUMNS))
+    lines.append(summary(comparisons))
+    return "\n".join(lines) + "\n"
+
+
+_HTML = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string("""\
+<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>shardbench compare: {{ a }} → {{ b }}</title>
+<style>
+body { font-family: system-ui, sans-serif; margin: 1.5em; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; }
+td.num { text-align: right; white-space: nowrap; }
+tr.worse td { background: #fde8e8; }
+tr.better td { background: #e8f7e8; }
+.reason { color: #666; font-size: 0.85em; }
+</style></head><body>
+<h1>shardbench compare</h1>
+<p>Baseline (A): <code>{{ a }}</code><br>Candidate (B): <code>{{ b }}</code></p>
+<p><strong>{{ summary }}</strong></p>
+<table>
+<thead><tr><th>cell</th><th>status</th><th>peak mem</th><th>step time</th><th>throughput</th><th>verdict</th></tr></thead>
+<tbody>
+{% for row, cls in rows %}<tr class="{{ cls }}"><td>{{ row.cell }}</td><td>{{ row.status }}
+{%- if row.reason %}<div class="reason">{{ row.reason }}</div>{% endif %}</td>
+<td class="num">{{ row.mem }}</td><td class="num">{{ row.time }}</td><td class="num">{{ row.throughput }}</td><td>{{ row.verdict }}</td></tr>
+{% endfor %}</tbody></table>
+<p class="reason">{{ rule }}</p>
+</body></html>
+""")
+
+_RULE = (f"Step time: slowest rank per step, two-sided Mann-Whitney U (normal approximation, tie-corrected),"
+         f" marked when p < {ALPHA} and the median ratio differs from 1 by more than {MIN_TIME_EFFECT:.0%};"
+         f" fewer than {MIN_SAMPLES} samples per side: not significant. Peak memory: marked when it changes"
+         f" by more than {MEM_THRESHOLD:.1%}.")
+
+
+def to_html(comparisons: list[CellComparison], run_a_name: str, run_b_name: str) -> str:
+    rows = [(_cells(c, symbols=True), c.verdict.replace(" ", "-")) for c in comparisons]
+    return _HTML.render(a=run_a_name, b=run_b_name, rows=rows, summary=summary(comparisons), rule=_RULE)
+
+
+def write_html(path: Path, comparisons: list[CellComparison], run_a_name: str, run_b_name: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_html(comparisons, run_a_name, run_b_name), encoding="utf-8")
+    return path
+
+
+def run_name(run_dir: Path) -> str:
+    info = Path(run_dir) / "run.json"
+    if info.exists():
+        try:
+            return str(json.loads(info.read_text()).get("run_id") or Path(run_dir).name)
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    return Path(run_dir).name
+
+
+def main_compare(run_a: Path, run_b: Path, fmt: str = "text", fail_on: str | None = None,
+                 out: Path | None = None, stream=None) -> int:
+    """Print the comparison in ``fmt`` (text, markdown, html) to ``stream`` (stdout), and
+    also write it to ``out`` when given. Returns 1 when ``fail_on`` is given and some cell
+    regressed beyond it (see ``regressions``), else 0. Raises ValueError on a bad ``fmt`` or
+    ``fail_on`` before reading anything."""
+    stream = stream or sys.stdout
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r}: choose one of {', '.join(FORMATS)}")
+    thresholds = parse_thresholds(fail_on)
+    comparisons = compare_runs(run_a, run_b)
+    a, b = run_name(run_a), run_name(run_b)
+    rendered = {"text": to_text, "markdown": to_markdown, "html": to_html}[fmt](comparisons, a, b)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(rendered, encoding="utf-8")
+    stream.write(rendered)
+    if fail_on is None:
+        return 0
+    found = regressions(comparisons, thresholds)
+    if found:
+        print(f"{len(found)} regression(s) beyond --fail-on {fail_on}:", file=sys.stderr)
+        for r in found:
+            print(f"  {r.cell_id}: {'; '.join(r.reasons)}", file=sys.stderr)
+        return 1
+    return 0

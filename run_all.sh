@@ -39,7 +39,7 @@ bootstrap() {
     # --no-build-isolation: deepspeed imports torch while it builds. That makes this venv's
     # own setuptools build shardbench too, so bring it up to what pyproject.toml asks.
     "$VENV/bin/pip" install --quiet -c "$constraints" "setuptools>=68" wheel
-    "$VENV/bin/pip" install --quiet -c "$constraints" --no-build-isolation -e ".[engines]"
+    "$VENV/bin/pip" install --quiet -c "$constraints" --no-build-isolation -e ".[engines,test]"
     rm -f "$VENV"/.installed-*
     touch "$stamp"
 }

@@ -127,15 +127,28 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    from harness.report import html
+    from harness.report import history, html
     from harness.results.store import resolve_run
 
-    results_dir = (args.out or REPO_ROOT) / "results"
+    root = args.out or REPO_ROOT
     try:
-        run_dir = resolve_run(results_dir, args.run)
+        run_dir = resolve_run(root / "results", args.run)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    page = html.write_run_report(run_dir, (args.out or REPO_ROOT) / "reports" / run_dir.name)
+    page = html.write_run_report(run_dir, root / "reports" / run_dir.name)
+    history.write_index(root / "results", root / "reports")
+    print(page)
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace, extra: list[str]) -> int:
+    from harness.report import history
+
+    root = args.out or REPO_ROOT
+    try:
+        page = history.publish(root / "reports", args.destination)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     print(page)
     return 0
 
@@ -175,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run", help="run id under results/ (or 'latest'), or a run folder")
     rep.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
     rep.set_defaults(func=cmd_report)
+    pub = sub.add_parser("publish", help="copy reports/ into a folder ready for static hosting")
+    pub.add_argument("destination", type=Path, help="a new (or empty) folder")
+    pub.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    pub.set_defaults(func=cmd_publish)
     cmp_ = sub.add_parser("compare", help="compare run B with baseline run A, cell by cell")
     cmp_.add_argument("run_a", help="baseline: run id under results/ (or 'latest'), or a run folder")
     cmp_.add_argument("run_b", help="candidate: run id under results/ (or 'latest'), or a run folder")

@@ -1,23 +1,44 @@
 """A run's static HTML report, built from results/ alone (the report is a pure function of
-the results). This release: one table of every cell, failed and unsupported ones included."""
+the results): reports/<run_id>/index.html (summary table, figures, engines table,
+environment), cells/<cell>.html (one page per cell) and figures/*.svg. Self-contained: inline
+CSS and JS, no network; every string from the results is escaped (jinja2 autoescape)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shlex
 from pathlib import Path
 
 import jinja2
 
+from harness.report import figures
 from harness.results.store import load_records
 
-_ENV = jinja2.Environment(
+ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("harness.report", "templates"),
     autoescape=True,  # every string from results is escaped
     undefined=jinja2.StrictUndefined,
 )
 
+# A strategy's engine (the library that implements it), for the filter and engines table.
+_ENGINES = {
+    "single": "reference",
+    "deepspeed": "DeepSpeed",
+    "fairscale": "FairScale",
+}
 
-def _mib(n: int | None) -> str:
+
+def engine_of(strategy: str) -> str:
+    if strategy == "single":
+        return "reference"
+    for prefix, engine in _ENGINES.items():
+        if strategy.startswith(prefix):
+            return engine
+    return "PyTorch"
+
+
+def _mib(n: float | None) -> str:
     return "" if n is None else f"{n / 2**20:.2f}"
 
 
@@ -25,14 +46,163 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "" if value is None else f"{value * scale:.{digits}f}"
 
 
-_ENV.filters.update(mib=_mib, fmt=_fmt)
+def _num(value) -> str:
+    """A sort key for a numeric cell (empty sorts last)."""
+    return "" if value is None else repr(float(value))
+
+
+ENV.filters.update(mib=_mib, fmt=_fmt)
+
+
+def cell_page_name(cell_id: str) -> str:
+    # A short hash keeps two ids that differ only in unsafe characters apart.
+    digest = hashlib.sha1(cell_id.encode()).hexdigest()[:8]
+    return f"{figures.safe_name(cell_id)}-{digest}.html"
+
+
+def _verdict(record: dict) -> tuple[str, str]:
+    """(text, css class) of the equivalence gate."""
+    eq = record.get("equivalence")
+    if eq is None:
+        return ("reference" if record.get("status") == "ok" else "", "")
+    text = "yes" if eq.get("passed") else "NO"
+    if eq.get("max_rel_loss_diff") is not None:
+        text += f" ({eq['max_rel_loss_diff']:.1e}"
+        if eq.get("tolerance") is not None:
+            text += f", tol {eq['tolerance']:.0e}"
+        text += ")"
+    return text, "" if eq.get("passed") else "bad"
+
+
+def _row(r: dict) -> dict:
+    m = r.get("metrics") or {}
+    strategy = (r.get("strategy") or {}).get("name") or "?"
+    verdict, verdict_class = _verdict(r)
+    reason = r.get("reason") or ""
+    mfu = m.get("mfu")
+    return {
+        "cell_id": r["cell_id"],
+        "page": f"cells/{cell_page_name(r['cell_id'])}",
+        "status": r.get("status", "?"),
+        "model": (r.get("model") or {}).get("name") or "?",
+        "strategy": strategy,
+        "engine": engine_of(strategy),
+        "precision": r.get("precision") or (r.get("strategy") or {}).get("precision") or "",
+        "world_size": r.get("world_size"),
+        "zero_idea": r.get("zero_idea"),
+        "cols": [  # (display, sort key)
+            (_mib(m.get("peak_mem_bytes")), _num(m.get("peak_mem_bytes"))),
+            (_fmt(m.get("step_time_s"), 1000, 2) + (f" ± {_fmt(m.get('step_time_iqr_s'), 1000, 2)}"
+                                                    if m.get("step_time_iqr_s") is not None else ""),
+             _num(m.get("step_time_s"))),
+            (_fmt(m.get("tokens_per_s"), 1, 0), _num(m.get("tokens_per_s"))),
+            (_fmt(m.get("tflops_per_rank"), 1, 4), _num(m.get("tflops_per_rank"))),
+            ("" if mfu is None else f"{mfu * 100:.1f}%" + (" (suspect)" if m.get("mfu_suspect") else ""),
+             _num(mfu)),
+            (_mib(m.get("comm_bytes_per_step")), _num(m.get("comm_bytes_per_step"))),
+            (_fmt(m.get("comm_time_s_per_step"), 1000, 2), _num(m.get("comm_time_s_per_step"))),
+        ],
+        "verdict": verdict,
+        "verdict_class": verdict_class,
+        "reason_line": reason.strip().splitlines()[-1] if reason.strip() else "",
+        "reason": reason,
+    }
+
+
+def _engine_groups(rows: list[dict]) -> list[dict]:
+    """Cells implementing the same ZeRO stage, same model, precision and world size, side by
+    side across engines."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["zero_idea"]:
+            key = (row["zero_idea"], row["model"], row["precision"], row["world_size"])
+            groups.setdefault(key, []).append(row)
+    out = []
+    for (idea, model, precision, ws), members in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        members.sort(key=lambda r: (r["engine"], r["strategy"], r["cell_id"]))
+        out.append({"zero_idea": idea, "model": model, "precision": precision, "world_size": ws,
+                    "engines": sorted({m["engine"] for m in members}), "rows": members})
+    return out
+
+
+def reproduce_command(record: dict, info: dict) -> str:
+    """The command that runs exactly this cell again. pytest -k accepts '/' and '[' ']' in
+    its identifiers, and the full test name ``test_cell[<id>]`` matches no other cell."""
+    args = ["./run_all.sh"]
+    suite = info.get("suite")
+    if suite:
+        args += ["--suite", str(suite)]
+    ws = info.get("world_size") or record.get("world_size")
+    if ws:
+        args += ["--gpus", str(ws)]
+    device = (info.get("device") or {}).get("type")
+    if device:
+        args += ["--device", str(device)]
+    args += ["-k", f"test_cell[{record['cell_id']}]"]
+    return shlex.join(args)
+
+
+def _environment(info: dict) -> dict:
+    env = info.get("environment") or {}
+    hardware = env.get("hardware") or {}
+    git = env.get("git") or {}
+    return {
+        "hardware": {k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in hardware.items()},
+        "python": env.get("python"),
+        "platform": env.get("platform"),
+        "versions": env.get("versions") or {},
+        "git_commit": git.get("commit"),
+        "git_dirty": git.get("dirty"),
+        "env": env.get("env") or {},
+    }
 
 
 def write_run_report(run_dir: Path, report_dir: Path) -> Path:
     records = load_records(run_dir)
     info_path = run_dir / "run.json"
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    try:
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    except json.JSONDecodeError:
+        info = {}
     report_dir.mkdir(parents=True, exist_ok=True)
+    fig_dir = report_dir / "figures"
+    fig_dir.mkdir(exist_ok=True)
+    cells_dir = report_dir / "cells"
+    cells_dir.mkdir(exist_ok=True)
+
+    rows = [_row(r) for r in records]
+    by_id = {r["cell_id"]: r for r in records}
+    run_id = info.get("run_id") or run_dir.name
+    environment = _environment(info)
+    statuses = sorted({r["status"] for r in rows})
+    counts = {s: sum(1 for r in rows if r["status"] == s) for s in statuses}
+
+    figure_groups = figures.run_figures(records, fig_dir)
+
+    cell_template = ENV.get_template("cell.html.j2")
+    for record, row in zip(records, rows):
+        eq = record.get("equivalence") or {}
+        ref = by_id.get(eq.get("reference_cell_id")) if eq.get("reference_cell_id") else None
+        if ref is None and record.get("equivalence") is None and record.get("status") == "ok":
+            ref = record  # a reference: its own curve
+        loss_svg = None
+        if record.get("status") == "ok":
+            name = f"loss-{Path(row['page']).stem}.svg"
+            if figures.cell_loss_figure(record, ref, fig_dir / "cells" / name):
+                loss_svg = f"../figures/cells/{name}"
+        (report_dir / row["page"]).write_text(cell_template.render(
+            run_id=run_id, r=record, row=row, ref=ref if ref is not record else None,
+            ref_page=(f"{cell_page_name(ref['cell_id'])}" if ref is not None and ref is not record else None),
+            loss_svg=loss_svg, command=reproduce_command(record, info),
+            cell_json=json.dumps(record.get("cell") or {}, indent=2, sort_keys=True),
+            engine_json=[(p.get("rank"), json.dumps(p.get("engine"), indent=2, sort_keys=True))
+                         for p in record.get("per_rank") or [] if p.get("engine")],
+            env=environment))
+
     page = report_dir / "index.html"
-    page.write_text(_ENV.get_template("run.html.j2").render(records=records, info=info, run_dir=run_dir))
+    page.write_text(ENV.get_template("run.html.j2").render(
+        info=info, run_id=run_id, rows=rows, counts=counts, statuses=statuses,
+        models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
+        figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,
+        device=info.get("device") or {}))
     return page

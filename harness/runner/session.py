@@ -11,7 +11,7 @@ import torch
 
 from harness import distributed
 from harness.measure import environment
-from harness.report import html
+from harness.report import history, html
 from harness.results.store import RunStore, new_run_id
 from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun, human_bytes
@@ -84,6 +84,8 @@ def summarize(config: pytest.Config, reporter) -> None:
         tokens = f"{m['tokens_per_s']:.0f}" if m else "-"
         reporter.write_line(f"{record['cell_id']:<60} {record['status']:<11} {human_bytes(m.get('peak_mem_bytes')):>11}"
                             f" {step:>9} {tokens:>10} {verdict:>10}")
-    report = html.write_run_report(run.store.path, out_dir(config) / "reports" / run.store.run_id)
+    reports = out_dir(config) / "reports"
+    report = html.write_run_report(run.store.path, reports / run.store.run_id)
+    history.write_index(run.store.path.parent, reports)
     reporter.write_line(f"results: {run.store.path}")
     reporter.write_line(f"report:  {report}")

@@ -1,0 +1,251 @@
+"""The report's figures: matplotlib/seaborn (Agg) rendered once, at report time, into SVG
+files inside the report folder. Only ``ok`` cells are plotted; every figure is faceted by
+model (one file per model) so different models never share an axis."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display, no GUI toolkit: files only
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+# Text stays text (small files, selectable, searchable); a fixed hash salt and no date keep
+# the SVG a pure function of the results.
+plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "shardbench", "font.size": 9})
+_SVG_META = {"Date": None}
+
+MEM_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+MIB = 2**20
+
+
+def safe_name(text: str) -> str:
+    """A file-name-safe form of a cell id or model name (``/`` and friends become ``_``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "x"
+
+
+def short_label(record: dict) -> str:
+    """A cell id without its model (figures are per model already)."""
+    cell_id = record["cell_id"]
+    model = (record.get("model") or {}).get("name")
+    if model and cell_id.startswith(model + "/"):
+        return cell_id[len(model) + 1:]
+    return cell_id
+
+
+def ok_frame(records: list[dict]) -> pd.DataFrame:
+    """One row per ok cell that has metrics: the numbers the figures need."""
+    rows = []
+    for r in records:
+        m = r.get("metrics") or {}
+        if r.get("status") != "ok" or not m:
+            continue
+        breakdown = m.get("mem_breakdown_bytes") or {}
+        rows.append({
+            "cell_id": r["cell_id"],
+            "model": (r.get("model") or {}).get("name") or "?",
+            "label": short_label(r),
+            "peak_mib": (m.get("peak_mem_bytes") or 0) / MIB,
+            "tokens_per_s": m.get("tokens_per_s"),
+            **{f"mem_{c}": (breakdown.get(c) or 0) / MIB for c in MEM_CATEGORIES},
+        })
+    return pd.DataFrame(rows)
+
+
+def _save(fig, path: Path, tight: bool = True) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A tight bounding box renders twice: worth it for labels of unknown length, not for the
+    # fixed layout of the (many) per-cell figures.
+    fig.savefig(path, format="svg", bbox_inches="tight" if tight else None, metadata=_SVG_META)
+    plt.close(fig)
+    return path.name
+
+
+def _height(n: int) -> float:
+    return max(2.2, 0.9 + 0.22 * n)
+
+
+def _memory(df: pd.DataFrame, model: str, path: Path) -> None:
+    d = df.sort_values("peak_mib")
+    fig, ax = plt.subplots(figsize=(8, _height(len(d))))
+    left = pd.Series(0.0, index=d.index)
+    colors = sns.color_palette("colorblind", len(MEM_CATEGORIES))
+    for category, color in zip(MEM_CATEGORIES, colors):
+        ax.barh(d["label"], d[f"mem_{category}"], left=left, color=color, label=category)
+        left = left + d[f"mem_{category}"]
+    ax.scatter(d["peak_mib"], d["label"], marker="|", color="black", s=60, label="peak (max over ranks)", zorder=3)
+    ax.set_xlabel("MiB per rank")
+    ax.set_title(f"{model}: peak memory per rank by category")
+    ax.invert_yaxis()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    _save(fig, path)
+
+
+def _throughput(df: pd.DataFrame, model: str, path: Path) -> None:
+    d = df.dropna(subset=["tokens_per_s"]).sort_values("tokens_per_s", ascending=False)
+    fig, ax = plt.subplots(figsize=(8, _height(len(d))))
+    sns.barplot(data=d, y="label", x="tokens_per_s", ax=ax, color=sns.color_palette("colorblind")[0])
+    ax.set_xlabel("tokens/s (all ranks)")
+    ax.set_ylabel("")
+    ax.set_title(f"{model}: throughput")
+    _save(fig, path)
+
+
+def _comm(records: list[dict], model: str, path: Path) -> bool:
+    rows = []
+    for r in records:
+        for op, v in ((r.get("metrics") or {}).get("comm_by_op") or {}).items():
+            rows.append({"label": short_label(r), "op": op, "MiB": (v.get("bytes") or 0) / MIB,
+                         "ms": (v.get("time_s") or 0) * 1e3})
+    if not rows:
+        return False
+    d = pd.DataFrame(rows)
+    byte_table = d.pivot_table(index="label", columns="op", values="MiB", aggfunc="sum", fill_value=0)
+    time_table = d.pivot_table(index="label", columns="op", values="ms", aggfunc="sum", fill_value=0)
+    order = byte_table.sum(axis=1).sort_values().index
+    fig, axes = plt.subplots(1, 2, figsize=(11, _height(len(order))), sharey=True)
+    colors = sns.color_palette("colorblind", len(byte_table.columns))
+    byte_table.loc[order].plot.barh(stacked=True, ax=axes[0], color=colors, legend=False)
+    time_table.loc[order, byte_table.columns].plot.barh(stacked=True, ax=axes[1], color=colors)
+    axes[0].set_xlabel("MiB per step")
+    axes[1].set_xlabel("ms per step")
+    axes[0].set_ylabel("")
+    axes[1].legend(title="collective", fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(f"{model}: communication per step by collective")
+    _save(fig, path)
+    return True
+
+
+def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
+    """Cells no other cell beats on both low memory and high throughput."""
+    d = df.dropna(subset=["tokens_per_s"]).sort_values(["peak_mib", "tokens_per_s"], ascending=[True, False])
+    best, keep = float("-inf"), []
+    for index, row in d.iterrows():
+        if row["tokens_per_s"] > best:
+            keep.append(index)
+            best = row["tokens_per_s"]
+    return d.loc[keep]
+
+
+def _scatter(df: pd.DataFrame, model: str, path: Path) -> None:
+    d = df.dropna(subset=["tokens_per_s"])
+    front = pareto_front(d)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter(d["peak_mib"], d["tokens_per_s"], color="0.6", s=18, label="cell")
+    ax.plot(front["peak_mib"], front["tokens_per_s"], "o-", color="#c0392b", label="Pareto front")
+    for _, row in front.iterrows():
+        ax.annotate(row["label"], (row["peak_mib"], row["tokens_per_s"]), fontsize=6,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("peak MiB per rank (lower is better)")
+    ax.set_ylabel("tokens/s (higher is better)")
+    ax.set_title(f"{model}: memory vs throughput")
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _losses(records: list[dict], by_id: dict[str, dict], model: str, path: Path) -> bool:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    drawn_refs, any_line = set(), False
+    for r in records:
+        losses = r.get("losses") or []
+        if not losses:
+            continue
+        ref_id = (r.get("equivalence") or {}).get("reference_cell_id")
+        if ref_id is None:
+            continue
+        ax.plot(range(len(losses)), losses, lw=0.8, alpha=0.6)
+        any_line = True
+        ref = by_id.get(ref_id)
+        if ref and ref.get("losses") and ref_id not in drawn_refs:
+            ax.plot(range(len(ref["losses"])), ref["losses"], color="black", lw=2, ls="--",
+                    label=f"reference {short_label(ref)}")
+            drawn_refs.add(ref_id)
+    if not any_line:
+        plt.close(fig)
+        return False
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{model}: loss of every strategy (thin) over its reference (dashed)")
+    if drawn_refs:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _save(fig, path)
+    return True
+
+
+def _step_times(records: list[dict], model: str, path: Path) -> bool:
+    rows = [{"label": short_label(r), "ms": t * 1e3}
+            for r in records for rank in (r.get("per_rank") or []) for t in (rank.get("step_times_s") or [])
+            if t is not None]
+    if not rows:
+        return False
+    d = pd.DataFrame(rows)
+    order = d.groupby("label")["ms"].median().sort_values().index
+    fig, ax = plt.subplots(figsize=(8, _height(len(order))))
+    color = sns.color_palette("colorblind")[2]
+    ax.boxplot([d.loc[d["label"] == label, "ms"] for label in order], orientation="horizontal",
+               tick_labels=list(order), patch_artist=True, boxprops={"facecolor": color, "alpha": 0.7},
+               medianprops={"color": "black"}, flierprops={"markersize": 2})
+    ax.invert_yaxis()
+    ax.set_xlabel("step time, ms (every measured step of every rank)")
+    ax.set_ylabel("")
+    ax.set_title(f"{model}: step time distribution")
+    _save(fig, path)
+    return True
+
+
+def run_figures(records: list[dict], fig_dir: Path) -> list[dict]:
+    """Every run-level figure, one group per model: [{model, figures: [{title, path}]}],
+    paths relative to the report folder."""
+    df = ok_frame(records)
+    if df.empty:
+        return []
+    by_id = {r["cell_id"]: r for r in records}
+    groups = []
+    for model in sorted(df["model"].unique()):
+        mdf = df[df["model"] == model]
+        mrecs = [r for r in records if r["cell_id"] in set(mdf["cell_id"])]
+        stem = safe_name(model)
+        figures = []
+
+        def add(title: str, name: str) -> None:
+            figures.append({"title": title, "path": f"{fig_dir.name}/{name}"})
+
+        _memory(mdf, model, fig_dir / f"memory-{stem}.svg")
+        add("Peak memory per rank by category", f"memory-{stem}.svg")
+        if mdf["tokens_per_s"].notna().any():
+            _throughput(mdf, model, fig_dir / f"throughput-{stem}.svg")
+            add("Throughput", f"throughput-{stem}.svg")
+            _scatter(mdf, model, fig_dir / f"pareto-{stem}.svg")
+            add("Memory vs throughput (Pareto front)", f"pareto-{stem}.svg")
+        if _comm(mrecs, model, fig_dir / f"comm-{stem}.svg"):
+            add("Communication per step by collective", f"comm-{stem}.svg")
+        if _losses(mrecs, by_id, model, fig_dir / f"loss-{stem}.svg"):
+            add("Loss curves over the reference", f"loss-{stem}.svg")
+        if _step_times(mrecs, model, fig_dir / f"steptime-{stem}.svg"):
+            add("Per-step time distribution", f"steptime-{stem}.svg")
+        groups.append({"model": model, "figures": figures})
+    return groups
+
+
+def cell_loss_figure(record: dict, reference: dict | None, path: Path) -> bool:
+    """One cell's loss per step over its reference's; False when there is nothing to draw."""
+    losses = record.get("losses") or []
+    ref_losses = (reference or {}).get("losses") or []
+    if not losses and not ref_losses:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3))
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.16, top=0.95)
+    if ref_losses:
+        ax.plot(range(len(ref_losses)), ref_losses, color="black", lw=1.5, ls="--", label="reference", zorder=3)
+    if losses and reference is not record:
+        ax.plot(range(len(losses)), losses, color="#1f77b4", marker=".", lw=1, label="this cell")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7)
+    _save(fig, path, tight=False)
+    return True

@@ -1,0 +1,42 @@
+"""reports/index.html across runs, and publish."""
+
+import pytest
+from test_report import write_synthetic_run
+
+from harness.report import history, html
+
+
+def test_index_lists_every_run_and_charts_cells_measured_twice(tmp_path):
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    ids = write_synthetic_run(results / "20261101-000000-1")
+    write_synthetic_run(results / "20261102-000000-2")
+    (results / "latest").symlink_to("20261102-000000-2")
+    html.write_run_report(results / "20261102-000000-2", reports / "20261102-000000-2")
+    page = history.write_index(results, reports).read_text()
+    assert page.index("20261102-000000-2") < page.index("20261101-000000-1")  # newest first
+    assert 'href="20261102-000000-2/index.html"' in page  # relative link to a built report
+    assert 'href="20261101-000000-1/index.html"' not in page  # never a link to a missing page
+    assert "latest" not in page
+    charts = sorted((reports / "history").glob("*.svg"))
+    assert charts and all(c.stat().st_size > 1000 for c in charts)
+    assert len(charts) < len(ids)  # only cells ok in both runs get a chart
+
+
+def test_index_of_no_runs_still_renders(tmp_path):
+    (tmp_path / "results").mkdir()
+    page = history.write_index(tmp_path / "results", tmp_path / "reports").read_text()
+    assert "No runs in results/ yet." in page
+
+
+def test_publish_copies_a_self_contained_folder_and_refuses_a_full_one(tmp_path):
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    write_synthetic_run(results / "20261101-000000-1")
+    html.write_run_report(results / "20261101-000000-1", reports / "20261101-000000-1")
+    history.write_index(results, reports)
+    site = history.publish(reports, tmp_path / "site")
+    assert site.read_text() == (reports / "index.html").read_text()
+    assert (tmp_path / "site" / "20261101-000000-1" / "index.html").exists()
+    with pytest.raises(ValueError, match="not empty"):
+        history.publish(reports, tmp_path / "site")
+    with pytest.raises(ValueError, match="no reports at"):
+        history.publish(tmp_path / "nothing", tmp_path / "site2")

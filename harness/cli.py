@@ -1,4 +1,5 @@
-"""``python -m harness`` / ``shardbench``: run a suite, list its cells, rebuild a report.
+"""``python -m harness`` / ``shardbench``: run a suite, list its cells, rebuild a report,
+publish the reports, compare two runs.
 
 Arguments are checked before anything is launched: a bad suite, marker, world size or path
 gets a one-line error naming the allowed values and exit status 2.
@@ -165,9 +166,8 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
         run_a, run_b = (resolve_run(root / "results", run) for run in (args.run_a, args.run_b))
     except ValueError as error:
         raise UsageError(str(error)) from None
-    code = compare.main_compare(run_a, run_b, fmt=args.format, fail_on=args.fail_on)
-    page = compare.write_html(root / "reports" / "compare" / f"{run_a.name}_vs_{run_b.name}.html",
-                              compare.compare_runs(run_a, run_b), compare.run_name(run_a), compare.run_name(run_b))
+    page = root / "reports" / "compare" / f"{run_a.name}_vs_{run_b.name}.html"
+    code = compare.main_compare(run_a, run_b, fmt=args.format, fail_on=args.fail_on, html_out=page)
     print(f"\ncomparison page: {page}", file=sys.stderr)
     return code
 
@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("run_b", help="candidate: run id under results/ (or 'latest'), or a run folder")
     cmp_.add_argument("--format", choices=("text", "markdown", "html"), default="text")
     cmp_.add_argument("--fail-on", default=None, metavar="SPEC",
-                      help="exit 1 on regressions beyond e.g. mem:5%%,time:10%%,throughput:10%%")
+                      help="exit 1 on regressions beyond e.g. mem:5%%,time:10%%,throughput:10%%"
+                           " (a change counts only once marked worse: time/throughput beyond 10%%, memory 0.5%%)")
     cmp_.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
     cmp_.set_defaults(func=cmd_compare)
     return parser

@@ -63,6 +63,9 @@ def test_parameter_offload_is_refused_below_stage_3():
         assert strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero3", offload=offload)) is None
     assert strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero1", offload="optimizer")) is None
     assert "optimizer=adafactor" in strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero2", optimizer="adafactor"))
+    # Optimizer offload runs DeepSpeed's CPU Adam: an 8-bit cell would silently train AdamW.
+    why = strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero2", optimizer="adamw8bit", offload="optimizer"))
+    assert why and "runs its own CPU Adam" in why
 
 
 def test_fp16_refusal_quotes_deepspeed_and_follows_its_cpu_check(monkeypatch):
@@ -137,10 +140,13 @@ def test_estimates_buckets_and_optimizer_are_recorded(records, c):
         assert zero["stage"] == engine["zero_stage"] == deepspeed_zero.STAGES[c.strategy.name]
         assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == n
         estimates = engine["memory_estimates"]
-        stage_key = "zero3" if engine["zero_stage"] == 3 else "zero2"
-        assert estimates["estimator"] == f"estimate_{stage_key}_model_states_mem_needs"
-        assert estimates[f"estimate_{stage_key}_per_rank_bytes"] > 0
-        assert estimates[f"estimate_{stage_key}_cpu_bytes"] > 0
+        if c.strategy.offload == "params":  # DeepSpeed has no estimator for it
+            assert estimates["estimator"] is None and "offload_param" in estimates["note"]
+        else:
+            stage_key = "zero3" if engine["zero_stage"] == 3 else "zero2"
+            assert estimates["estimator"] == f"estimate_{stage_key}_model_states_mem_needs"
+            assert estimates[f"estimate_{stage_key}_per_rank_bytes"] > 0
+            assert estimates[f"estimate_{stage_key}_cpu_bytes"] > 0
         expected = {"adamw": "AdamW", "adamw8bit": "AdamW8bit"}[c.strategy.optimizer]
         if "optimizer" in c.strategy.offload:
             expected = "DeepSpeedCPUAdam"

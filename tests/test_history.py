@@ -22,6 +22,16 @@ def test_index_lists_every_run_and_charts_cells_measured_twice(tmp_path):
     assert len(charts) < len(ids)  # only cells ok in both runs get a chart
 
 
+def test_index_tolerates_null_and_missing_run_info(tmp_path):
+    results = tmp_path / "results"
+    write_synthetic_run(results / "20261101-000000-1")
+    (results / "20261101-000000-1" / "run.json").write_text('{"environment": null, "device": null}')
+    write_synthetic_run(results / "20261102-000000-2")
+    (results / "20261102-000000-2" / "run.json").unlink()
+    page = history.write_index(results, tmp_path / "reports").read_text()
+    assert "20261101-000000-1" in page and "20261102-000000-2" in page
+
+
 def test_index_of_no_runs_still_renders(tmp_path):
     (tmp_path / "results").mkdir()
     page = history.write_index(tmp_path / "results", tmp_path / "reports").read_text()
@@ -36,7 +46,9 @@ def test_publish_copies_a_self_contained_folder_and_refuses_a_full_one(tmp_path)
     site = history.publish(reports, tmp_path / "site")
     assert site.read_text() == (reports / "index.html").read_text()
     assert (tmp_path / "site" / "20261101-000000-1" / "index.html").exists()
-    with pytest.raises(ValueError, match="not empty"):
+    with pytest.raises(ValueError, match="not an empty folder"):
         history.publish(reports, tmp_path / "site")
+    with pytest.raises(ValueError, match="inside"):
+        history.publish(reports, reports / "site")
     with pytest.raises(ValueError, match="no reports at"):
         history.publish(tmp_path / "nothing", tmp_path / "site2")

@@ -40,7 +40,6 @@ every ``ok`` -> not-``ok`` status change whatever the thresholds.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
-from harness.results.store import load_records
+from harness.results.store import load_records, load_run_info
 
 ALPHA = 0.05
 MIN_TIME_EFFECT = 0.10  # |median ratio - 1| must exceed this to mark time/throughput
@@ -376,7 +375,8 @@ _HEADERS = {"cell": "cell", "status": "status", "mem": "peak mem", "time": "step
 
 
 def _md_escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+    return (s.replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`").replace("\n", " ")
+            .replace("<", "&lt;").replace(">", "&gt;"))
 
 
 def to_markdown(comparisons: list[CellComparison], run_a_name: str = "A", run_b_name: str = "B") -> str:
@@ -452,19 +452,13 @@ def write_html(path: Path, comparisons: list[CellComparison], run_a_name: str, r
 
 
 def run_name(run_dir: Path) -> str:
-    info = Path(run_dir) / "run.json"
-    if info.exists():
-        try:
-            return str(json.loads(info.read_text()).get("run_id") or Path(run_dir).name)
-        except (json.JSONDecodeError, AttributeError):
-            pass
-    return Path(run_dir).name
+    return str(load_run_info(Path(run_dir)).get("run_id") or Path(run_dir).name)
 
 
 def main_compare(run_a: Path, run_b: Path, fmt: str = "text", fail_on: str | None = None,
-                 out: Path | None = None, stream=None) -> int:
-    """Print the comparison in ``fmt`` (text, markdown, html) to ``stream`` (stdout), and
-    also write it to ``out`` when given. Returns 1 when ``fail_on`` is given and some cell
+                 html_out: Path | None = None, stream=None) -> int:
+    """Print the comparison in ``fmt`` (text, markdown, html) to ``stream`` (stdout), and write
+    the HTML page to ``html_out`` when given. Returns 1 when ``fail_on`` is given and some cell
     regressed beyond it (see ``regressions``), else 0. Raises ValueError on a bad ``fmt`` or
     ``fail_on`` before reading anything."""
     stream = stream or sys.stdout
@@ -473,11 +467,9 @@ def main_compare(run_a: Path, run_b: Path, fmt: str = "text", fail_on: str | Non
     thresholds = parse_thresholds(fail_on)
     comparisons = compare_runs(run_a, run_b)
     a, b = run_name(run_a), run_name(run_b)
-    rendered = {"text": to_text, "markdown": to_markdown, "html": to_html}[fmt](comparisons, a, b)
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(rendered, encoding="utf-8")
-    stream.write(rendered)
+    stream.write({"text": to_text, "markdown": to_markdown, "html": to_html}[fmt](comparisons, a, b))
+    if html_out is not None:
+        write_html(html_out, comparisons, a, b)
     if fail_on is None:
         return 0
     found = regressions(comparisons, thresholds)

@@ -249,3 +249,20 @@ def cell_loss_figure(record: dict, reference: dict | None, path: Path) -> bool:
     ax.legend(fontsize=7)
     _save(fig, path, tight=False)
     return True
+
+
+def history(cell_id: str, points: list[tuple[str, dict]], path: Path) -> str:
+    """One cell's peak memory and step time over runs (``points``: run id, metrics; oldest first)."""
+    labels = [run_id for run_id, _ in points]
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(8, 2.2))
+    mem_ax.plot(labels, [m["peak_mem_bytes"] / MIB for _, m in points], marker="o")
+    mem_ax.set_ylabel("peak MiB / rank")
+    time_ax.errorbar(labels, [m["step_time_s"] * 1e3 for _, m in points],
+                     yerr=[(m.get("step_time_iqr_s") or 0.0) * 1e3 / 2 for _, m in points],
+                     marker="o", capsize=3)
+    time_ax.set_ylabel("step ms (± IQR/2)")
+    for ax in (mem_ax, time_ax):
+        ax.set_ylim(bottom=0)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=6)
+    fig.suptitle(cell_id, fontsize=8)
+    return _save(fig, path)

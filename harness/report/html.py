@@ -13,7 +13,7 @@ from pathlib import Path
 import jinja2
 
 from harness.report import figures
-from harness.results.store import load_records
+from harness.results.store import load_records, load_run_info
 
 ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("harness.report", "templates"),
@@ -23,7 +23,6 @@ ENV = jinja2.Environment(
 
 # A strategy's engine (the library that implements it), for the filter and engines table.
 _ENGINES = {
-    "single": "reference",
     "deepspeed": "DeepSpeed",
     "fairscale": "FairScale",
 }
@@ -159,11 +158,7 @@ def _environment(info: dict) -> dict:
 
 def write_run_report(run_dir: Path, report_dir: Path) -> Path:
     records = load_records(run_dir)
-    info_path = run_dir / "run.json"
-    try:
-        info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    except json.JSONDecodeError:
-        info = {}
+    info = load_run_info(run_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     fig_dir = report_dir / "figures"
     fig_dir.mkdir(exist_ok=True)

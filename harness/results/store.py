@@ -45,6 +45,15 @@ class RunStore:
             os.fsync(f.fileno())
 
 
+def load_run_info(run_dir: Path) -> dict:
+    """run.json as a dict; {} when it is missing or unreadable (a killed run, an old layout)."""
+    try:
+        info = json.loads((run_dir / "run.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def load_records(run_dir: Path) -> list[dict]:
     """Every complete record of a run; a truncated last line (a killed writer) is skipped."""
     records = []

@@ -22,6 +22,7 @@ import ctypes
 import gc
 import json
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -186,6 +187,10 @@ def main() -> None:
         try:
             result = {"status": "ok", "reason": "", **run_cell(cell, env)}
         except Exception as error:  # a failing cell is a result; the batch goes on
+            # Also into the launch log: if the other ranks are stuck in a collective, the
+            # gather below never completes and the log is where the launcher's timeout looks.
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
             tail = traceback.format_exc().strip().splitlines()[-TRACEBACK_LINES:]
             result = {"rank": env.rank, "status": outcome_of(error), "reason": "\n".join(tail)}
         per_rank: list[dict | None] = [None] * env.world_size

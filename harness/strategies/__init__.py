@@ -58,6 +58,9 @@ def incompatibility(cell: CellSpec) -> str | None:
         if value not in allowed:
             why = caps.notes.get(value, f"{s.name} supports {axis} in {{{', '.join(sorted(allowed))}}}")
             return f"{s.name} with {axis}={value}: {why}"
+    combination = getattr(mod, "combination_problem", None)
+    if combination and (problem := combination(cell)):
+        return f"{s.name} with {problem}"
     if s.accumulation > 1 and not caps.accumulation:
         return f"{s.name} does not support gradient accumulation"
     if cell.world_size < caps.min_world_size:

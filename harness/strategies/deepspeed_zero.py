@@ -83,6 +83,15 @@ def capabilities_for(name: str) -> Capabilities:
     return CAPABILITIES if STAGES[name] == 3 else _STAGE12_CAPABILITIES
 
 
+def combination_problem(cell: CellSpec) -> str | None:
+    """A pair of individually allowed values that cannot go together."""
+    s = cell.strategy
+    if s.offload in ("optimizer", "optimizer_params") and s.optimizer != "adamw":
+        return (f"optimizer={s.optimizer} with offload={s.offload}: DeepSpeed's optimizer offload runs its own"
+                " CPU Adam (AdamW mode), not the cell's optimizer")
+    return None
+
+
 # DeepSpeed JIT-compiles its CPU Adam (~80 s with gcc) into TORCH_EXTENSIONS_DIR; torch's
 # default (~/.cache/torch_extensions/<python-torch tag>) is fine too, but a named cache makes
 # the cost visible and shared by tests and runs. A user's setting wins.
@@ -183,10 +192,14 @@ def _estimates(model: nn.Module, cell: CellSpec) -> dict:
     offload_opt = s.offload in ("optimizer", "optimizer_params")
     if STAGES[s.name] == 3:
         total, largest_layer = zero3_params(model)
+        if s.offload == "params":
+            # DeepSpeed's estimator models parameter offload only together with optimizer
+            # offload; asking it anyway would count the optimizer state off the device.
+            return {"estimator": None,
+                    "note": "no DeepSpeed estimator for offload_param without offload_optimizer"}
         cpu, per_rank, largest = estimate_zero3_model_states_mem_needs(
             total, largest_layer, num_gpus_per_node=cell.world_size, num_nodes=1,
-            cpu_offload=offload_opt or s.offload == "params",
-            cpu_offload_params=s.offload in ("params", "optimizer_params"),
+            cpu_offload=offload_opt, cpu_offload_params=s.offload == "optimizer_params",
             zero_init=False)
         return {"estimator": "estimate_zero3_model_states_mem_needs",
                 "estimate_zero3_per_rank_bytes": per_rank, "estimate_zero3_cpu_bytes": cpu,

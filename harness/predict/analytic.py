@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Mixed-precision Adam (ZeRO §3.1): fp16 parameters and gradients, and K = 12 bytes of
-# optimizer state per parameter (fp32 master weights, momentum, variance).
-MIXED_PRECISION_ADAM = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
-# Pure fp32 Adam: 4 + 4 + 8 bytes (two fp32 moments, no master copy) — also 16 per parameter.
+# zero_model_states defaults to mixed-precision Adam (ZeRO §3.1): fp16 parameters and
+# gradients, K = 12 bytes of optimizer state per parameter (fp32 master weights, momentum,
+# variance). Pure fp32 Adam: 4 + 4 + 8 bytes (two fp32 moments, no master copy) — also 16 per parameter.
 FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
 
 

@@ -40,7 +40,6 @@ def human_duration(s: float) -> str:
 class MatrixRun:
     def __init__(self, cells: list[CellSpec], store: RunStore, options: LaunchOptions, *,
                  device_type: str, device_name: str | None, progress: Callable[[str], None]):
-        self.selected = {c.cell_id for c in cells}
         self.cells = with_references(cells)
         self.store = store
         self.options = options

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import get_args
 
-from harness.config import STRATEGY_NAMES, CellSpec, Checkpointing, Compression, Offload, Optimizer, Precision
+from harness.config import STRATEGY_NAMES, CellSpec, Checkpointing, Compression, Optimizer, Precision
 
 MODEL_FAMILIES = ("gpt2", "llama", "bert", "vit", "mlp")
 ACCUMULATION_MARKERS = (1, 2, 4, 8)

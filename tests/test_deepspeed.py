@@ -8,7 +8,6 @@ or $TORCH_EXTENSIONS_DIR): the first run of this file on a machine takes ~80-160
 """
 
 import inspect
-from pathlib import Path
 
 import pytest
 

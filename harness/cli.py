@@ -1,5 +1,5 @@
 """``python -m harness`` / ``shardbench``: run a suite, list its cells, rebuild a report,
-publish the reports, compare two runs.
+publish the reports, compare two runs, plan a configuration before renting the GPUs.
 
 Arguments are checked before anything is launched: a bad suite, marker, world size or path
 gets a one-line error naming the allowed values and exit status 2.
@@ -172,6 +172,43 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     return code
 
 
+def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
+    """Predicted peak memory per GPU of every strategy and option combination."""
+    from harness.features.precision import DTYPES
+    from harness.predict import plan
+
+    if args.precision not in DTYPES:
+        raise UsageError(f"--precision {args.precision}: choose one of {', '.join(DTYPES)}")
+    try:
+        req = plan.PlanRequest(model=args.model, gpus=args.gpus, nodes=args.nodes, seq=args.seq,
+                               micro_batch=args.micro_batch, gpu_mem_bytes=plan.parse_bytes(args.gpu_mem),
+                               precision=args.precision, optimizer=args.optimizer)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    result = plan.plan(req)
+    traced = None
+    if args.traced and result["recommended"] is not None:
+        from harness.predict import traced as tracer
+
+        if args.seq is not None and args.seq != models_seq(args.model):
+            traced = {"unavailable": f"the tracer runs the preset's sequence length ({models_seq(args.model)});"
+                                     " drop --seq to trace"}
+        else:
+            cell = result["recommended"]["cell"]
+            traced = tracer.trace_cells([cell])[cell.cell_id]
+    if args.format == "json":
+        print(plan.as_json(result, traced))
+    else:
+        print(plan.as_table(result, markdown=args.format == "markdown", traced=traced))
+    return 0
+
+
+def models_seq(model: str) -> int | None:
+    from harness import models
+
+    return models.get_preset(model).seq_len
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardbench", description="Distributed training strategies, side by side.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
                            " (a change counts only once marked worse: time/throughput beyond 10%%, memory 0.5%%)")
     cmp_.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
     cmp_.set_defaults(func=cmd_compare)
+    pln = sub.add_parser("plan", help="predicted memory per GPU of every strategy: what fits before you rent it")
+    pln.add_argument("--model", required=True, help="a model preset, e.g. llama3-8b (see README Models)")
+    pln.add_argument("--gpus", type=int, required=True, help="GPUs in the job (all nodes)")
+    pln.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 80GiB or 40GB")
+    pln.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    pln.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    pln.add_argument("--micro-batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
+    pln.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    pln.add_argument("--optimizer", default="adamw", help="adamw, adam8bit, adamw8bit, adafactor (default adamw)")
+    pln.add_argument("--traced", action="store_true",
+                     help="also trace the recommended configuration under FakeTensorMode (exact; slower)")
+    pln.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    pln.set_defaults(func=cmd_plan)
     return parser
 
 

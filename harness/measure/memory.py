@@ -103,6 +103,10 @@ class StepMemory:
     rss_peak_bytes: int | None
     cuda: dict[str, int] | None
     tracker: str  # "MemTracker" | "FSDPMemTracker" | "cuda"
+    # What was held, by category, at the moment the optimizer step began (every gradient
+    # reduced, activations freed): the model states the ZeRO formulas describe. None when
+    # the step never called ``probe.before_optimizer_step()``.
+    at_optimizer_step_bytes: dict[str, int] | None = None
 
 
 def _reset_rss_peak() -> bool:
@@ -133,8 +137,21 @@ def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fs
     # ZeroRedundancyOptimizer keeps the real (sharded) state in its local optimizer.
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim
-    tracker.track_external(module, optimizer)
+    tracker.track_external(module, optimizer, *_engine_held_tensors(module, optimizer))
     return tracker, "MemTracker"
+
+
+def _engine_held_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Tensors an engine holds that are neither the module's parameters nor optimizer state,
+    made before the tracked step (so the tracker would never see them): the tensors the
+    optimizer updates when they are not the module's parameters (DeepSpeed's fp32 master
+    partitions) and ZeRO-3's parameter partitions (``ds_tensor``). Tracked as "other"."""
+    module_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    held = [getattr(p, "ds_tensor", None) for p in module.parameters()]
+    if optimizer is not None:
+        held += [p for group in optimizer.param_groups for p in group["params"]
+                 if p.untyped_storage().data_ptr() not in module_storages]
+    return [t for t in held if t is not None]
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:
@@ -164,12 +181,20 @@ def _cuda_stats(device: torch.device) -> dict[str, int]:
 class MemoryProbe:
     """What ``track_step_memory`` yields: a hook for accumulation boundaries, and the result."""
 
-    def __init__(self, tracker) -> None:
+    def __init__(self, tracker, device: torch.device) -> None:
         self._tracker = tracker
+        self._device = device
         self._result: StepMemory | None = None
+        self._at_optimizer_step: dict[str, int] | None = None
 
     def micro_step_boundary(self) -> None:
         self._tracker.reset_mod_stats()
+
+    def before_optimizer_step(self) -> None:
+        """Call after the last backward of the step, before the optimizer (or the engine)
+        steps: records what is held right then, by category."""
+        current = self._tracker.get_tracker_snapshot("current")
+        self._at_optimizer_step = _breakdown(current.get(self._device, {"Total": 0}))
 
     def result(self) -> StepMemory:
         if self._result is None:
@@ -192,7 +217,7 @@ def track_step_memory(
     if on_cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     tracker, name = _make_tracker(module, optimizer, fsdp2)
-    probe = MemoryProbe(tracker)
+    probe = MemoryProbe(tracker, device)
     rss_ok = _reset_rss_peak()
     if on_cuda:
         torch.cuda.synchronize(device)
@@ -202,6 +227,7 @@ def track_step_memory(
         yield probe
     rss = _rss_peak() if rss_ok else None
     peaks = tracker.get_tracker_snapshot("peak")
+    at_optimizer_step = probe._at_optimizer_step
     # The tracker sits in reference cycles (its weakref callbacks point back at it) that
     # keep the model's parameters alive until a collection after the model is dropped;
     # collecting here, while the model is still alive, lets the caller free it by refcount.
@@ -217,8 +243,10 @@ def track_step_memory(
             raise AssertionError(f"tracker saw more than the allocator: {breakdown} vs {cuda}")
         breakdown["other"] += untracked
         probe._result = StepMemory(peak_bytes=cuda["max_allocated"], breakdown_bytes=breakdown,
-                                   rss_peak_bytes=rss, cuda=cuda, tracker="cuda")
+                                   rss_peak_bytes=rss, cuda=cuda, tracker="cuda",
+                                   at_optimizer_step_bytes=at_optimizer_step)
     else:
         breakdown = _breakdown(peaks.get(torch.device("cpu"), {"Total": 0}))
         probe._result = StepMemory(peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
-                                   rss_peak_bytes=rss, cuda=None, tracker=name)
+                                   rss_peak_bytes=rss, cuda=None, tracker=name,
+                                   at_optimizer_step_bytes=at_optimizer_step)

@@ -3,6 +3,9 @@
 
 - peak_mem_bytes: the max over ranks of each rank's peak (never a sum across ranks); the
   breakdown is that of the rank with the peak.
+- at_optimizer_step_bytes: what the rank holding the most held, by category, when the
+  optimizer step began (gradients reduced, activations freed): the measured counterpart of
+  the ZeRO model-state formulas (params + grads + optimizer).
 - step_time_s: the median over timed steps of the slowest rank's time in each step (the job
   waits for it at every step); step_time_iqr_s the inter-quartile range of the same series.
 - samples_per_s, tokens_per_s: the whole job's (global batch ÷ step time).
@@ -34,6 +37,11 @@ def _with_busbw(comm_by_op: dict, world_size: int) -> dict:
     return out
 
 
+def _at_optimizer_step(per_rank: list[dict]) -> dict | None:
+    held = [r["at_optimizer_step_bytes"] for r in per_rank if r.get("at_optimizer_step_bytes")]
+    return max(held, key=lambda b: sum(b.values())) if held else None
+
+
 def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float | None) -> dict:
     peak_rank = max(per_rank, key=lambda r: r["peak_mem_bytes"])
     slowest_per_step = [max(times) for times in zip(*(r["step_times_s"] for r in per_rank))]
@@ -47,6 +55,7 @@ def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float |
         "peak_mem_bytes": peak_rank["peak_mem_bytes"],
         "mem_breakdown_bytes": {k: peak_rank["mem_breakdown_bytes"][k] for k in BREAKDOWN_KEYS},
         "rss_peak_bytes": max((r["rss_peak_bytes"] or 0) for r in per_rank) or None,
+        "at_optimizer_step_bytes": _at_optimizer_step(per_rank),
         "step_time_s": step_time,
         "step_time_iqr_s": step_iqr,
         "samples_per_s": samples_per_s,
@@ -72,6 +81,7 @@ def per_rank_view(per_rank: list[dict]) -> list[dict]:
             "rss_peak_bytes": r["rss_peak_bytes"],
             "cuda_memory": r["cuda_memory"],
             "memory_tracker": r["memory_tracker"],
+            "at_optimizer_step_bytes": r.get("at_optimizer_step_bytes"),
             "step_time_s": median,
             "step_time_iqr_s": iqr,
             "step_times_s": r["step_times_s"],

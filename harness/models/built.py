@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -35,6 +36,42 @@ def flops_per_sample(spec: ModelSpec) -> float:
     n, t = count.matmul, spec.tokens_per_sample
     attention = 12 * spec.n_layers * (spec.n_heads or 0) * spec.head_dim * t
     return float((6 * n + attention) * t)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamLayout:
+    """The parameter tensors of a model, read from a build on the meta device (no memory,
+    milliseconds even for 8B parameters), for the predictors."""
+
+    shapes: tuple[tuple[int, ...], ...]  # every parameter, a tied weight once
+    root_numel: int  # outside the repeated blocks: FSDP's root unit (embeddings, final norm, head)
+    block_numel: int  # one repeated block: the unit FSDP and ZeRO-3 gather at a time
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(s) for s in self.shapes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@functools.cache
+def param_layout(spec: ModelSpec) -> ParamLayout:
+    family = _FAMILIES[spec.family]
+    with torch.device("meta"):
+        module = family.build_module(spec)
+    blocks = [m for m in module.modules() if isinstance(m, family.BLOCK_TYPE)]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    params = list(module.parameters())  # de-duplicates tied weights
+    return ParamLayout(
+        shapes=tuple(tuple(p.shape) for p in params),
+        root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
+        block_numel=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+    )
 
 
 @dataclass

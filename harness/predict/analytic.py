@@ -1,13 +1,31 @@
 """Analytic predictions from the papers' formulas (../shared/reference/formulas.md).
 
-This release holds the ZeRO model-state and communication formulas; activations
-(Korthikanti et al.), offload, compression and FLOPs follow in the predictor issue.
-Ψ = parameter count, N_d = data-parallel degree, K = optimizer bytes per parameter.
+Two layers:
+
+- The formulas as published, on plain numbers: ``zero_model_states`` and
+  ``zero_comm_elements`` (ZeRO), ``activation_bytes_per_layer`` (Korthikanti et al.),
+  ``powersgd_elements`` (Vogels et al.), ``optimizer_state_bytes`` (AdamW, 8-bit block-wise
+  Adam, Adafactor), ``model_flops_per_step`` (Korthikanti App. A). The claims suite and the
+  unit tests check these against the papers' own tables.
+- ``predict(cell)``: the same formulas applied to one benchmark cell, with what the cell's
+  engine does on top of the paper (which tensors it keeps in which precision, DDP's gradient
+  bucket, how many times FSDP gathers the root unit), per rank, in the harness's own
+  categories and byte conventions, so each number can be put beside the measured one.
+
+Ψ = parameter count, N_d = data-parallel (sharding) degree, K = optimizer bytes per parameter.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+
+from harness import models
+from harness.config import CellSpec
+from harness.distributed import DistEnv, hsdp_shape
+from harness.features.optimizers import BITSANDBYTES
+from harness.models import ModelSpec, ParamLayout
 
 # zero_model_states defaults to mixed-precision Adam (ZeRO §3.1): fp16 parameters and
 # gradients, K = 12 bytes of optimizer state per parameter (fp32 master weights, momentum,
@@ -37,8 +55,7 @@ def zero_model_states(n_params: float, world_size: int, stage: int, *, param_byt
     baseline (2 + 2 + K)Ψ; P_os 2Ψ + 2Ψ + KΨ/N_d; P_os+g 2Ψ + (2 + K)Ψ/N_d;
     P_os+g+p (2 + 2 + K)Ψ/N_d (with the mixed-precision byte counts as defaults).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={stage}: choose 0, 1, 2 or 3")
+    _check_stage(stage)
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be at least 1")
     shard = 1 / world_size
@@ -54,6 +71,369 @@ def zero_comm_elements(n_params: float, stage: int) -> float:
     all-reduce moves 2Ψ (a reduce-scatter and an all-gather of Ψ each); stages 1 and 2 the
     same 2Ψ; stage 3 3Ψ (parameters all-gathered in forward and again in backward, gradients
     reduce-scattered), i.e. 1.5× data parallelism."""
+    _check_stage(stage)
+    return 3 * n_params if stage == 3 else 2 * n_params
+
+
+def _check_stage(stage: int) -> None:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={stage}: choose 0, 1, 2 or 3")
-    return 3 * n_params if stage == 3 else 2 * n_params
+
+
+# --- activations --------------------------------------------------------------------------
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, ffn: int | None = None,
+                               mlp: str = "gelu", value_bytes: int = 2, dropout: bool = True,
+                               fused_attention: bool = False, checkpointing: str = "none",
+                               tensor_parallel: int = 1, sequence_parallel: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward.
+
+    Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
+    (``value_bytes=2``) and 1-byte dropout masks:
+      attention 11sbh + 5as²b: QKV input 2sbh, Q and K 4sbh, softmax output 2as²b, its
+        dropout mask as²b and output 2as²b, V 2sbh, projection input 2sbh, dropout mask sbh;
+      MLP 19sbh: input 2sbh, GeLU input 8sbh and output 8sbh (4h wide), dropout mask sbh;
+      two LayerNorm inputs 4sbh;
+    in all s·b·h·(34 + 5·a·s/h). Generalised here, each term as the paper derives it:
+      - ``value_bytes`` for every stored value (4 for fp32 activations); masks stay 1 byte;
+      - ``dropout=False`` drops the masks and the dropout outputs (the models here train
+        without dropout): attention 10sbh + 2as²b, MLP 18sbh;
+      - ``ffn`` (default 4h) widens the MLP terms; ``mlp="swiglu"`` (LLaMA) keeps the gate
+        and up projections' outputs, the SiLU output and their product (4 × s·b·ffn) where
+        GeLU keeps 2;
+      - ``fused_attention`` (flash / SDPA kernels) keeps no s×s score matrix: the a·s² terms
+        vanish (the kernel's per-row statistics, 4·a·s·b bytes, are kept instead);
+      - ``checkpointing="full"``: only the layer input, 2sbh (§4.3); "selective": the
+        paper's selective recompute, the attention core (the a·s² terms) recomputed from
+        the kept Q, K, V, leaving 34sbh with dropout;
+      - ``tensor_parallel=t`` divides the terms computed inside the TP region (24sbh and
+        the score terms) by t; ``sequence_parallel`` also the LayerNorm and dropout terms
+        (the remaining 10sbh), giving the table's 34sbh/t.
+    With every default (GPT, 16-bit, dropout, unfused, no recompute, t = 1) this is exactly
+    the paper's s·b·h·(34 + 5·a·s/h).
+    Korthikanti's "selective" is not the harness's selective policy (which saves every
+    matmul and attention output): the formula is reported beside the measurement, not as
+    its prediction.
+    """
+    if checkpointing not in ("none", "full", "selective"):
+        raise ValueError(f"checkpointing={checkpointing!r}: choose none, full or selective")
+    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
+    f = ffn or 4 * h
+    v, mask = value_bytes, (1 if dropout else 0)
+    sbh = s * b * h
+    if checkpointing == "full":
+        return v * sbh / (t if sequence_parallel else 1)
+    # Inside the tensor-parallel region (divided by t).
+    qk = 2 * v * sbh  # Q and K, the inputs of the score matmul
+    value_in = v * sbh  # V
+    proj_in = v * sbh  # input of the output projection
+    if fused_attention:
+        scores = 4.0 * a * s * b  # the kernel's fp32 log-sum-exp per row, no s×s matrix
+    elif checkpointing == "selective":
+        scores = 0.0  # the attention core is recomputed from Q, K, V
+    else:  # softmax output; with dropout also its mask and output
+        scores = (v + (1 + v if dropout else 0)) * a * s * s * b
+    mlp_kept = (2 if mlp == "gelu" else 4) * v * s * b * f
+    inside = qk + value_in + proj_in + scores + mlp_kept
+    # Outside it (divided by t only with sequence parallelism): the inputs of the QKV and
+    # the first MLP matmul, the two LayerNorm inputs, the two dropout masks.
+    outside = v * sbh + v * sbh + 2 * v * sbh + 2 * mask * sbh
+    return inside / t + outside / (t if sequence_parallel else 1)
+
+
+# --- optimizer state -------------------------------------------------------------------------
+
+_BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for smaller tensors
+_BNB_BLOCK = 256  # one fp32 absmax per 256 values, per state
+_BNB_QMAP_BYTES = 2 * 256 * 4  # the two 256-entry fp32 quantisation maps, shared by all tensors
+
+
+def optimizer_state_bytes(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], optimizer: str) -> float:
+    """Bytes of optimizer state for parameters of the given shapes (fp32 parameters).
+
+    - adamw: two fp32 moments, 8 B/param (Kingma & Ba; formulas.md "Optimizer memory"),
+      plus one fp32 step counter per tensor.
+    - adam8bit / adamw8bit / paged_adamw8bit: Dettmers et al. 2022 block-wise 8-bit: two
+      uint8 states (2 B/param) and one fp32 absmax per 256-value block per state; tensors
+      under 4096 values keep two fp32 states (bitsandbytes' min_8bit_size); plus the two
+      shared quantisation maps.
+    - adafactor: Shazeer & Stern 2018, factored second moment: a row and a column statistic
+      (n + m values) for an n×m matrix, the full variance for vectors, no first moment
+      (torch.optim.Adafactor's default), fp32, plus a step counter per tensor.
+    """
+    total = 0.0
+    any_8bit = False
+    for shape in shapes:
+        n = math.prod(shape)
+        if optimizer == "adamw":
+            total += 8 * n + 4
+        elif optimizer in BITSANDBYTES:
+            if n < _BNB_MIN_8BIT_SIZE:
+                total += 8 * n
+            else:
+                any_8bit = True
+                total += 2 * n + 2 * 4 * math.ceil(n / _BNB_BLOCK)
+        elif optimizer == "adafactor":
+            factored = len(shape) >= 2
+            total += 4 * ((math.prod(shape[:-1]) + shape[-1]) if factored else n) + 4
+        else:
+            raise ValueError(f"optimizer={optimizer!r}: no state formula")
+    return total + (_BNB_QMAP_BYTES if any_8bit else 0)
+
+
+# --- compression -------------------------------------------------------------------------------
+
+POWERSGD_MIN_COMPRESSION_RATE = 2  # torch PowerSGDState's default
+
+
+def powersgd_elements(shape: tuple[int, ...], rank: int) -> int:
+    """Elements all-reduced for one gradient under PowerSGD (Vogels et al. 2019; torch's
+    powerSGD_hook): a tensor viewed as m×n (first dimension × the rest) is sent as rank-r
+    factors P (m×r) and Q (n×r) when (m + n)·r·min_compression_rate < m·n; otherwise (and
+    for vectors) as is."""
+    n_total = math.prod(shape)
+    if len(shape) < 2:
+        return n_total
+    m, n = shape[0], n_total // shape[0]
+    r = min(rank, m, n)
+    compressed = (m + n) * r
+    return compressed if compressed * POWERSGD_MIN_COMPRESSION_RATE < m * n else n_total
+
+
+# --- FLOPs --------------------------------------------------------------------------------------
+
+def model_flops_per_step(batch: int, layers: int, seq: int, hidden: int, vocab: int, *,
+                         selective_recompute: bool = False) -> float:
+    """Korthikanti et al. 2022, App. A: 72·B·L·s·h²·(1 + s/(6h) + V/(12hL)) model FLOPs per
+    step (forward + backward); with selective recompute the hardware FLOPs, s/(3h) in place
+    of s/(6h)."""
+    attention = seq / (3 * hidden) if selective_recompute else seq / (6 * hidden)
+    return 72 * batch * layers * seq * hidden**2 * (1 + attention + vocab / (12 * hidden * layers))
+
+
+# --- one cell -----------------------------------------------------------------------------------
+
+# Which states a strategy keeps sharded when its optimizer step begins, where that differs
+# from its ZeRO stage:
+# - every FSDP flavour has resharded its parameters after backward, grad_op included;
+# - DeepSpeed ZeRO-1 runs the ZeRO-2 code path with gradient partitioning deferred to the
+#   end of backward: it then frees the full gradients, keeping its partition only;
+# - FairScale SDP reduces each gradient to its owner, but the other ranks' .grad tensors stay
+#   allocated: the harness zeroes them in place (set_to_none silently breaks SDP).
+_SHARDS = {
+    "single": (), "ddp": (), "fsdp1_no_shard": (),
+    "zero1": ("optimizer",), "fairscale_oss": ("optimizer",), "fairscale_sdp": ("optimizer",),
+    "deepspeed_zero1": ("optimizer", "grads"), "deepspeed_zero2": ("optimizer", "grads"),
+}
+_ALL_SHARDED = ("optimizer", "grads", "params")
+# DeepSpeed's default stage3_max_live_parameters: a model within it stays gathered from
+# forward to backward (measured here: one all-gather per micro-step for the tiny models).
+DS_MAX_LIVE_PARAMETERS = 1e9
+# Strategies built on torch DDP keep a flat gradient bucket the size of the gradients.
+_DDP_BUCKET = frozenset({"ddp", "zero1", "fairscale_oss"})
+_LOW = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def shard_degree(cell: CellSpec, nodes: int = 1) -> int:
+    """Ranks a sharded state is split over: the world, or the shard dimension of HSDP."""
+    if cell.strategy.name in ("fsdp_hybrid", "fsdp1_hybrid"):
+        env = DistEnv(rank=0, world_size=cell.world_size, nnodes=nodes, device=None, backend="")
+        return hsdp_shape(env)[1]
+    return cell.world_size
+
+
+def _is_deepspeed(cell: CellSpec) -> bool:
+    return cell.strategy.name.startswith("deepspeed_")
+
+
+def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> dict[str, float]:
+    """Bytes per rank held when the optimizer step begins, by category.
+
+    ZeRO's formulas with the cell's engine's byte counts: torch's autocast and FSDP's
+    mixed-precision policies keep fp32 parameters and gradients (no master copy: K = the
+    optimizer's own state); DeepSpeed keeps parameters and gradients in the compute
+    precision and an fp32 master partition (K = 4 + the optimizer's state), as the paper.
+    ``buffers``: DDP's flat gradient bucket (one gradient-sized copy; torch DDP,
+    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP).
+    """
+    s = cell.strategy
+    shards = _ALL_SHARDED if s.name not in _SHARDS else _SHARDS[s.name]
+    degree = shard_degree(cell, nodes)
+    psi = layout.numel
+    opt = optimizer_state_bytes(layout.shapes, s.optimizer)
+    if _is_deepspeed(cell):
+        param_bytes = grad_bytes = _LOW[s.precision]
+        opt += 4 * psi  # the fp32 master partition
+    else:
+        param_bytes = grad_bytes = 4
+
+    def per_rank(nbytes: float, kind: str) -> float:
+        return nbytes / degree if kind in shards else nbytes
+
+    grads = psi * grad_bytes
+    return {
+        "params": per_rank(psi * param_bytes, "params"),
+        "grads": per_rank(grads, "grads"),
+        "optimizer": per_rank(opt, "optimizer"),
+        "buffers": grads if s.name in _DDP_BUCKET else 0.0,
+    }
+
+
+def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
+    """Korthikanti's per-layer activations × layers for one micro-batch, plus the logits.
+
+    Text and ViT transformers only (the MLP model has no attention: 0). The models here run
+    without dropout and with SDPA (fused) attention; activations are fp32 under fp32 and, under
+    autocast, mostly 16-bit. The logits term is the fp32 s·b·V output of the LM head that the
+    loss keeps (HF upcasts logits to fp32), which Korthikanti leaves out.
+    """
+    if spec.family == "mlp":
+        return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
+    value_bytes = _LOW[cell.strategy.precision]
+    per_layer = activation_bytes_per_layer(
+        spec.tokens_per_sample, cell.micro_batch, spec.hidden, spec.n_heads, ffn=spec.ffn,
+        mlp="swiglu" if spec.family == "llama" else "gelu", value_bytes=value_bytes, dropout=False,
+        fused_attention=True, checkpointing=cell.strategy.checkpointing)
+    logits_width = spec.vocab_size or spec.num_classes
+    return {
+        "per_layer": per_layer,
+        "layers": per_layer * spec.n_layers,
+        "logits": 4.0 * spec.tokens_per_sample * cell.micro_batch * logits_width
+        if spec.family != "vit" else 4.0 * cell.micro_batch * logits_width,
+    }
+
+
+def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> dict[str, float]:
+    """Payload bytes per collective kind per optimizer step, in the harness's convention
+    (harness/measure/comm.py: all-reduce the tensor, all-gather the gathered output,
+    reduce-scatter the full input), so it compares with the counted bytes directly.
+
+    From ZeRO §7 and the FSDP paper §3.2, per engine: DDP all-reduces the gradients once per
+    step (fp32, or half with an fp16 hook; PowerSGD the factors of ``powersgd_elements``);
+    ZeRO-1 over DDP adds a broadcast of the updated parameters (torch and FairScale OSS);
+    FairScale SDP reduces to each owner and broadcasts; FSDP all-gathers the parameters
+    (in the compute dtype) in forward and, resharded, again in backward, and
+    reduce-scatters fp32 gradients; with accumulation the gathers repeat per micro-step
+    while the reduction happens once; FSDP1 keeps the root unit gathered between forward and
+    backward; HSDP also all-reduces each shard over the replicate dimension; DeepSpeed
+    ZeRO-1/2 all-reduces the gradients and all-gathers the updated partitions, ZeRO-3
+    gathers in forward and, when the model exceeds its live-parameter budget
+    (stage3_max_live_parameters), again in backward, and reduce-scatters, each micro-step.
+    Scalars (loss-scale and overflow flags) are left out.
+    """
+    s = cell.strategy
+    psi, a = layout.numel, s.accumulation
+    low = _LOW[s.precision]
+    name = s.name
+    if name in ("ddp", "zero1", "fairscale_oss"):
+        if s.compression == "powersgd":
+            reduced = 4 * sum(powersgd_elements(shape, s.powersgd_rank) for shape in layout.shapes)
+        else:
+            reduced = psi * (2 if s.compression in ("fp16", "bf16") else 4)
+        out = {"all_reduce": reduced}
+        if name != "ddp":
+            out["broadcast"] = 4 * psi
+        return out
+    if name == "fairscale_sdp":
+        return {"reduce": 4 * psi, "broadcast": 4 * psi}
+    if name == "fsdp1_no_shard":
+        return {"all_reduce": 4 * psi}
+    if name.startswith("fsdp") or name == "fairscale_fsdp":
+        gather = low * psi
+        if name in ("fsdp_grad_op", "fsdp1_grad_op"):
+            gathers = gather * a
+        elif name.startswith("fsdp1") or name == "fairscale_fsdp":  # FSDP1 grew out of FairScale's
+            gathers = (2 * gather - low * layout.root_numel) * a
+        else:
+            gathers = 2 * gather * a
+        out = {"all_gather": gathers, "reduce_scatter": 4 * psi}
+        if name.endswith("hybrid"):
+            out["all_reduce"] = 4 * psi / shard_degree(cell, nodes)
+        return out
+    if name in ("deepspeed_zero1", "deepspeed_zero2"):
+        return {"all_reduce": low * psi, "all_gather": low * psi}
+    if name == "deepspeed_zero3":
+        gathers = 1 if psi <= DS_MAX_LIVE_PARAMETERS else 2
+        return {"all_gather": gathers * low * psi * a, "reduce_scatter": low * psi * a}
+    return {}  # single: nothing to communicate
+
+
+def comm_volume(by_op: dict[str, float]) -> float:
+    """Bytes each rank moves, ZeRO §7's convention: an all-reduce counts twice (its
+    reduce-scatter and all-gather halves), the others once."""
+    return sum(nbytes * (2 if op == "all_reduce" else 1) for op, nbytes in by_op.items())
+
+
+def offloaded_bytes(cell: CellSpec, states: dict[str, float]) -> dict[str, float]:
+    """Which model states live in host memory rather than on the device (ZeRO-Offload,
+    Ren et al. 2021; FSDP CPUOffload): parameter offload moves the sharded parameters and
+    gradients, optimizer offload the gradients' fp32 copy, master weights and moments."""
+    o = cell.strategy.offload
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if o in ("params", "optimizer_params"):
+        out["params"] = states["params"]
+        if not _is_deepspeed(cell):  # FSDP's CPU offload keeps sharded gradients on the host
+            out["grads"] = states["grads"]
+    if o in ("optimizer", "optimizer_params"):
+        out["optimizer"] = states["optimizer"]
+        out["grads"] = states["grads"]
+    return out
+
+
+def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dict[str, float]:
+    """Tensors that exist only during forward and backward, beside the model states:
+
+    - ``gathered``: sharded parameters gathered for compute (FSDP, ZeRO-3): the root unit
+      (embeddings and head, gathered for the whole step) and two blocks (the one computing
+      and the one prefetched), in the compute dtype (DeepSpeed's ZeRO-3 estimator reserves
+      the largest layer the same way); DeepSpeed ZeRO-3 keeps a model within its
+      live-parameter budget gathered whole;
+    - ``autocast_copies``: torch autocast caches a 16-bit copy of every weight it casts
+      for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
+    - ``recompute``: with full checkpointing, one block's activations exist again while its
+      backward recomputes them.
+    """
+    s = cell.strategy
+    low = _LOW[s.precision]
+    params_sharded = "params" in (_ALL_SHARDED if s.name not in _SHARDS else _SHARDS[s.name])
+    gathered = low * (layout.root_numel + 2 * layout.block_numel) if params_sharded else 0.0
+    if s.name == "deepspeed_zero3" and layout.numel <= DS_MAX_LIVE_PARAMETERS:
+        gathered = low * layout.numel  # it keeps the whole model gathered through backward
+    uses_autocast = s.precision != "fp32" and not params_sharded and not _is_deepspeed(cell)
+    recompute = 0.0
+    if s.checkpointing == "full" and spec.family != "mlp":
+        recompute = activation_bytes(dataclasses.replace(
+            cell, strategy=dataclasses.replace(s, checkpointing="none")), spec)["per_layer"]
+    return {"gathered": gathered, "autocast_copies": 2.0 * layout.numel if uses_autocast else 0.0,
+            "recompute": recompute}
+
+
+def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> dict:
+    """The analytic prediction for one cell, per rank; the record's ``predicted.analytic``.
+
+    ``spec`` replaces the cell's preset (``harness plan`` with another sequence length);
+    ``nodes`` shapes the HSDP mesh (replicate across nodes)."""
+    spec = spec or models.get_preset(cell.model)
+    layout = models.param_layout(spec)
+    states = model_states_at_step(cell, layout, nodes)
+    acts = activation_bytes(cell, spec)
+    comm = comm_bytes_per_step(cell, layout, nodes)
+    offloaded = offloaded_bytes(cell, states)
+    transient = transient_bytes(cell, layout, spec)
+    model_state_bytes = sum(states.values())
+    return {
+        "model_states_bytes": states,
+        "model_state_bytes": model_state_bytes,
+        "activation_bytes": acts,
+        "transient_bytes": transient,
+        # A first-order peak: the states on the device, one micro-batch's activations and
+        # the transients all at once (the traced predictor times them exactly).
+        "peak_bytes": (model_state_bytes - sum(offloaded.values()) + acts["layers"] + acts["logits"]
+                       + sum(transient.values())),
+        "offloaded_bytes": offloaded,
+        "comm_bytes_by_op": comm,
+        "comm_bytes_per_step": sum(comm.values()),
+        "comm_volume_per_step": comm_volume(comm),
+        "flops_per_token": models.flops_per_sample(spec) / spec.tokens_per_sample,
+        "n_params": layout.numel,
+    }

@@ -32,6 +32,7 @@ def make_record(
     per_rank: list[dict] | None = None,
     losses: list[float] | None = None,
     equivalence: dict | None = None,
+    predicted: dict | None = None,
     wall_s: float | None = None,
 ) -> dict:
     if status not in STATUSES:
@@ -52,6 +53,7 @@ def make_record(
         "per_rank": per_rank or [],
         "losses": _finite_or_none(losses or []),
         "equivalence": equivalence,
+        "predicted": predicted,
         "wall_s": wall_s,
     }
 

@@ -68,8 +68,12 @@ def _no_op() -> None:
 
 def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: DistEnv,
                micro_batches: list[dict], scaler: torch.amp.GradScaler,
-               between_micro_steps: Callable[[], None] = _no_op) -> torch.Tensor:
-    """One optimizer step. Returns this rank's mean loss over its micro-batches (detached)."""
+               between_micro_steps: Callable[[], None] = _no_op,
+               before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
+    """One optimizer step. Returns this rank's mean loss over its micro-batches (detached).
+
+    ``before_optimizer_step`` runs after the last backward, before the optimizer (or the
+    engine that owns it) steps."""
     n_micro = len(micro_batches)
     total = torch.zeros((), device=env.device)
     for k, batch in enumerate(micro_batches):
@@ -83,6 +87,8 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
                 prep.backward(loss)
             else:
                 scaler.scale(loss).backward()
+        if last:
+            before_optimizer_step()
         prep.after_micro_step()
         total += loss.detach().float()
     if not prep.owns_optimizer_step:
@@ -101,14 +107,15 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
     scaler = precision.grad_scaler(cell.strategy.precision, env.device)
     batches = local_batches(built, cell, env)
 
-    def step(i: int, between_micro_steps: Callable[[], None] = _no_op) -> torch.Tensor:
-        return train_step(built, prep, cell, env, batches[i], scaler, between_micro_steps)
+    def step(i: int, between_micro_steps: Callable[[], None] = _no_op,
+             before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
+        return train_step(built, prep, cell, env, batches[i], scaler, between_micro_steps, before_optimizer_step)
 
     losses = [step(i) for i in range(cell.warmup)]
     i = cell.warmup
     with memory.track_step_memory(prep.memory_module or prep.model, prep.memory_optimizer or prep.optimizer,
                                   fsdp2=prep.fsdp2, device=env.device) as memory_probe:
-        losses.append(step(i, memory_probe.micro_step_boundary))
+        losses.append(step(i, memory_probe.micro_step_boundary, memory_probe.before_optimizer_step))
     with comm.count_comm(env.device) as comm_stats:
         losses.append(step(i + 1))
     step_times: list[float] = []
@@ -129,6 +136,7 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
         "rss_peak_bytes": mem.rss_peak_bytes,
         "cuda_memory": mem.cuda,
         "memory_tracker": mem.tracker,
+        "at_optimizer_step_bytes": mem.at_optimizer_step_bytes,
         "step_times_s": step_times,
         "comm_by_op": {op: vars(stats) for op, stats in comm_stats().items()},
         "engine": prep.engine_report(),

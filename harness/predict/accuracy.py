@@ -1,0 +1,73 @@
+"""Predicted beside measured: the ``predicted`` entry of a cell record and its ratios.
+
+Three comparisons, each predicted ÷ measured, and the targets they are held to:
+
+- ``traced_peak``: the traced step peak (harness/predict/traced.py) against the measured
+  peak per rank (metrics.peak_mem_bytes, the max over ranks): ±10 %.
+- ``analytic_model_states``: the analytic model states (params + grads + optimizer + the
+  engine's gradient buffers, harness/predict/analytic.py) against everything a rank held
+  when its optimizer step began (metrics.at_optimizer_step_bytes: activations are freed by
+  then, so what remains is model state and the engine's buffers): ±10 %.
+- ``analytic_comm``: the analytic bytes per step against the counted bytes
+  (metrics.comm_bytes_per_step): ±10 %.
+
+A ratio outside its target names the category (or collective) that is furthest off, so a
+reader sees where the model and the measurement part ways. The known reasons are listed in
+README "Predicted beside measured".
+"""
+
+from __future__ import annotations
+
+from harness.config import CellSpec
+from harness.predict import analytic
+
+TOLERANCE = 0.10
+TARGETS = ("traced_peak", "analytic_model_states", "analytic_comm")
+
+
+def prediction(cell: CellSpec, traced: dict | None) -> dict:
+    """The record's ``predicted`` entry before any measurement: both predictors."""
+    return {
+        "analytic": analytic.predict(cell),
+        "traced": traced if traced is not None else {"unavailable": "not traced in this run"},
+    }
+
+
+def _furthest(predicted: dict[str, float], measured: dict[str, float]) -> str:
+    keys = set(predicted) | set(measured)
+    key = max(keys, key=lambda k: abs(predicted.get(k, 0) - measured.get(k, 0)))
+    return f"{key}: predicted {predicted.get(key, 0):,.0f} B, measured {measured.get(key, 0):,.0f} B"
+
+
+def _comparison(predicted_total: float, measured_total: float | None, predicted: dict, measured: dict) -> dict | None:
+    if measured_total is None:
+        return None
+    if measured_total == 0:
+        ratio = 1.0 if predicted_total == 0 else None
+    else:
+        ratio = predicted_total / measured_total
+    within = ratio is not None and abs(ratio - 1) <= TOLERANCE
+    return {"ratio": ratio, "within_target": within,
+            "off": None if within else _furthest(predicted, measured)}
+
+
+def compare(predicted: dict, metrics: dict) -> dict:
+    """Ratios of a measured cell: {target: {ratio, within_target, off} | None}.
+
+    None where a side is missing (no trace for this strategy, no state snapshot)."""
+    a, traced = predicted["analytic"], predicted["traced"]
+    out: dict[str, dict | None] = dict.fromkeys(TARGETS)
+    if "peak_bytes" in traced:
+        out["traced_peak"] = _comparison(traced["peak_bytes"], metrics["peak_mem_bytes"],
+                                         traced["breakdown_bytes"], metrics["mem_breakdown_bytes"])
+    held = metrics.get("at_optimizer_step_bytes")
+    if held:
+        states = a["model_states_bytes"]
+        # What is held beyond params, grads and optimizer state is the engines' buffers.
+        measured = {k: held[k] for k in ("params", "grads", "optimizer")}
+        measured["buffers"] = held["other"] + held["activations"]
+        out["analytic_model_states"] = _comparison(a["model_state_bytes"], sum(held.values()), states, measured)
+    counted = {op: v["bytes"] for op, v in metrics["comm_by_op"].items()}
+    out["analytic_comm"] = _comparison(a["comm_bytes_per_step"], metrics["comm_bytes_per_step"],
+                                       a["comm_bytes_by_op"], counted)
+    return out

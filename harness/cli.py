@@ -203,6 +203,21 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_accuracy(args: argparse.Namespace, extra: list[str]) -> int:
+    """Predicted ÷ measured for every measured cell of a run, and the worst per target."""
+    from harness.predict import accuracy
+    from harness.results.store import load_records, resolve_run
+
+    root = args.out or REPO_ROOT
+    try:
+        run_dir = resolve_run(root / "results", args.run)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    text, all_met = accuracy.report(load_records(run_dir))
+    print(text)
+    return 0 if all_met or not args.strict else 1
+
+
 def models_seq(model: str) -> int | None:
     from harness import models
 
@@ -251,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also trace the recommended configuration under FakeTensorMode (exact; slower)")
     pln.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     pln.set_defaults(func=cmd_plan)
+    acc = sub.add_parser("accuracy", help="predicted vs measured memory and communication of a run's cells")
+    acc.add_argument("run", nargs="?", default="latest", help="run id under results/ (default: latest), or a run folder")
+    acc.add_argument("--strict", action="store_true", help="exit 1 when any cell misses a ±10%% target")
+    acc.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    acc.set_defaults(func=cmd_accuracy)
     return parser
 
 

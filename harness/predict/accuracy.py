@@ -71,3 +71,33 @@ def compare(predicted: dict, metrics: dict) -> dict:
     out["analytic_comm"] = _comparison(a["comm_bytes_per_step"], metrics["comm_bytes_per_step"],
                                        a["comm_bytes_by_op"], counted)
     return out
+
+
+def report(records: list[dict]) -> tuple[str, bool]:
+    """Every measured cell's ratios, then per target the worst ratio and how many cells met
+    it. Returns the text and whether every available ratio met its target."""
+    measured = [r for r in records if r["status"] == "ok" and (r.get("predicted") or {}).get("ratios")]
+    lines = [f"{'cell':<66} " + " ".join(f"{t:>22}" for t in TARGETS)]
+    for r in measured:
+        ratios = r["predicted"]["ratios"]
+        shown = []
+        for t in TARGETS:
+            c = ratios.get(t)
+            shown.append("-" if c is None or c["ratio"] is None else f"{c['ratio']:.3f}{'' if c['within_target'] else ' MISS'}")
+        lines.append(f"{r['cell_id']:<66} " + " ".join(f"{v:>22}" for v in shown))
+    all_met = True
+    lines.append("")
+    for t in TARGETS:
+        compared = [(r, r["predicted"]["ratios"][t]) for r in measured
+                    if r["predicted"]["ratios"].get(t) and r["predicted"]["ratios"][t]["ratio"] is not None]
+        if not compared:
+            lines.append(f"{t}: no cell compared")
+            continue
+        worst_record, worst = max(compared, key=lambda rc: abs(rc[1]["ratio"] - 1))
+        missed = [(r, c) for r, c in compared if not c["within_target"]]
+        all_met &= not missed
+        lines.append(f"{t}: {len(compared) - len(missed)} of {len(compared)} cells within ±{TOLERANCE:.0%};"
+                     f" worst {worst['ratio']:.3f} ({worst_record['cell_id']})")
+        for r, c in missed:
+            lines.append(f"  MISS {r['cell_id']}: ratio {c['ratio']:.3f}; furthest off: {c['off']}")
+    return "\n".join(lines), all_met

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness import markers, suites
 from harness.distributed import DEVICES
 from harness.runner.launcher import DEFAULT_CELL_TIMEOUT_S
@@ -70,8 +72,6 @@ def _pytest_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
-    import pytest
-
     _check_selection(args)
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
@@ -86,19 +86,22 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 class _Collector:
+    """The cells the session would run, as the suites' conftest files selected them (matrix
+    tests by their ``cell``, claims by the cells the selected claims read)."""
+
     def __init__(self) -> None:
         self.cells = []
 
-    def pytest_collection_finish(self, session) -> None:
-        from harness.runner.session import selected_cells
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_finish(self, session):
+        from harness.runner.session import SELECTED
 
-        self.cells = selected_cells(session.items)
+        yield
+        self.cells = session.config.stash.get(SELECTED, [])
 
 
 def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
     """The cells pytest would select (its own collection, so selection is identical)."""
-    import pytest
-
     from harness import strategies
     from harness.runner.matrix import with_references
 

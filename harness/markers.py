@@ -71,6 +71,12 @@ CATALOGUE: dict[str, str] = {
     **{family: f"model family {family}" for family in MODEL_FAMILIES},
 }
 
+# Markers of tests that are not cells: every cell carries one marker per axis value above,
+# these mark whole test files (suites/claims/: one test per published claim).
+TEST_MARKERS: dict[str, str] = {
+    "claims": "a published claim re-derived from its formula and, where the host can, measured (--suite claims)",
+}
+
 
 def markers_of(cell: CellSpec) -> list[str]:
     from harness.models import get_preset  # models pull in transformers: import on use
@@ -108,9 +114,10 @@ def check_marker_expression(expr: str) -> None:
     nothing because of a typo wastes a cluster allocation.
     """
     names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expr)) - _KEYWORDS
-    unknown = sorted(names - CATALOGUE.keys())
+    known = CATALOGUE.keys() | TEST_MARKERS.keys()
+    unknown = sorted(names - known)
     if unknown:
         raise ValueError(
             f"unknown marker(s) {', '.join(unknown)} in -m {expr!r}: "
-            f"choose from {', '.join(sorted(CATALOGUE))}"
+            f"choose from {', '.join(sorted(known))}"
         )

@@ -8,6 +8,8 @@ pytest files in suites/ parametrise over it, one test per cell.
   the tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
 - perf: no matrix; the benchmarks of the harness itself in suites/test_perf.py (its step
   overhead against a bare training loop, launch amortisation, the default suite's wall time).
+- claims: the cells the published claims need (suites/claims/, harness/claims.py): one test
+  per claim, not per cell.
 """
 
 from __future__ import annotations
@@ -113,11 +115,22 @@ def perf(world_size: int) -> list[CellSpec]:
     return []
 
 
+def claims(world_size: int) -> list[CellSpec]:
+    """The cells the published claims read (harness/claims.py names them per claim): GPT-2
+    tiny under each ZeRO stage in torch and DeepSpeed, checkpointing, bf16, the 8-bit and
+    factored optimizers, and the compression hooks."""
+    from harness import claims as published  # on use: harness.claims builds its cells with _cell
+
+    return published.cells(world_size)
+
+
 SUITES: dict[str, Callable[[int], list[CellSpec]]] = {
-    "smoke": smoke, "default": default, "full": full, "perf": perf,
+    "smoke": smoke, "default": default, "full": full, "perf": perf, "claims": claims,
 }
 # Suites whose tests are benchmarks of the harness (suites/test_perf.py), not cells.
 BENCHMARK_SUITES = frozenset({"perf"})
+# Suites whose tests are claims (suites/claims/), one per claim; their cells run for them.
+CLAIMS_SUITES = frozenset({"claims"})
 
 
 def cells_of(suite: str, world_size: int) -> list[CellSpec]:

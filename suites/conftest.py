@@ -51,10 +51,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     )
 
 
+def _kind(item: pytest.Item) -> str:
+    if item.path.name == "test_perf.py":
+        return "benchmark"
+    return "claims" if item.path.parent.name == "claims" else "matrix"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A matrix suite runs test_matrix.py; a benchmark suite (perf) runs test_perf.py."""
-    benchmark = config.getoption("suite") in suites.BENCHMARK_SUITES
-    keep = [item for item in items if (item.path.name == "test_perf.py") == benchmark]
+    """A matrix suite runs test_matrix.py; a benchmark suite (perf) runs test_perf.py; a
+    claims suite the claims in claims/ (which run the cells they read)."""
+    suite = config.getoption("suite")
+    wanted = ("benchmark" if suite in suites.BENCHMARK_SUITES
+              else "claims" if suite in suites.CLAIMS_SUITES else "matrix")
+    keep = [item for item in items if _kind(item) == wanted]
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep

@@ -28,10 +28,20 @@ def shardbench(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
         (["report", "no-such-run"], "no run at"),
         (["compare", "run-a", "run-b", "--fail-on", "cpu:5%"], "--fail-on='cpu:5%': expected comma-separated KEY:N%"),
         (["compare", "run-a", "run-b"], "no run at"),
+        (["accuracy", "no-such-run"], "no run at"),
+        (["plan", "--model", "llama9", "--gpus", "8", "--gpu-mem", "80GiB"], "unknown model 'llama9'"),
+        (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80XB"], "--gpu-mem '80XB': give a size"),
+        (["plan", "--model", "llama3-8b", "--gpus", "12", "--nodes", "8", "--gpu-mem", "80GiB"],
+         "--gpus 12 is not divisible by --nodes 8"),
+        (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80GiB", "--precision", "fp8"],
+         "--precision fp8: choose one of"),
+        (["plan", "--model", "vit-base", "--gpus", "8", "--gpu-mem", "80GiB", "--seq", "512"],
+         "--seq applies to text models"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_launched(tmp_path, args, message):
-    result = shardbench(*args, "--out", str(tmp_path)) if args[0] != "list" else shardbench(*args)
+    takes_out = args[0] not in ("list", "plan")
+    result = shardbench(*args, "--out", str(tmp_path)) if takes_out else shardbench(*args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
@@ -65,3 +75,26 @@ def test_smoke_suite_end_to_end(tmp_path):
     assert all(r["cell_id"] in html for r in records)
     rebuilt = shardbench("report", "latest", "--out", str(tmp_path))
     assert rebuilt.returncode == 0 and rebuilt.stdout.strip() == str(report)
+    # Predicted beside measured: both predictors in every measured record, ratios, the command.
+    for r in records:
+        assert r["predicted"]["analytic"]["model_state_bytes"] > 0
+        if r["status"] == "ok":
+            ratios = r["predicted"]["ratios"]
+            assert ratios["traced_peak"]["within_target"], (r["cell_id"], ratios)
+            assert ratios["analytic_model_states"]["within_target"], (r["cell_id"], ratios)
+    accuracy = shardbench("accuracy", "--out", str(tmp_path), "--strict")
+    assert accuracy.returncode == 0, accuracy.stdout + accuracy.stderr
+    assert "traced_peak: 5 of 5 cells within ±10%" in accuracy.stdout
+    page = (tmp_path / "reports" / run_dir.name / "cells").glob("*ddp*fp32*.html")
+    assert "Predicted beside measured" in next(page).read_text()
+
+
+def test_plan_prints_every_candidate_and_a_recommendation():
+    result = shardbench("plan", "--model", "gpt2-1.5b", "--gpus", "8", "--gpu-mem", "40GB", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    configs = [row["config"] for row in plan["rows"]]
+    assert "ddp/bf16/ckpt_none" in configs and "deepspeed_zero3/bf16/ckpt_full/offload_optimizer_params" in configs
+    assert plan["recommended"] in configs and plan["recommendation"].startswith("Recommended:")
+    best = next(row for row in plan["rows"] if row["config"] == plan["recommended"])
+    assert best["fits"] and best["predicted"]["peak_bytes"] <= 40e9

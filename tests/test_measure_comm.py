@@ -3,6 +3,8 @@
 import json
 import os
 import socket
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +35,7 @@ def _comm_of_step(model, opt):
 
 
 def _worker(rank, port, out_dir):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -45,6 +48,22 @@ def _worker(rank, port, out_dir):
         dist.all_reduce(torch.ones(1000, dtype=torch.float64))
     out["manual"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
 
+    # A collective issued from a future's callback, as PowerSGD's hook issues its P and Q
+    # all-reduces. Rank 1 joins late, so rank 0's future is still pending when its callback
+    # is registered and the callback runs on a gloo worker thread, not the counting one.
+    callback_threads = []
+
+    def in_callback(fut):
+        callback_threads.append(threading.get_ident())
+        return dist.all_reduce(torch.ones(250, dtype=torch.float64), async_op=True).get_future().wait()
+
+    if rank == 1:
+        time.sleep(0.5)
+    with count_comm(torch.device("cpu")) as comm:
+        dist.all_reduce(torch.ones(1000), async_op=True).get_future().then(in_callback).wait()
+    out["callback"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
+    out["callback_off_thread"] = callback_threads != [threading.get_ident()]
+
     ddp = DDP(_model())
     out["ddp"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
     ddp = DDP(_model(), bucket_cap_mb=0.01)  # several buckets
@@ -52,6 +71,11 @@ def _worker(rank, port, out_dir):
     ddp = DDP(_model())
     ddp.register_comm_hook(None, fp16_compress_hook)
     out["ddp_fp16"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
+    ddp = DDP(_model(), bucket_cap_mb=1000)  # one bucket: PowerSGD on gloo needs it
+    ddp.register_comm_hook(powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0),
+        powerSGD_hook.powerSGD_hook)
+    out["ddp_powersgd"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
     ddp = DDP(_model())
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW)
     out["zero"] = _comm_of_step(ddp, zero)
@@ -85,6 +109,21 @@ def test_manual_all_reduce_exact_bytes(observed):
         assert list(rank["manual"]) == ["all_reduce"]
         count, nbytes, time_s = rank["manual"]["all_reduce"]
         assert (count, nbytes) == (1, 8000) and time_s > 0
+
+
+def test_collective_issued_in_a_future_callback_is_counted(observed):
+    # 1000 fp32 on the counting thread, then 250 fp64 from the callback
+    assert observed[0]["callback_off_thread"]  # the case that needs the fix really happened
+    for rank in observed:
+        assert rank["callback"]["all_reduce"][:2] == [2, 4000 + 2000]
+
+
+def test_ddp_powersgd_counts_the_factors(observed):
+    # Step 4 is compressed (start_powerSGD_iter=2): the biases (128 + 32 values) go
+    # uncompressed in one all-reduce, then P (m×r: 128 + 32) and Q (n×r: 64 + 128), rank 1,
+    # each from a future callback; fp32. Before the counter followed callbacks it saw 640 B.
+    for rank in observed:
+        assert rank["ddp_powersgd"]["all_reduce"][:2] == [3, 4 * (160 + 160 + 192)]
 
 
 def test_ddp_all_reduce_is_the_gradient_bytes(observed):

@@ -24,6 +24,15 @@ Sources
   see at all is counted from the profiler alone (bytes from its input shapes and dtypes), so
   a collective missed by the dispatch mode is never reported as zero. time_s is 0.0 where no
   profiler event matched.
+- collectives issued from a future's callback: a dispatch mode (and the profiler) is
+  per-thread state, and ``Future.then`` does not carry it to the thread that runs the
+  callback — gloo's worker thread when the future completes later. PowerSGD's hook issues
+  its P and Q all-reduces from such callbacks (``fut.then(...)``); neither source would see
+  them, and a PowerSGD step would show only its first all-reduce. While counting,
+  ``torch._C.Future.then`` is wrapped so each callback runs under a counting mode (sharing
+  this step's list) when the thread that runs it has none. The profiler does not follow
+  them there either: such an op is counted with its bytes and time_s 0.0 (a callback that
+  runs inline, on a future already complete, stays on the counting thread and is timed).
 
 Bytes convention (this rank's payload, per op)
 - all_reduce, broadcast, reduce, send, recv: the tensor bytes.
@@ -35,6 +44,7 @@ Bytes convention (this rank's payload, per op)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,9 +155,10 @@ class _Op:
 
 
 class _CommDispatchMode(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, ops: list[_Op] | None = None) -> None:
         super().__init__()
-        self.ops: list[_Op] = []
+        # Shared with the modes that count on callback threads (one list per step).
+        self.ops: list[_Op] = [] if ops is None else ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Let tensor subclasses (DTensor, AsyncCollectiveTensor) desugar first: the plain-tensor
@@ -219,9 +230,41 @@ def _summarise(ops: list[_Op], events) -> dict[str, OpStats]:
     return result
 
 
+def _counting_on_this_thread() -> bool:
+    return any(isinstance(m, _CommDispatchMode) for m in _get_current_dispatch_mode_stack())
+
+
+@contextmanager
+def _count_in_callbacks(ops: list[_Op]) -> Iterator[None]:
+    """Run every future callback registered inside the block under a counting mode that
+    appends to ``ops``, unless the thread running it already counts (an inline callback).
+    A callback that starts after the block has closed runs as it is."""
+    future_cls = torch._C.Future
+    original_then = future_cls.__dict__["then"]
+    active = [True]
+
+    def then(self, callback):
+        @functools.wraps(callback)
+        def counted(fut):
+            if not active[0] or _counting_on_this_thread():
+                return callback(fut)
+            with _CommDispatchMode(ops):
+                return callback(fut)
+
+        return original_then(self, counted)
+
+    future_cls.then = then
+    try:
+        yield
+    finally:
+        active[0] = False
+        future_cls.then = original_then
+
+
 @contextmanager
 def count_comm(device: torch.device) -> Iterator[Callable[[], dict[str, OpStats]]]:
-    """Count the collectives issued inside the block; the callable returns them after it."""
+    """Count the collectives issued inside the block (on this thread, and in future
+    callbacks registered in it); the callable returns them after it."""
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU]
     if on_cuda:
@@ -229,7 +272,7 @@ def count_comm(device: torch.device) -> Iterator[Callable[[], dict[str, OpStats]
     mode = _CommDispatchMode()
     result: list[dict[str, OpStats]] = []
     with profile(activities=activities, record_shapes=True) as prof:
-        with mode:
+        with _count_in_callbacks(mode.ops), mode:
             yield lambda: result[0]
         if on_cuda:
             torch.cuda.synchronize(device)  # let the NCCL kernels finish inside the profile

@@ -55,6 +55,8 @@ Wrappers
   "other": 2 ranks, 49,792 parameter bytes -> other 49,792.
 - ZeroRedundancyOptimizer: its own ``state`` only holds what was consolidated; the real
   (sharded) state lives in the local optimizer ``opt.optim``, so that is what is registered.
+- Engines' own tensors made before the step (DeepSpeed's fp32 master partitions and ZeRO-3
+  parameter partitions) are invisible unless passed as ``held``; they count as "other".
 - DeepSpeed: ``track_external`` refuses its ZeRO optimizer wrappers ("not supported for
   tracking"); pass ``engine.module`` and the wrapped torch optimizer ``opt.optimizer``.
 - FSDP1 (FullyShardedDataParallel, device_id=cpu) is tracked as an nn.Module by MemTracker:
@@ -69,7 +71,7 @@ result is computed when the block exits and the tracker is dropped then.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,34 +126,24 @@ def _rss_peak() -> int:
     raise RuntimeError("VmHWM missing from /proc/self/status")
 
 
-def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp2: bool):
+def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp2: bool,
+                  held: Sequence[torch.Tensor]):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if fsdp2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return FSDPMemTracker(module, optimizer), "FSDPMemTracker"
+        tracker = FSDPMemTracker(module, optimizer)
+        tracker.track_external(*held)
+        return tracker, "FSDPMemTracker"
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     tracker = MemTracker()
     # ZeroRedundancyOptimizer keeps the real (sharded) state in its local optimizer.
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim
-    tracker.track_external(module, optimizer, *_engine_held_tensors(module, optimizer))
+    tracker.track_external(module, optimizer, *held)
     return tracker, "MemTracker"
-
-
-def _engine_held_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Tensors an engine holds that are neither the module's parameters nor optimizer state,
-    made before the tracked step (so the tracker would never see them): the tensors the
-    optimizer updates when they are not the module's parameters (DeepSpeed's fp32 master
-    partitions) and ZeRO-3's parameter partitions (``ds_tensor``). Tracked as "other"."""
-    module_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    held = [getattr(p, "ds_tensor", None) for p in module.parameters()]
-    if optimizer is not None:
-        held += [p for group in optimizer.param_groups for p in group["params"]
-                 if p.untyped_storage().data_ptr() not in module_storages]
-    return [t for t in held if t is not None]
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:
@@ -205,9 +197,13 @@ class MemoryProbe:
 @contextmanager
 def track_step_memory(
     module: nn.Module, optimizer: torch.optim.Optimizer | None, *, fsdp2: bool,
-    device: torch.device,
+    device: torch.device, held: Sequence[torch.Tensor] = (),
 ) -> Iterator[MemoryProbe]:
     """Track one training step computed on `device`; ``probe.result()`` gives its StepMemory.
+
+    ``held``: tensors an engine made before the step and keeps outside the module's
+    parameters and the optimizer's state (DeepSpeed's fp32 master partitions, ZeRO-3's
+    parameter partitions); the tracker cannot see them otherwise. Counted as "other".
 
     CPU vs CUDA follows `device`, not where the parameters live. A bare "cuda" means the
     current CUDA device (the trackers key their snapshots by an indexed device).
@@ -216,7 +212,7 @@ def track_step_memory(
     on_cuda = device.type == "cuda"
     if on_cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    tracker, name = _make_tracker(module, optimizer, fsdp2)
+    tracker, name = _make_tracker(module, optimizer, fsdp2, held)
     probe = MemoryProbe(tracker, device)
     rss_ok = _reset_rss_peak()
     if on_cuda:

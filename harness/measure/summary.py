@@ -3,9 +3,11 @@
 
 - peak_mem_bytes: the max over ranks of each rank's peak (never a sum across ranks); the
   breakdown is that of the rank with the peak.
-- at_optimizer_step_bytes: what the rank holding the most held, by category, when the
-  optimizer step began (gradients reduced, activations freed): the measured counterpart of
-  the ZeRO model-state formulas (params + grads + optimizer).
+- at_optimizer_step_bytes: what a rank held, by category, when the optimizer step began
+  (gradients reduced, activations freed): the measured counterpart of the ZeRO model-state
+  formulas. Every rank holds the same states, but a rank can still hold a communication
+  buffer in flight (FSDP2 with gloo: the root unit's reduce-scatter input, on one rank in
+  some runs and not others), so this is the rank holding the least; per_rank has each.
 - step_time_s: the median over timed steps of the slowest rank's time in each step (the job
   waits for it at every step); step_time_iqr_s the inter-quartile range of the same series.
 - samples_per_s, tokens_per_s: the whole job's (global batch ÷ step time).
@@ -39,7 +41,7 @@ def _with_busbw(comm_by_op: dict, world_size: int) -> dict:
 
 def _at_optimizer_step(per_rank: list[dict]) -> dict | None:
     held = [r["at_optimizer_step_bytes"] for r in per_rank if r.get("at_optimizer_step_bytes")]
-    return max(held, key=lambda b: sum(b.values())) if held else None
+    return min(held, key=lambda b: sum(b.values())) if held else None
 
 
 def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float | None) -> dict:

@@ -26,6 +26,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
 from harness.features.optimizers import BITSANDBYTES
 from harness.models import ModelSpec, ParamLayout
+from harness.strategies import deepspeed_zero  # its bucket sizing; DeepSpeed itself is imported on use
 
 # zero_model_states defaults to mixed-precision Adam (ZeRO §3.1): fp16 parameters and
 # gradients, K = 12 bytes of optimizer state per parameter (fp32 master weights, momentum,
@@ -254,7 +255,9 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     optimizer's own state); DeepSpeed keeps parameters and gradients in the compute
     precision and an fp32 master partition (K = 4 + the optimizer's state), as the paper.
     ``buffers``: DDP's flat gradient bucket (one gradient-sized copy; torch DDP,
-    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP).
+    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP); DeepSpeed ZeRO-3's gradient reduce
+    bucket, which stays allocated between steps (reduce_bucket_size elements: the model's
+    size up to DeepSpeed's default, as harness/strategies/deepspeed_zero.py configures it).
     """
     s = cell.strategy
     shards = _ALL_SHARDED if s.name not in _SHARDS else _SHARDS[s.name]
@@ -271,11 +274,17 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
         return nbytes / degree if kind in shards else nbytes
 
     grads = psi * grad_bytes
+    if s.name in _DDP_BUCKET:
+        buffers = grads
+    elif s.name == "deepspeed_zero3":
+        buffers = min(psi, deepspeed_zero.DEFAULT_BUCKET_ELEMENTS) * grad_bytes
+    else:
+        buffers = 0.0
     return {
         "params": per_rank(psi * param_bytes, "params"),
         "grads": per_rank(grads, "grads"),
         "optimizer": per_rank(opt, "optimizer"),
-        "buffers": grads if s.name in _DDP_BUCKET else 0.0,
+        "buffers": buffers,
     }
 
 
@@ -386,8 +395,9 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
     - ``gathered``: sharded parameters gathered for compute (FSDP, ZeRO-3): the root unit
       (embeddings and head, gathered for the whole step) and two blocks (the one computing
       and the one prefetched), in the compute dtype (DeepSpeed's ZeRO-3 estimator reserves
-      the largest layer the same way); DeepSpeed ZeRO-3 keeps a model within its
-      live-parameter budget gathered whole;
+      the largest layer the same way); FSDP's grad_op (SHARD_GRAD_OP) keeps every unit
+      gathered from forward to the end of backward, and so does DeepSpeed ZeRO-3 for a model
+      within its live-parameter budget;
     - ``autocast_copies``: torch autocast caches a 16-bit copy of every weight it casts
       for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
     - ``recompute``: with full checkpointing, one block's activations exist again while its
@@ -397,8 +407,10 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
     low = _LOW[s.precision]
     params_sharded = "params" in (_ALL_SHARDED if s.name not in _SHARDS else _SHARDS[s.name])
     gathered = low * (layout.root_numel + 2 * layout.block_numel) if params_sharded else 0.0
-    if s.name == "deepspeed_zero3" and layout.numel <= DS_MAX_LIVE_PARAMETERS:
-        gathered = low * layout.numel  # it keeps the whole model gathered through backward
+    keeps_all_gathered = s.name in ("fsdp_grad_op", "fsdp1_grad_op") or (
+        s.name == "deepspeed_zero3" and layout.numel <= DS_MAX_LIVE_PARAMETERS)
+    if keeps_all_gathered:
+        gathered = low * layout.numel  # gathered in forward, kept through backward
     uses_autocast = s.precision != "fp32" and not params_sharded and not _is_deepspeed(cell)
     recompute = 0.0
     if s.checkpointing == "full" and spec.family != "mlp":

@@ -1,6 +1,7 @@
 """A run's static HTML report, built from results/ alone (the report is a pure function of
-the results): reports/<run_id>/index.html (summary table, figures, engines table,
-environment), cells/<cell>.html (one page per cell) and figures/*.svg. Self-contained: inline
+the results): reports/<run_id>/index.html (summary table, figures, engines table, the claims
+table when the run has claims.jsonl, environment), cells/<cell>.html (one page per cell) and
+figures/*.svg. Self-contained: inline
 CSS and JS, no network; every string from the results is escaped (jinja2 autoescape)."""
 
 from __future__ import annotations
@@ -124,9 +125,52 @@ def _engine_groups(rows: list[dict]) -> list[dict]:
     return out
 
 
+_CLAIM_VERDICT_CLASS = {"holds": "good", "does not hold": "bad", "not measurable here": "na"}
+
+
+def _claim_rows(run_dir: Path) -> list[dict]:
+    """The run's claim records (results/<run_id>/claims.jsonl), ready for the claims table."""
+    from harness import claims
+
+    rows = []
+    for r in claims.load_records(run_dir):
+        unit = r.get("unit") or ""
+        ratio = r.get("ratio")
+        rows.append({
+            "claim_id": r.get("claim_id", "?"), "title": r.get("title") or "", "source": r.get("source") or "",
+            "published": r.get("published") or "", "formula": r.get("formula") or "",
+            "predicted": claims.format_value(r.get("predicted"), unit),
+            "measured": claims.format_value(r.get("measured"), unit),
+            "unit": unit, "ratio": "" if ratio is None else f"{ratio:.3f}",
+            "tolerance": r.get("tolerance") or "", "verdict": r.get("verdict") or "?",
+            "verdict_class": _CLAIM_VERDICT_CLASS.get(r.get("verdict"), ""),
+            "explained": bool(r.get("explained")), "reason": r.get("reason") or "",
+        })
+    return rows
+
+
+def _claim_selecting(cell_id: str, world_size: int | None) -> str | None:
+    """In a claims run, the claim that reads this cell (or the cell it is the reference of)
+    with the fewest cells: rerunning it reruns the cell."""
+    from harness import claims
+
+    if not world_size:
+        return None
+    best = None
+    for claim in claims.CLAIMS.values():
+        read = claim.cells(world_size)
+        if any(cell_id in (c.cell_id, c.reference().cell_id) for c in read):
+            if best is None or len(read) < best[0]:
+                best = (len(read), claim.claim_id)
+    return best and best[1]
+
+
 def reproduce_command(record: dict, info: dict) -> str:
     """The command that runs exactly this cell again. pytest -k accepts '/' and '[' ']' in
-    its identifiers, and the full test name ``test_cell[<id>]`` matches no other cell."""
+    its identifiers, and the full test name ``test_cell[<id>]`` matches no other cell. A
+    claims run has one test per claim: the command reruns a claim that reads the cell."""
+    from harness import suites
+
     args = ["./run_all.sh"]
     suite = info.get("suite")
     if suite:
@@ -137,7 +181,8 @@ def reproduce_command(record: dict, info: dict) -> str:
     device = (info.get("device") or {}).get("type")
     if device:
         args += ["--device", str(device)]
-    args += ["-k", f"test_cell[{record['cell_id']}]"]
+    claim = (_claim_selecting(record["cell_id"], ws) if suite in suites.CLAIMS_SUITES else None)
+    args += ["-k", f"test_claim[{claim}]" if claim else f"test_cell[{record['cell_id']}]"]
     return shlex.join(args)
 
 
@@ -194,8 +239,12 @@ def write_run_report(run_dir: Path, report_dir: Path) -> Path:
                          for p in record.get("per_rank") or [] if p.get("engine")],
             env=environment))
 
+    claim_rows = _claim_rows(run_dir)
+    claim_counts = {v: sum(1 for c in claim_rows if c["verdict"] == v) for v in _CLAIM_VERDICT_CLASS}
+
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
+        claims=claim_rows, claim_counts=claim_counts,
         info=info, run_id=run_id, rows=rows, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,

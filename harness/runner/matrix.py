@@ -11,6 +11,7 @@ from itertools import groupby
 from harness import equivalence, markers, strategies
 from harness.config import CellSpec
 from harness.measure import flops, summary
+from harness.predict import accuracy, traced
 from harness.results.schema import make_record
 from harness.results.store import RunStore
 from harness.runner.launcher import CellOutcome, LaunchOptions, run_batch
@@ -47,18 +48,24 @@ class MatrixRun:
         self.device_name = device_name
         self.progress = progress
         self.records: dict[str, dict] = {}
+        self._traced: dict[str, dict] = {}
         self._started = 0.0
 
     def run(self) -> dict[str, dict]:
+        unsupported = {c.cell_id: strategies.unsupported_reason(c, self.device_type) for c in self.cells}
+        runnable = [c for c in self.cells if not unsupported[c.cell_id]]
+        if runnable:
+            # Before any cell runs: the trace would compete with the ranks for the cores.
+            started = time.monotonic()
+            self.progress(f"shardbench: tracing {len(runnable)} cells under FakeTensorMode (predicted peak memory)")
+            self._traced = traced.trace_cells(runnable)
+            self.progress(f"shardbench: traced in {human_duration(time.monotonic() - started)}")
         self._started = time.monotonic()
-        runnable = []
         for cell in self.cells:
-            reason = strategies.unsupported_reason(cell, self.device_type)
-            if reason:
+            if unsupported[cell.cell_id]:
                 self._finish(cell, make_record(cell, markers=markers.markers_of(cell), status="unsupported",
-                                               reason=reason))
-            else:
-                runnable.append(cell)
+                                               reason=unsupported[cell.cell_id],
+                                               predicted=accuracy.prediction(cell, None)))
         for world_size, group in groupby(runnable, key=lambda c: c.world_size):
             run_batch(list(group), self.options, self.store.path / "launches" / f"ws{world_size}",
                       self._on_outcome)
@@ -66,19 +73,22 @@ class MatrixRun:
 
     def _on_outcome(self, outcome: CellOutcome) -> None:
         cell = outcome.cell
+        predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id))
         common = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s)
         if outcome.status != "ok":
-            record = make_record(cell, status=outcome.status, reason=outcome.reason, **common)
+            record = make_record(cell, status=outcome.status, reason=outcome.reason, predicted=predicted, **common)
         else:
             rank0 = outcome.per_rank[0]
             peak = flops.peak_flops(self.device_name, cell.strategy.precision)
             is_reference = cell.reference().cell_id == cell.cell_id
+            metrics = summary.summarize(cell, outcome.per_rank, peak)
             record = make_record(
                 cell,
                 status="ok",
                 n_params=rank0["n_params"],
                 attn_implementation=rank0["attn_implementation"],
-                metrics=summary.summarize(cell, outcome.per_rank, peak),
+                metrics=metrics,
+                predicted={**predicted, "ratios": accuracy.compare(predicted, metrics)},
                 per_rank=summary.per_rank_view(outcome.per_rank),
                 losses=rank0["losses"],
                 equivalence=None if is_reference else equivalence.check(

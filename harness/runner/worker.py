@@ -26,6 +26,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,37 +99,63 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
     return total
 
 
-def run_cell(cell: CellSpec, env: DistEnv) -> dict:
-    """Train one cell and return this rank's measurements."""
-    faults.inject(cell.cell_id, env)
+@dataclass
+class PreparedCell:
+    """A cell built and wrapped for its strategy, with every step's data: what a rank trains,
+    and what harness/predict/traced.py runs under FakeTensorMode."""
+
+    cell: CellSpec
+    env: DistEnv
+    built: models.BuiltModel
+    prep: Prepared
+    scaler: torch.amp.GradScaler
+    batches: list[list[dict]]
+
+    def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
+             before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
+        return train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
+                          between_micro_steps, before_optimizer_step)
+
+    def tracked_step(self, i: int) -> tuple[torch.Tensor, memory.StepMemory]:
+        """Step ``i`` under the memory tracker: its loss and its StepMemory."""
+        prep = self.prep
+        with memory.track_step_memory(prep.memory_module or prep.model, prep.memory_optimizer or prep.optimizer,
+                                      fsdp2=prep.fsdp2, device=self.env.device,
+                                      held=prep.memory_held()) as probe:
+            loss = self.step(i, probe.micro_step_boundary, probe.before_optimizer_step)
+        return loss, probe.result()
+
+
+def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     built = models.build(models.get_preset(cell.model), seed=cell.seed)
     checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing)
     prep = strategies.module(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
-    scaler = precision.grad_scaler(cell.strategy.precision, env.device)
-    batches = local_batches(built, cell, env)
+    return PreparedCell(cell=cell, env=env, built=built, prep=prep,
+                        scaler=precision.grad_scaler(cell.strategy.precision, env.device),
+                        batches=local_batches(built, cell, env))
 
-    def step(i: int, between_micro_steps: Callable[[], None] = _no_op,
-             before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
-        return train_step(built, prep, cell, env, batches[i], scaler, between_micro_steps, before_optimizer_step)
 
-    losses = [step(i) for i in range(cell.warmup)]
+def run_cell(cell: CellSpec, env: DistEnv) -> dict:
+    """Train one cell and return this rank's measurements."""
+    faults.inject(cell.cell_id, env)
+    session = prepare_cell(cell, env)
+    built, prep = session.built, session.prep
+    losses = [session.step(i) for i in range(cell.warmup)]
     i = cell.warmup
-    with memory.track_step_memory(prep.memory_module or prep.model, prep.memory_optimizer or prep.optimizer,
-                                  fsdp2=prep.fsdp2, device=env.device) as memory_probe:
-        losses.append(step(i, memory_probe.micro_step_boundary, memory_probe.before_optimizer_step))
+    loss, mem = session.tracked_step(i)
+    losses.append(loss)
     with comm.count_comm(env.device) as comm_stats:
-        losses.append(step(i + 1))
+        losses.append(session.step(i + 1))
     step_times: list[float] = []
     for i in range(cell.warmup + cell.probe_steps, cell.steps):
         with timing.timed(env.device, step_times):
-            losses.append(step(i))
+            losses.append(session.step(i))
 
     # The mean over ranks of rank-local mean losses is the global mean loss (equal-sized
     # micro-batches, equal tokens per sample): the number the reference computes.
     loss_tensor = torch.stack(losses).to(env.device)
     dist.all_reduce(loss_tensor)
     loss_tensor /= env.world_size
-    mem = memory_probe.result()
     return {
         "rank": env.rank,
         "peak_mem_bytes": mem.peak_bytes,

@@ -72,6 +72,9 @@ class Prepared:
     # the engine's wrappers hide them (DeepSpeed: engine.module, the wrapped torch optimizer).
     memory_module: nn.Module | None = None
     memory_optimizer: torch.optim.Optimizer | None = None
+    # Tensors the engine made before the step and holds outside both (DeepSpeed's fp32
+    # master partitions and ZeRO-3's parameter partitions): the tracker cannot find them.
+    memory_held: Callable[[], list[torch.Tensor]] = list
     # Engine-specific measurements for the record's per-rank ``engine`` entry (DeepSpeed's
     # comms_logger and memory estimators), read after the last step.
     engine_report: Callable[[], dict] = _nothing_to_report

@@ -121,8 +121,14 @@ _DS_KIND = {
 _GATHERED_BY_INPUT = {"all_gather_into_tensor", "allgather_fn"}
 
 
+# DeepSpeed's default reduce and all-gather bucket size (elements).
+DEFAULT_BUCKET_ELEMENTS = 500_000_000
+
+
 def _bucket_config(model: nn.Module, stage: int) -> dict:
-    n_elements = sum(p.numel() for p in model.parameters())
+    # No bigger than the model: the defaults would allocate ~1.9 GiB of fp32 buffers for a
+    # model of a few MB.
+    n_elements = min(sum(p.numel() for p in model.parameters()), DEFAULT_BUCKET_ELEMENTS)
     zero = {
         "reduce_bucket_size": n_elements,
         "allgather_bucket_size": n_elements,
@@ -132,6 +138,10 @@ def _bucket_config(model: nn.Module, stage: int) -> dict:
             "stage3_prefetch_bucket_size": n_elements,
             "stage3_param_persistence_threshold": 0,
             "stage3_model_persistence_threshold": 0,
+            # By default ZeRO-3 replaces torch.nn.functional.linear for the rest of the
+            # process, so every later cell of the same launch would run DeepSpeed's linear
+            # (a FairScale SDP bf16 cell measured 2,728,756 B after a ZeRO-3 cell, 2,786,100 B alone).
+            "memory_efficient_linear": False,
         }
     return zero
 
@@ -287,6 +297,15 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
             "memory_estimates": estimates,
         }
 
+    def memory_held() -> list[torch.Tensor]:
+        # The fp32 master partitions: ZeRO-1/2 keep them in single_partition_of_fp32_groups,
+        # ZeRO-3 in fp32_partitioned_groups_flat (handed to the torch optimizer only inside
+        # step()); ZeRO-3's parameter partitions hang off each parameter as ds_tensor.
+        masters = (getattr(optimizer, "single_partition_of_fp32_groups", None)
+                   or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
+        partitions = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
+        return [*masters, *partitions]
+
     return Prepared(
         model=engine,
         optimizer=optimizer,
@@ -295,6 +314,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         after_micro_step=after_micro_step,
         memory_module=engine.module,
         memory_optimizer=inner,
+        memory_held=memory_held,
         engine_report=engine_report,
     )
 

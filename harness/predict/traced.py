@@ -1,0 +1,449 @@
+"""Peak memory of one training step, predicted by tracing it: no tensor memory is allocated.
+
+What is predicted: rank 0's peak tensor bytes in the memory-tracked step of a cell, by
+category (memory.BREAKDOWN_KEYS, summing to the peak), i.e. what ``record["per_rank"][0]``
+reports for the cell run on the CPU with gloo.
+
+How: the harness's own code runs the cell under ``FakeTensorMode`` (tensors carry shapes,
+dtypes and storages but no data) in a fake process group of the cell's world size
+(``torch.testing._internal.distributed.fake_pg``; this process is rank 0 of W, one node,
+with the variables torchrun would set), as harness.runner.worker.run_cell does:
+models.build → checkpointing.apply_checkpointing → strategies.module(name).prepare →
+``cell.warmup`` steps of worker.train_step on worker.local_batches → one step inside
+memory.track_step_memory with the same trackers (MemTracker; FSDPMemTracker for FSDP2). The
+trackers count storages and a fake storage has the size the real one would have, so the
+numbers are the measurement's wherever the traced step allocates what the real step
+allocates: on the default suite, every traced cell to the byte but those listed below.
+A tiny cell takes 0.4-1.5 s (DeepSpeed ZeRO-3 with accumulation up to 8 s); gpt2-1.5b and
+llama3-8b under fsdp_full at 64 ranks, micro-batch 1, 11-20 s at under 400 MB of RSS.
+
+The step is the CPU/gloo step (DistEnv device cpu, backend gloo): CPU SDPA kernels, no
+allocator rounding, PowerSGD's single gloo bucket, gloo's reduce-scatter copy (below). For a
+CUDA run expect the caching allocator's 512-byte rounding, library workspaces and other
+attention kernels on top. Hybrid sharding gets the one-node mesh (distributed.hsdp_shape).
+
+What the fake world needs, each the smallest stand-in for something that reads real data or
+real peers:
+- Collectives: the fake group's works complete with no value (a future of None), and DDP's
+  reducer and its comm hooks read the reduced bucket from the future: every c10d collective
+  gets a completed work whose value is its outputs, as gloo's has. Gloo runs a
+  reduce-scatter as an all-reduce of a copy of the whole input and, when the work is waited
+  on, splits that copy on the caller's thread, where the tracker sees it: the traced
+  reduce-scatter makes the same copy at wait() (FSDP1 bf16 and ViT FSDP2 peak right there).
+- DDP checks parameter shapes across ranks in C++ with real metadata tensors (skipped: no
+  peers) and rebuilds its buckets before the second forward by broadcasting rank 0's order
+  in int32 tensors it fills in C++: the rebuild is run at that point with those index
+  tensors real (the rebuilt buckets are fake).
+- DeviceMesh keeps its ranks in a tensor it reads: meshes are built outside fake mode.
+- Data-dependent Python scalars (``.item()``, ``bool(t)``) that fake mode cannot know read as
+  0: GradScaler's found-inf count (the step is taken), Adafactor's parameter RMS (a step-size
+  factor), the rejection loop of trunc_normal_ in ViT's init (one draw). Constants fake mode
+  made itself (an optimizer's step count) keep their value.
+- transformers reads position ids to detect packed sequences and, on fake tensors, assumes
+  they may be packed and builds an explicit causal mask the real run never makes (16 KB per
+  two gpt2-tiny samples). The harness never packs (every sample's positions are 0..T-1), so the answer
+  the real run computes, "not packed", is given.
+- torch 2.13's Module.to() swaps fake parameters, and swap_tensors refuses weakly referenced
+  tensors ("Cannot swap t1 because it has weakref associated with it", pytorch/pytorch#170781):
+  this fake mode does not memoise wrapping fresh meta tensors (what holds the weak
+  references), and DeepSpeed's debug map of parameter names is not filled.
+- DeepSpeed ZeRO-3 checks that every rank fetches parameters in the same order (skipped: no
+  peers).
+
+Known differences from the measurement (default suite, CPU, 2 ranks):
+- Rank 0 only; the record's peak is the max over ranks. Where shards are uneven another
+  rank can hold more: FairScale OSS/SDP on gpt2-tiny (rank 1's optimizer shard: max 0.7%
+  above rank 0), FSDP2 on llama-tiny (0.26%); ZeroRedundancyOptimizer's greedy partition
+  can do the same.
+- PowerSGD (+14%): its hook allocates in callbacks of the all-reduce futures, which gloo runs
+  on its own thread, where the tracker (a thread-local dispatch mode) does not see them; the
+  trace completes futures on the caller's thread and counts them, e.g. the gradient-sized
+  error-feedback tensor. The trace is the one that counts what the step holds.
+- Timing: where an engine frees memory in callbacks on gloo's threads, the measured peak
+  depends on when they ran (llama-tiny deepspeed_zero2 fp32, rank 0: 3,791,056 B in one run,
+  3,649,236 B, the traced value, in another); the trace has no concurrency.
+- Data-dependent values read as 0: a measured step skipped on an fp16 overflow is predicted
+  as a step taken; control flow that depends on values received from other ranks follows
+  rank 0's own values.
+
+Not traced (``{"unavailable": reason}``): cells that are not valid combinations; cells the
+CPU cannot run as themselves (strategies.unsupported_reason(cell, "cpu"): the trace runs the
+CPU step); DeepSpeed's optimizer offload (DeepSpeedCPUAdam, a C++ kernel on the tensors'
+data, segfaults on fake tensors: refused before it can take the process down). Anything
+else that raises while tracing gives its exception and the frame that raised it, condensed.
+
+``trace`` needs a process without a process group (it makes and destroys a fake one);
+``trace_cells`` runs it for a list of cells in one fresh subprocess
+(``python -m harness.predict.traced --cells cells.json --out out.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import unittest.mock
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from harness import distributed, strategies
+from harness.config import CellSpec
+from harness.distributed import DistEnv
+from harness.measure import memory
+from harness.runner import worker
+
+DEFAULT_TIMEOUT_S = 600.0
+_REASON_CHARS = 400
+
+# Found by trying (DeepSpeed 0.19.8): the step segfaults, in the C++ kernel of DeepSpeedCPUAdam.
+_DEEPSPEED_CPU_ADAM = (
+    "DeepSpeed's offload_optimizer steps with DeepSpeedCPUAdam, a C++ kernel that reads the"
+    " tensors' data: on fake tensors (no data) the process dies with a segmentation fault"
+)
+
+_c10d = torch.ops.c10d
+# c10d ops returning (outputs, work): the value of the work's future is the outputs (a
+# single output tensor as a one-element list), as gloo's and NCCL's futures are.
+_COLLECTIVES_WITH_WORK = {
+    _c10d.allreduce_.default,
+    _c10d.broadcast_.default,
+    _c10d.allgather_.default,
+    _c10d._allgather_base_.default,
+    _c10d.reduce_scatter_.default,
+    _c10d._reduce_scatter_base_.default,
+}
+
+
+def _fake_world_mode():
+    """FakeTensorMode, plus what the fake group and fake tensors cannot answer, answered as
+    the real run would (one dispatch layer: a second mode would add its cost to every op)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    class FakeWorldMode(FakeTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                try:  # fake mode knows the constants it made (an optimizer's step count)
+                    return super().__torch_dispatch__(func, types, args, kwargs)
+                except DataDependentOutputException:
+                    return _zero_of(args[0].dtype)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func is _c10d._reduce_scatter_base_.default:
+                return out[0], _gloo_reduce_scatter_work(output=args[0], input=args[1]).boxed()
+            if func in _COLLECTIVES_WITH_WORK:
+                from torch._C._distributed_c10d import _create_work_from_future
+
+                outputs = out[0]
+                future = torch.futures.Future()
+                future.set_result([outputs] if isinstance(outputs, torch.Tensor) else outputs)
+                return outputs, _create_work_from_future(future).boxed()
+            return out
+
+    mode = FakeWorldMode()
+    # Module.to() swaps fake parameters and swap_tensors refuses tensors with weak references;
+    # the converter memo is what holds them (see the module docstring).
+    mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None
+    return mode
+
+
+def _zero_of(dtype: torch.dtype) -> bool | int | float:
+    """What ``.item()`` of a tensor of `dtype` returns, as 0."""
+    if dtype is torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+def _gloo_reduce_scatter_work(*, output: torch.Tensor, input: torch.Tensor):
+    """A work that does on wait() what gloo's reduce_scatter_tensor does on this thread.
+
+    Gloo all-reduces a copy of the whole input on its own thread (unseen by the tracker) and,
+    when the work is waited on, splits that copy and copies this rank's chunk into the output
+    on the caller's thread: the tracker sees an input-sized buffer appear then, alive as long
+    as the work (FSDP's reduce-scatter of the unsharded gradient: a full-size fp32 buffer).
+    """
+    from torch._C._distributed_c10d import PythonCallbackWork
+
+    held: list[torch.Tensor] = []
+
+    def wait(timeout) -> bool:
+        if not held:
+            held.append(input.detach().clone())
+            output.view(-1).copy_(held[0].view(-1)[: output.numel()])  # rank 0's chunk
+        return True
+
+    return PythonCallbackWork(wait)
+
+
+class _RealIndexTensors(TorchDispatchMode):
+    """Real int32 factory tensors, and real results of ops on real tensors only: DDP's bucket
+    rebuild fills and broadcasts int32 index tensors in C++ (at::empty + accessor)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if tensors:
+            real = not any(isinstance(t, FakeTensor) for t in tensors)
+        else:
+            real = kwargs.get("dtype") is torch.int32
+        if real:
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _fake_group(world_size: int) -> Iterator[DistEnv]:
+    """A fake process group of `world_size` with this process as rank 0 (one node), the
+    variables torchrun would set, and the DistEnv the worker would get."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("trace() creates its own fake process group; this process already has one:"
+                           " use trace_cells(), which traces in a fresh subprocess")
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size)}
+    distributed.mesh.cache_clear()  # meshes of an earlier group
+    with unittest.mock.patch.dict(os.environ, torchrun):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield DistEnv(rank=0, world_size=world_size, nnodes=1, device=torch.device("cpu"), backend="gloo")
+        finally:
+            distributed.mesh.cache_clear()
+            _destroy_group()
+
+
+def _destroy_group() -> None:
+    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+    if deepspeed_comm is not None and deepspeed_comm.cdb is not None and deepspeed_comm.cdb.is_initialized():
+        deepspeed_comm.destroy_process_group()  # also drops DeepSpeed's cached groups
+    else:
+        dist.destroy_process_group()
+
+
+def _outside_fake_mode(fn: Callable) -> Callable:
+    def call(*args, **kwargs):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _no_op(*args, **kwargs) -> None:
+    pass
+
+
+@contextmanager
+def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
+    """Each patch stands for a step that needs real data or peers; see the module docstring."""
+    patches = [
+        unittest.mock.patch.object(distributed, "mesh", _outside_fake_mode(distributed.mesh)),
+        unittest.mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes", _no_op),
+        unittest.mock.patch("transformers.masking_utils.find_packed_sequence_indices", _no_op),
+    ]
+    if cell.strategy.name.startswith("deepspeed"):
+        patches += [
+            # Debug names of parameters, kept in weakref.finalize maps: Module.to() on fake
+            # parameters swaps tensors, and swap_tensors refuses weakly referenced ones.
+            unittest.mock.patch("deepspeed.utils.debug.WeakIdNameMap.__setitem__", _no_op),
+            # ZeRO-3 checks that every rank traces the same module order; rank 0 is alone.
+            unittest.mock.patch("deepspeed.runtime.zero.partitioned_param_coordinator"
+                                ".assert_ints_same_as_other_ranks", _no_op),
+        ]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _rebuild_ddp_buckets(model: torch.nn.Module) -> None:
+    """What DDP does before the second step's forward, with its index tensors real."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        with _RealIndexTensors():
+            model.reducer._rebuild_buckets()
+
+
+def _run(cell: CellSpec, env: DistEnv) -> memory.StepMemory:
+    """The worker's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP would
+    make it, before the second step)."""
+    session = worker.prepare_cell(cell, env)
+    for i in range(cell.warmup):
+        if i == 1:
+            _rebuild_ddp_buckets(session.prep.model)
+        session.step(i)
+    return session.tracked_step(cell.warmup)[1]
+
+
+def _condensed(error: BaseException) -> str:
+    """``Type: first line of the message (at file:line that raised) [<- its cause]``, one line."""
+    parts = []
+    while error is not None and len(parts) < 2:
+        message = str(error).strip().splitlines()
+        text = f"{type(error).__name__}: {message[0] if message else ''}".strip()
+        frames = traceback.extract_tb(error.__traceback__)
+        if frames:
+            path = Path(frames[-1].filename)
+            text += f" (at {'/'.join(path.parts[-2:])}:{frames[-1].lineno})"
+        parts.append(text)
+        error = error.__cause__
+    text = " <- ".join(parts)
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
+
+
+def _refusal(cell: CellSpec) -> str | None:
+    """Why `cell` is not attempted, or None: not a valid cell, not a cell the CPU runs as
+    itself (the trace runs the CPU step), or an engine known to crash the process on fake
+    tensors (a crash would take the remaining cells of trace_cells with it)."""
+    problem = strategies.incompatibility(cell)
+    if problem:
+        return f"not a valid cell: {problem}"
+    why = strategies.unsupported_reason(cell, "cpu")
+    if why:
+        return f"the trace runs the step on the CPU, which cannot run this cell as itself: {why}"
+    s = cell.strategy
+    if s.name.startswith("deepspeed") and s.offload in ("optimizer", "optimizer_params"):
+        return _DEEPSPEED_CPU_ADAM
+    return None
+
+
+def trace(cell: CellSpec) -> dict:
+    """Rank 0's predicted step peak: {"peak_bytes", "breakdown_bytes" {memory.BREAKDOWN_KEYS,
+    summing to peak_bytes}, "tracker"}, or {"unavailable": "<one-line reason>"} when the cell
+    cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
+    the reason).
+
+    Needs a process without a process group (raises RuntimeError otherwise): use
+    trace_cells() from a process that has one.
+    """
+    refused = _refusal(cell)
+    if refused:
+        return {"unavailable": refused}
+    with _fake_group(cell.world_size) as env:
+        try:
+            with _fake_world_mode(), _patched_for_fake_world(cell):
+                mem = _run(cell, env)
+        except Exception as error:  # an untraceable cell is a result, like an unsupported one
+            return {"unavailable": f"tracing failed: {_condensed(error)}"}
+    return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker}
+
+
+def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, dict]:
+    """cell_id -> trace(cell), computed in one fresh subprocess for the whole list (``python -m
+    harness.predict.traced``), so this process (which may hold a real process group) is
+    untouched. A cell whose trace raises gets {"unavailable": reason} and the others go on;
+    if the subprocess dies or runs past `timeout_s`, every cell without a result gets
+    {"unavailable": ...} saying so (the first of them is the one it was tracing). Never
+    raises for a cell.
+    """
+    results: dict[str, dict] = {}
+    if not cells:
+        return results
+    with tempfile.TemporaryDirectory(prefix="shardbench-trace-") as tmp:
+        cells_path, out_path = Path(tmp) / "cells.json", Path(tmp) / "out.json"
+        cells_path.write_text(json.dumps([cell.to_dict() for cell in cells]))
+        command = [sys.executable, "-m", "harness.predict.traced",
+                   "--cells", str(cells_path), "--out", str(out_path)]
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+            failure = None if completed.returncode == 0 else (
+                f"trace subprocess exited with status {completed.returncode}: {_last_line(completed.stderr)}")
+        except subprocess.TimeoutExpired:
+            failure = f"trace subprocess ran past its {timeout_s:g} s timeout"
+        if out_path.exists():
+            results = json.loads(out_path.read_text())
+    missing = [cell for cell in cells if cell.cell_id not in results]
+    for k, cell in enumerate(missing):
+        if failure is None:
+            results[cell.cell_id] = {"unavailable": "trace subprocess gave no result for this cell"}
+        else:
+            where = "while tracing this cell" if k == 0 else "before this cell was traced"
+            results[cell.cell_id] = {"unavailable": f"{failure} ({where})"}
+    return results
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:_REASON_CHARS] if lines else "(no output)"
+
+
+def _write_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _import_and_freeze(cells: list[CellSpec]) -> None:
+    """Import what the cells will need, then move every object alive to gc's permanent
+    generation: the collection memory.track_step_memory makes after each step then scans
+    only what the traces made (0.15 s a cell otherwise, for torch's and transformers' objects)."""
+    import gc
+    import importlib
+
+    from harness.features import optimizers
+
+    for name in ("torch.testing._internal.distributed.fake_pg", "torch.distributed._tools.mem_tracker",
+                 "torch.distributed._tools.fsdp2_mem_tracker"):
+        importlib.import_module(name)
+
+    for cell in cells:
+        try:
+            if _refusal(cell) is None:
+                strategies.module(cell.strategy.name)
+                engine = cell.strategy.name.split("_")[0]
+                if engine in ("deepspeed", "fairscale"):
+                    importlib.import_module(engine)
+                if cell.strategy.optimizer in optimizers.BITSANDBYTES:
+                    importlib.import_module("bitsandbytes")
+        except Exception:  # the cell's own trace reports it
+            pass
+    gc.collect()
+    gc.freeze()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Trace the memory of cells (harness.predict.traced).")
+    parser.add_argument("--cells", type=Path, required=True, help="JSON list of CellSpec.to_dict()")
+    parser.add_argument("--out", type=Path, required=True, help="JSON object cell_id -> trace result")
+    args = parser.parse_args(argv)
+    specs = json.loads(args.cells.read_text())
+    cells: list[CellSpec | None] = []
+    results: dict[str, dict] = {}
+    for i, spec in enumerate(specs):
+        try:
+            cells.append(CellSpec.from_dict(spec))
+        except Exception as error:  # a bad spec is a result; the list goes on
+            cells.append(None)
+            results[f"cells[{i}]"] = {"unavailable": f"not a cell: {_condensed(error)}"}
+    _import_and_freeze([cell for cell in cells if cell is not None])
+    for cell in cells:
+        if cell is None:
+            continue
+        start = time.perf_counter()
+        try:
+            results[cell.cell_id] = trace(cell)
+        except Exception as error:
+            results[cell.cell_id] = {"unavailable": f"tracing failed: {_condensed(error)}"}
+        print(f"traced {cell.cell_id} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+        # Written after every cell: a crash later leaves the finished cells' results.
+        _write_atomic(args.out, results)
+    _write_atomic(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

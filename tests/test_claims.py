@@ -1,0 +1,106 @@
+"""The claims suite: its cells are the ones its claims read; verdicts follow the numbers
+(holds, does not hold with or without a written explanation, not measurable here when a cell
+could not run); and ``harness run --suite claims`` runs end to end, writing a verdict for
+every claim to claims.jsonl and a Claims section into the report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import claims, markers, suites
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_suite_is_exactly_the_cells_the_claims_read():
+    for world_size in (2, 4):
+        cells = suites.cells_of("claims", world_size)
+        assert [c.cell_id for c in cells] == [c.cell_id for c in claims.cells(world_size)]
+        assert all(c.steps == claims.STEPS and c.model == claims.MODEL for c in cells)
+    ids = {c.cell_id for c in suites.cells_of("claims", 2)}
+    assert "gpt2-tiny/deepspeed_zero3/fp32/ckpt_none/mb2/ws2/seed0" in ids
+    assert "gpt2-tiny/ddp/fp32/ckpt_none/compress_powersgd-r4/mb2/ws2/seed0" in ids
+    assert [c.cell_id for c in claims.cells(2, ["zero/table1"])] == []  # formula-only claims read none
+
+
+def test_claims_marker_is_accepted_and_cells_do_not_carry_it():
+    markers.check_marker_expression("claims and not zero1")
+    assert "claims" not in markers.CATALOGUE  # the catalogue is of cell axis values
+
+
+def _record(c, status="ok", **metrics) -> dict:
+    return {"cell_id": c.cell_id, "status": status, "reason": "boom\nmore" if status != "ok" else "",
+            "metrics": metrics, "per_rank": []}
+
+
+def _comm(nbytes: dict) -> dict:
+    return {"comm_by_op": {op: {"count": 1, "bytes": b, "time_s": 0.0} for op, b in nbytes.items()}}
+
+
+def test_verdicts_follow_the_numbers():
+    ddp, fsdp = claims.cell("ddp", 2), claims.cell("fsdp_full", 2)
+    psi = 134_912  # gpt2-tiny
+
+    def run(by_id):
+        return claims.evaluate("comm_volume/fsdp_full", lambda c: by_id.get(c.cell_id), 2)
+
+    base = _record(ddp, **_comm({"all_reduce": 4 * psi}))
+    gathered_twice = _record(fsdp, **_comm({"all_gather": 8 * psi, "reduce_scatter": 4 * psi}))
+    held = run({ddp.cell_id: base, fsdp.cell_id: gathered_twice})
+    assert (held["verdict"], held["measured"], held["predicted"], held["ratio"]) == ("holds", 1.5, 1.5, 1.0)
+    gathered_once = _record(fsdp, **_comm({"all_gather": 4 * psi, "reduce_scatter": 4 * psi}))
+    missed = run({ddp.cell_id: base, fsdp.cell_id: gathered_once})
+    assert missed["verdict"] == "does not hold" and not missed["explained"] and "outside ±2%" in missed["reason"]
+    unsupported = run({ddp.cell_id: base, fsdp.cell_id: _record(fsdp, status="unsupported")})
+    assert unsupported["verdict"] == "not measurable here" and not unsupported["cell_failed"]
+    assert unsupported["reason"] == f"{fsdp.cell_id}: unsupported: boom"
+    crashed = run({ddp.cell_id: base, fsdp.cell_id: _record(fsdp, status="failed")})
+    assert crashed["verdict"] == "not measurable here" and crashed["cell_failed"]
+    assert run({})["cell_failed"]  # no record at all: the cell never ran
+
+
+def test_a_deviation_is_explained_only_while_the_claim_does_not_hold():
+    ddp, ds3 = claims.cell("ddp", 2), claims.cell("deepspeed_zero3", 2)
+    psi = 134_912
+    base = _record(ddp, **_comm({"all_reduce": 4 * psi}))
+
+    def run(ops):
+        by_id = {ddp.cell_id: base, ds3.cell_id: _record(ds3, **_comm(ops))}
+        return claims.evaluate("comm_volume/deepspeed_zero3", lambda c: by_id.get(c.cell_id), 2)
+
+    one_gather = run({"all_gather": 4 * psi, "reduce_scatter": 4 * psi})
+    assert one_gather["verdict"] == "does not hold" and one_gather["explained"]
+    assert one_gather["reason"].startswith(claims.DEVIATIONS["comm_volume/deepspeed_zero3"])
+    two_gathers = run({"all_gather": 8 * psi, "reduce_scatter": 4 * psi})
+    assert two_gathers["verdict"] == "holds" and not two_gathers["explained"]
+
+
+@pytest.mark.parametrize("claim_id", [c for c in claims.CLAIMS if not claims.CLAIMS[c].cells(2)])
+def test_formula_only_claims_hold(claim_id):
+    record = claims.evaluate(claim_id, lambda c: None, 2)
+    assert record["verdict"] == "holds", record
+
+
+def test_claims_suite_end_to_end(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", "claims", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-3000:]
+    assert "shardbench claims" in out and "shardbench summary" in out
+    run_dir = (tmp_path / "results" / "latest").resolve()
+    records = [json.loads(line) for line in (run_dir / "claims.jsonl").read_text().splitlines()]
+    assert [r["claim_id"] for r in records] == list(claims.CLAIMS)
+    assert all(r["verdict"] in claims.VERDICTS for r in records)
+    # What this host measures (every cell runs on 2 gloo CPU ranks): nothing crashed, every
+    # "does not hold" is one the claims explain.
+    assert not any(r["cell_failed"] for r in records)
+    assert all(r["explained"] for r in records if r["verdict"] == "does not hold")
+    cells = [json.loads(line) for line in (run_dir / "cells.jsonl").read_text().splitlines()]
+    assert {c["cell_id"] for c in cells} >= {c.cell_id for c in suites.cells_of("claims", 2)}
+    page = (tmp_path / "reports" / run_dir.name / "index.html").read_text()
+    assert '<h2 id="claims">' in page and page.count('<tr class="claim"') == len(claims.CLAIMS)

@@ -1,0 +1,133 @@
+"""The traced memory predictor (harness/predict/traced.py) against the harness's real step,
+its sharding arithmetic, and how it fails: refused cells, a cell that raises, a subprocess
+that dies or hangs. All on the CPU; about 20 s."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.config import CellSpec, StrategySpec
+from harness.distributed import DistEnv
+from harness.measure.memory import BREAKDOWN_KEYS
+from harness.predict import traced
+from harness.runner import worker
+
+
+def _cell(strategy: str, world_size: int, model: str = "gpt2-tiny", **options) -> CellSpec:
+    return CellSpec(model=model, strategy=StrategySpec(name=strategy, **options),
+                    micro_batch=2 if world_size > 1 else 4, world_size=world_size)
+
+
+def _assert_prediction(result: dict) -> None:
+    assert set(result) == {"peak_bytes", "breakdown_bytes", "tracker"}, result
+    assert tuple(result["breakdown_bytes"]) == BREAKDOWN_KEYS
+    assert sum(result["breakdown_bytes"].values()) == result["peak_bytes"] > 0
+
+
+def test_single_equals_the_workers_real_step():
+    """The same cell run for real by worker.run_cell (one gloo rank in this process) and
+    traced under FakeTensorMode: the same peak, byte for byte, in every category."""
+    cell = _cell("single", 1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
+        measured = worker.run_cell(cell, env)
+    finally:
+        dist.destroy_process_group()
+    predicted = traced.trace(cell)
+    _assert_prediction(predicted)
+    assert predicted["tracker"] == measured["memory_tracker"] == "MemTracker"
+    assert predicted["breakdown_bytes"] == measured["mem_breakdown_bytes"]
+    assert predicted["peak_bytes"] == measured["peak_mem_bytes"]
+
+
+def test_fsdp2_full_shards_the_optimizer_state_by_the_world_size():
+    single = traced.trace(_cell("single", 1))
+    ws2, ws4 = traced.trace(_cell("fsdp_full", 2)), traced.trace(_cell("fsdp_full", 4))
+    for result in (single, ws2, ws4):
+        _assert_prediction(result)
+    assert ws2["tracker"] == ws4["tracker"] == "FSDPMemTracker"
+    # AdamW: exp_avg and exp_avg_sq per (sharded) parameter, plus a 4-byte step count per
+    # parameter tensor, unsharded. gpt2-tiny's dim-0 sizes divide by 4: exact shards.
+    n_tensors = 2 + 2 * 12 + 2  # embeddings, 2 blocks of 12 tensors, final norm
+    state = single["breakdown_bytes"]["optimizer"] - 4 * n_tensors
+    assert state == 2 * single["breakdown_bytes"]["params"]
+    assert ws2["breakdown_bytes"]["optimizer"] - 4 * n_tensors == state / 2
+    assert ws4["breakdown_bytes"]["optimizer"] - 4 * n_tensors == state / 4
+    # Parameters at the peak: rank 0's shards plus the gathered unit being computed.
+    params = [r["breakdown_bytes"]["params"] for r in (single, ws2, ws4)]
+    assert params[2] < params[1] and params[2] < params[0]
+    assert single["peak_bytes"] > ws2["peak_bytes"] > ws4["peak_bytes"]
+
+
+@pytest.mark.parametrize("cell, reason", [
+    (_cell("deepspeed_zero2", 2, offload="optimizer"), "DeepSpeedCPUAdam"),
+    (_cell("fsdp1_full", 2, offload="params"), "pins host memory"),
+    (_cell("ddp", 2, compression="bf16"), "bf16_compress_hook"),
+    (_cell("zero1", 1), "not a valid cell: zero1 needs world_size >= 2"),
+], ids=["deepspeed-cpu-adam", "fsdp1-offload", "bf16-hook", "invalid"])
+def test_refused_cells_are_unavailable_with_the_reason(cell, reason):
+    result = traced.trace(cell)
+    assert set(result) == {"unavailable"} and reason in result["unavailable"]
+    assert not dist.is_initialized()
+
+
+def test_a_cell_that_raises_while_tracing_is_unavailable(monkeypatch):
+    def broken_prepare(*args, **kwargs):
+        raise RuntimeError("no kernel for this\nsecond line")
+
+    monkeypatch.setattr("harness.strategies.single.prepare", broken_prepare)
+    result = traced.trace(_cell("single", 1))
+    assert set(result) == {"unavailable"}
+    assert result["unavailable"].startswith("tracing failed: RuntimeError: no kernel for this (at ")
+    assert "\n" not in result["unavailable"]
+    assert not dist.is_initialized()  # the fake group is gone; the next trace can start
+
+
+def test_trace_refuses_a_process_with_a_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="use trace_cells"):
+            traced.trace(_cell("single", 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_trace_cells_runs_in_a_subprocess_and_goes_on_after_a_bad_cell():
+    good, bad = _cell("ddp", 2), _cell("fsdp1_full", 2, offload="params")
+    results = traced.trace_cells([bad, good])
+    assert set(results) == {good.cell_id, bad.cell_id}
+    assert "unavailable" in results[bad.cell_id]
+    _assert_prediction(results[good.cell_id])
+    # DDP: a full replica, and its gradient bucket (the size of the gradients) in "other".
+    breakdown = results[good.cell_id]["breakdown_bytes"]
+    assert breakdown["other"] >= breakdown["params"] > 0
+    assert not dist.is_initialized()  # this process never joined the fake group
+
+
+def test_trace_cells_survives_a_subprocess_that_dies_or_hangs(monkeypatch):
+    cells = [_cell("single", 1), _cell("ddp", 2)]
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    results = traced.trace_cells(cells)
+    died = "trace subprocess exited with status 1: (no output)"
+    assert all(r["unavailable"].startswith(died) for r in results.values())
+    assert results[cells[0].cell_id]["unavailable"].endswith("(while tracing this cell)")
+    monkeypatch.undo()
+    results = traced.trace_cells(cells, timeout_s=0.05)
+    assert set(results) == {c.cell_id for c in cells}
+    assert all("timeout" in r["unavailable"] for r in results.values())
+
+
+def test_cli_reports_a_spec_that_is_no_cell(tmp_path):
+    refused = _cell("deepspeed_zero3", 2, offload="optimizer")
+    specs = [{"model": "gpt2-huge", "strategy": {"name": "ddp"}}, refused.to_dict()]
+    (tmp_path / "cells.json").write_text(json.dumps(specs))
+    subprocess.run([sys.executable, "-m", "harness.predict.traced", "--cells", str(tmp_path / "cells.json"),
+                    "--out", str(tmp_path / "out.json")], check=True, capture_output=True, timeout=120)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["cells[0]"]["unavailable"].startswith("not a cell: ValueError: model='gpt2-huge'")
+    assert "DeepSpeedCPUAdam" in out[refused.cell_id]["unavailable"]

@@ -34,11 +34,13 @@ def test_gate_fails_hybrid_shard_without_a_mesh_and_passes_it_with_one(tmp_path)
     assert bad["reference_cell_id"] == right.reference().cell_id
 
 
-def _worker_processes() -> list[psutil.Process]:
+def _worker_processes(launch_dir: Path) -> list[psutil.Process]:
+    """Workers of launches under ``launch_dir`` (their --cells file lives there): other runs
+    on the same host are not this test's business."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if "harness.runner.worker" in cmdline:
+        if "harness.runner.worker" in cmdline and any(str(launch_dir) in arg for arg in cmdline):
             found.append(proc)
     return found
 
@@ -67,7 +69,7 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     assert "InjectedFault" in outcomes[2].reason and "rank 0" in outcomes[2].reason
     assert "exited with status" in outcomes[4].reason
     assert "no result after 25 s" in outcomes[6].reason
-    assert _worker_processes() == [], "a launch left worker processes behind"
+    assert _worker_processes(tmp_path) == [], "a launch left worker processes behind"
 
 
 def test_records_reach_the_store_as_cells_end(tmp_path):

@@ -53,7 +53,8 @@ def _check_selection(args: argparse.Namespace) -> None:
         if on_cuda and args.gpus is not None and args.gpus > torch.cuda.device_count():
             raise UsageError(f"--gpus {args.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
                              " use fewer, or --device cpu for CPU ranks")
-        suites.cells_of(args.suite, world_size(args.gpus))
+        nnodes = args.nodes.nnodes if hasattr(args, "nodes") else 1  # `list`: one node
+        suites.cells_of(args.suite, world_size(args.gpus, nnodes))
         if args.markexpr:
             markers.check_marker_expression(args.markexpr)
     except ValueError as error:
@@ -71,7 +72,88 @@ def _pytest_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _resolve_nodes(args: argparse.Namespace) -> None:
+    """--nnodes/--node-rank/--master-addr/--master-port, else SLURM's variables (README
+    "Several nodes"), checked before anything launches; sets ``args.nodes``."""
+    from harness.distributed import device_type
+    from harness.runner import nodes
+
+    try:
+        args.nodes = nodes.resolve(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                                   master_port=args.master_port)
+        if args.nodes.multi and args.gpus is None and (args.device or device_type()) == "cuda":
+            args.gpus = nodes.slurm_ranks_per_node()  # a GPU node in a SLURM allocation
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _node_args(nodes, with_rank: bool = True) -> list[str]:
+    if not nodes.multi:
+        return []
+    out = ["--nnodes", str(nodes.nnodes), "--master-addr", nodes.master_addr, "--master-port", str(nodes.master_port)]
+    return out + (["--node-rank", str(nodes.node_rank)] if with_rank else [])
+
+
+def _run_follower(args: argparse.Namespace, extra: list[str]) -> int:
+    """A node of rank > 0: the same selection as node 0 (pytest's own collection), its ranks
+    of every launch that spans the nodes, nothing under results/ (runner/nodes.py)."""
+    from harness.distributed import device_type
+    from harness.runner import nodes
+    from harness.runner.launcher import LaunchOptions
+    from harness.results.store import new_run_id
+
+    collector = _Collector()
+    code = pytest.main(_pytest_args(args) + _node_args(args.nodes, with_rank=False)
+                       + ["--collect-only", "-p", "no:terminal", *extra], plugins=[collector])
+    if code not in (0, 5):
+        print(f"shardbench: error: collecting {SUITES_DIR} failed (pytest exit {int(code)})", file=sys.stderr)
+        return int(code)
+    launch_dir = (args.out or REPO_ROOT).resolve() / "node-launches" / f"node{args.nodes.node_rank}-{new_run_id()}"
+    options = LaunchOptions(cell_timeout_s=args.cell_timeout, nodes=args.nodes)
+    return nodes.run_follower(collector.cells, options, launch_dir, device_type())
+
+
+def _resume_selection(args: argparse.Namespace) -> None:
+    """--resume: the run's own selection (suite, -m, -k, world size, device) from its run.json;
+    an option given that differs from it is refused, as is a run that cannot be found."""
+    from harness.results.store import resolve_run
+    from harness.runner import resume
+    from harness.runner.session import world_size
+
+    try:
+        run_dir = resolve_run((args.out or REPO_ROOT) / "results", args.resume)
+        original = resume.original_selection(run_dir)
+        if original["nnodes"] > 1 or args.nnodes not in (None, 1):
+            raise ValueError(f"cannot resume {run_dir.name}: resuming a run over several nodes is not"
+                             " supported yet (the followers hold no results to resume from); start a new run")
+        asked = {key: value for key, value in (("suite", args.suite), ("marker_expression", args.markexpr),
+                                               ("keyword_expression", args.keyword), ("device", args.device))
+                 if value is not None}
+        if args.gpus is not None:
+            asked["world_size"] = world_size(args.gpus)
+        resume.check_same_selection(run_dir, original, asked)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    args.resume = run_dir
+    args.suite, args.markexpr, args.keyword = (original["suite"], original["marker_expression"],
+                                               original["keyword_expression"])
+    args.gpus = original["world_size"]
+    if args.device is None and original["device"] in DEVICES:
+        args.device = original["device"]
+    if args.out is None:
+        args.out = run_dir.parent.parent  # reports/ beside the results/ the run is in
+
+
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from harness.runner import resume
+
+    if args.resume is not None:
+        _resume_selection(args)
+    elif args.retry_failed:
+        raise UsageError("--retry-failed: only with --resume RUN_ID")
+    args.suite = "default" if args.suite is None else args.suite
+    args.markexpr, args.keyword = args.markexpr or "", args.keyword or ""
+    _resolve_nodes(args)
     _check_selection(args)
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
@@ -79,10 +161,17 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     if args.cell_timeout <= 0:
         raise UsageError(f"--cell-timeout {args.cell_timeout}: must be positive seconds")
-    pytest_args = _pytest_args(args) + ["--cell-timeout", str(args.cell_timeout), "-rfEs", *extra]
+    if not args.nodes.is_leader:
+        return _run_follower(args, extra)
+    pytest_args = _pytest_args(args) + _node_args(args.nodes) + ["--cell-timeout", str(args.cell_timeout), "-rfEs",
+                                                                 *extra]
     if args.out is not None:
         pytest_args += ["--out", str(args.out.resolve())]
-    return int(pytest.main(pytest_args))
+    if args.resume is not None:
+        pytest_args += ["--resume", str(args.resume)] + (["--retry-failed"] if args.retry_failed else [])
+    code = int(pytest.main(pytest_args))
+    # Ended by SIGTERM / SIGINT: the shell's 128 + N, never 0 (the finished cells are kept).
+    return 128 + resume.Interrupted.signum if resume.Interrupted.signum else code
 
 
 class _Collector:
@@ -139,8 +228,12 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
         run_dir = resolve_run(root / "results", args.run)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    page = html.write_run_report(run_dir, root / "reports" / run_dir.name)
+    skipped: list[str] = []
+    page = html.write_run_report(run_dir, root / "reports" / run_dir.name, skipped)
     history.write_index(root / "results", root / "reports")
+    if skipped:
+        print(f"shardbench: skipped {len(skipped)} unreadable item(s) of {run_dir} (warnings above, and in the report)",
+              file=sys.stderr)
     print(page)
     return 0
 
@@ -235,6 +328,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo)")
     run.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
                      help=f"seconds without progress before a cell is declared hung (default {DEFAULT_CELL_TIMEOUT_S:.0f})")
+    run.add_argument("--nnodes", type=int, default=None,
+                     help="nodes in the job, one launcher per node (default 1, or SLURM_NNODES); README Several nodes")
+    run.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes) (or SLURM_NODEID);"
+                     " only node 0 writes results/")
+    run.add_argument("--master-addr", default=None,
+                     help="node 0's address, the c10d rendezvous endpoint (or SLURM_JOB_NODELIST's first host)")
+    run.add_argument("--master-port", type=int, default=None,
+                     help="the rendezvous endpoint's port (default MASTER_PORT, else 29500)")
+    run.add_argument("--resume", default=None, metavar="RUN_ID",
+                     help="run the cells of run RUN_ID (id under results/, 'latest', or a run folder) that have"
+                          " no record yet, into the same run; the selection is the run's own")
+    run.add_argument("--retry-failed", action="store_true",
+                     help="with --resume: also re-run cells recorded failed, timeout or oom")
+    run.set_defaults(suite=None, markexpr=None, keyword=None)  # None: not given (a resume takes the run's)
     run.set_defaults(func=cmd_run)
     lst = sub.add_parser("list", help="show the cells a selection runs, without running them")
     _selection_args(lst)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import markers, suites
+from harness.runner import resume
 from harness.runner import session as run_session
 from harness.runner.launcher import DEFAULT_CELL_TIMEOUT_S
 
@@ -22,17 +23,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpus", type=int, default=None,
                     help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
     group.addoption("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo root)")
+    group.addoption("--nnodes", type=int, default=1, help="nodes in the job (one launcher per node; default 1)")
+    group.addoption("--node-rank", type=int, default=0, help="this node's rank in [0, nnodes); only node 0 runs"
+                    " under pytest (the others: python -m harness run)")
+    group.addoption("--master-addr", default=None, help="node 0's address: the c10d rendezvous endpoint's host")
+    group.addoption("--master-port", type=int, default=29500, help="the rendezvous endpoint's port (default 29500)")
     group.addoption("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
                     help="seconds without progress before a cell is declared hung and killed")
+    group.addoption("--resume", type=Path, default=None,
+                    help="run folder to resume: run only its cells without a kept record, appending to it")
+    group.addoption("--retry-failed", action="store_true",
+                    help="with --resume: also re-run the cells recorded failed, timeout or oom")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, help_text in markers.CATALOGUE.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
+    try:
+        nodes = run_session.node_spec(config)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    if not nodes.is_leader:
+        # Node 0 writes the run; a second pytest session would write a competing one.
+        raise pytest.UsageError(f"--node-rank {nodes.node_rank}: only node 0 runs the suite under pytest;"
+                                " start the other nodes with `python -m harness run` (or ./run_all.sh)")
     expr = config.getoption("markexpr")
     if expr:
         try:
             markers.check_marker_expression(expr)
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
+    resume_dir = config.getoption("resume")
+    if resume_dir is not None:
+        # `python -m harness run --resume` checks this before pytest; here for pytest used directly.
+        try:
+            resume.check_same_selection(resume_dir, resume.original_selection(resume_dir), {
+                "suite": config.getoption("suite"), "marker_expression": config.getoption("markexpr") or "",
+                "keyword_expression": config.getoption("keyword") or "",
+                "world_size": run_session.world_size(config.getoption("gpus"))})
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
 
@@ -42,7 +70,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     config = metafunc.config
     try:
-        cells = suites.cells_of(config.getoption("suite"), run_session.world_size(config.getoption("gpus")))
+        cells = suites.cells_of(config.getoption("suite"), run_session.world_size(config.getoption("gpus"),
+                                                                                  config.getoption("nnodes")))
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
     metafunc.parametrize(

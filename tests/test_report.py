@@ -89,6 +89,7 @@ def test_index_lists_every_cell_with_reasons(report):
         assert cell_id in text
     assert "bf16_compress_hook requires NCCL" in text
     assert "trunc" not in text  # the truncated last line is skipped, not shown half-parsed
+    assert "1 unreadable item skipped" in text and "cells.jsonl:8: skipped" in text  # ... and counted
     cells = text[text.index('id="cells-table"'):text.index('id="figures"')]
     assert cells.count('<tr class="failed"') == 1 and cells.count('<tr class="unsupported"') == 1
 

@@ -5,7 +5,7 @@ import pytest
 from harness import markers
 from harness.config import CellSpec, StrategySpec
 from harness.results import schema
-from harness.results.store import RunStore, load_records, resolve_run
+from harness.results.store import DamagedResultsWarning, RunStore, load_records, load_run_info, resolve_run
 
 CELL = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))
 
@@ -25,11 +25,12 @@ def test_record_has_the_documented_fields():
 def test_store_appends_links_latest_and_survives_a_truncated_line(tmp_path):
     store = RunStore(tmp_path / "results", "run-a")
     store.write_run_info({"run_id": "run-a"})
-    for status in ("ok", "failed"):
-        store.append(schema.make_record(CELL, markers=[], status=status))
+    for cell, status in ((CELL, "ok"), (OTHER, "failed")):
+        store.append(schema.make_record(cell, markers=[], status=status))
     with store.cells_path.open("a") as f:
         f.write('{"schema_version": 1, "cell_id": "cut mid-wri')  # a writer killed mid-line
-    records = load_records(store.path)
+    with pytest.warns(DamagedResultsWarning, match="cells.jsonl:3: skipped"):
+        records = load_records(store.path)
     assert [r["status"] for r in records] == ["ok", "failed"]
     assert (tmp_path / "results" / "latest").resolve() == store.path.resolve()
     RunStore(tmp_path / "results", "run-b")
@@ -51,3 +52,117 @@ def test_non_finite_losses_are_written_as_null_and_fail_the_gate():
     assert record["losses"] == [6.0, None, None]
     json.dumps(record, allow_nan=False)
     assert equivalence.max_rel_diff(record["losses"], [6.0, 6.0, 6.0]) == float("inf")
+
+
+# --- damaged results: skipped with a warning naming file and line, never a crash ---------
+
+def _line(status: str, cell: CellSpec = CELL, **fields) -> str:
+    return json.dumps({**schema.make_record(cell, markers=[], status=status), **fields})
+
+
+OTHER = CellSpec(model="llama-tiny", strategy=StrategySpec(name="ddp"))
+
+DAMAGE = [
+    # (id, lines of cells.jsonl, statuses read, numbers of the lines skipped)
+    ("truncated-last", [_line("ok"), _line("failed", OTHER), '{"schema_version": 1, "cell_id": "cu'],
+     ["ok", "failed"], [3]),
+    ("truncated-middle", [_line("ok"), '{"schema_version": 1, "cell_id": "cu', _line("failed", OTHER)],
+     ["ok", "failed"], [2]),
+    ("garbage-first", ["\x00\x00\x00 not json", _line("ok")], ["ok"], [1]),
+    ("newer-version", [_line("ok"), _line("failed", OTHER, schema_version=99)], ["ok"], [2]),
+    ("no-version", [_line("ok", schema_version=None)], [], [1]),
+    ("not-a-record", ["[1, 2]", '{"status": "ok"}', _line("ok")], ["ok"], [1, 2]),
+    ("no-migration", [_line("ok", schema_version=0)], [], [1]),
+    ("retried-cell", [_line("failed"), _line("ok", OTHER), _line("ok")], ["ok", "ok"], []),  # last record wins
+    ("blank-lines", ["", _line("ok"), "   "], ["ok"], []),
+]
+
+
+@pytest.mark.parametrize("lines, statuses, bad", [d[1:] for d in DAMAGE], ids=[d[0] for d in DAMAGE])
+def test_loader_skips_what_it_cannot_read_and_names_the_line(tmp_path, recwarn, lines, statuses, bad):
+    (tmp_path / "cells.jsonl").write_text("\n".join(lines) + "\n")
+    skipped: list[str] = []
+    records = load_records(tmp_path, skipped)
+    assert [r["status"] for r in records] == statuses
+    assert all(r["schema_version"] == schema.SCHEMA_VERSION for r in records)
+    assert len({r["cell_id"] for r in records}) == len(records)
+    assert [s.split(": skipped")[0] for s in skipped] == [f"{tmp_path / 'cells.jsonl'}:{n}" for n in bad]
+    warned = [str(w.message) for w in recwarn if issubclass(w.category, DamagedResultsWarning)]
+    assert warned == skipped
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "run.json: missing"),
+    ("{not json", "run.json: unreadable"),
+    ("[1]", "run.json: not a JSON object"),
+    ('{"run_id": "r"}', None),
+], ids=["missing", "corrupt", "not-an-object", "fine"])
+def test_run_info_loader_warns_and_returns_what_it_can(tmp_path, recwarn, content, message):
+    if content is not None:
+        (tmp_path / "run.json").write_text(content)
+    skipped: list[str] = []
+    info = load_run_info(tmp_path, skipped)
+    assert info == ({"run_id": "r"} if message is None else {})
+    assert [message in s for s in skipped] == ([] if message is None else [True])
+    assert len([w for w in recwarn if issubclass(w.category, DamagedResultsWarning)]) == len(skipped)
+
+
+def test_migrations_run_step_by_step_from_version_0(monkeypatch):
+    # A synthetic chain 0 -> 1 -> 2 -> 3 (this release is at 1, with no older version).
+    trail = []
+
+    def step(n):
+        def apply(record):
+            trail.append(n)
+            return {**record, f"field_{n + 1}": record.get(f"field_{n}", 0) + 1}
+        return apply
+
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 3)
+    monkeypatch.setattr(schema, "MIGRATIONS", {})
+    for n in (2, 0, 1):  # registration order does not matter
+        schema.migration(n)(step(n))
+    old = {"schema_version": 0, "cell_id": "c", "status": "ok", "field_0": 10}
+    new = schema.migrate(old)
+    assert trail == [0, 1, 2] and new["schema_version"] == 3 and new["field_3"] == 13
+    assert old["schema_version"] == 0  # the given record is untouched
+    assert schema.migrate(new) is new  # current: as it is
+    with pytest.raises(ValueError, match="already registered"):
+        schema.migration(0)(step(0))
+    with pytest.raises(schema.UnreadableRecord, match="schema_version=4 is newer"):
+        schema.migrate({"schema_version": 4})
+
+
+def test_a_registered_migration_is_used_by_the_loader(tmp_path, monkeypatch):
+    def rename(record):  # a version-0 field renamed in version 1
+        return {**{k: v for k, v in record.items() if k != "seconds"}, "wall_s": record["seconds"]}
+
+    monkeypatch.setitem(schema.MIGRATIONS, 0, rename)
+    (tmp_path / "cells.jsonl").write_text(_line("ok", schema_version=0, seconds=1.5) + "\n")
+    [record] = load_records(tmp_path)
+    assert record["schema_version"] == 1 and record["wall_s"] == 1.5 and "seconds" not in record
+
+
+def test_an_append_after_a_cut_line_starts_a_line_of_its_own(tmp_path):
+    store = RunStore(tmp_path / "results", "run")
+    store.append(schema.make_record(CELL, markers=[], status="ok"))
+    with store.cells_path.open("a") as f:
+        f.write('{"schema_version": 1, "cell_id": "cu')  # killed mid-write
+    store.append(schema.make_record(OTHER, markers=[], status="failed"))
+    with pytest.warns(DamagedResultsWarning, match=r"cells.jsonl:2: skipped"):
+        assert [r["status"] for r in load_records(store.path)] == ["ok", "failed"]
+
+
+def test_report_of_a_damaged_folder_succeeds_and_counts_what_it_skipped(tmp_path, capsys):
+    from harness import cli
+
+    run_dir = tmp_path / "results" / "run-x"  # no run.json, three unreadable lines
+    run_dir.mkdir(parents=True)
+    lines = [_line("unsupported", reason="why"), "garbage", _line("failed", OTHER, reason="boom"),
+             _line("ok", schema_version=99), '{"cut']
+    (run_dir / "cells.jsonl").write_text("\n".join(lines))
+    with pytest.warns(DamagedResultsWarning):
+        assert cli.main(["report", "run-x", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 4 unreadable item(s)" in err  # 3 lines and the missing run.json
+    page = (tmp_path / "reports" / "run-x" / "index.html").read_text()
+    assert "4 unreadable items skipped" in page and "cells.jsonl:4" in page

@@ -201,9 +201,12 @@ def _environment(info: dict) -> dict:
     }
 
 
-def write_run_report(run_dir: Path, report_dir: Path) -> Path:
-    records = load_records(run_dir)
-    info = load_run_info(run_dir)
+def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None = None) -> Path:
+    """The run's pages. What cannot be read is skipped with a warning, counted on the page,
+    and appended to ``skipped`` when given."""
+    skipped = [] if skipped is None else skipped
+    records = load_records(run_dir, skipped)
+    info = load_run_info(run_dir, skipped)
     report_dir.mkdir(parents=True, exist_ok=True)
     fig_dir = report_dir / "figures"
     fig_dir.mkdir(exist_ok=True)
@@ -245,7 +248,7 @@ def write_run_report(run_dir: Path, report_dir: Path) -> Path:
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
         claims=claim_rows, claim_counts=claim_counts,
-        info=info, run_id=run_id, rows=rows, counts=counts, statuses=statuses,
+        info=info, run_id=run_id, rows=rows, skipped=skipped, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,
         device=info.get("device") or {}))

@@ -7,6 +7,7 @@ migrate older records step by step (``migrate``) so a report can span old and ne
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from harness.config import CellSpec
 from harness.markers import ZERO_IDEA
@@ -58,12 +59,42 @@ def make_record(
     }
 
 
+class UnreadableRecord(ValueError):
+    """A record this shardbench cannot bring up to SCHEMA_VERSION (newer, unknown, or a gap
+    in the migration chain)."""
+
+
+# MIGRATIONS[v] turns a version-v record into a version-(v + 1) record; ``migrate`` applies
+# them in order. A change of SCHEMA_VERSION from N to N + 1 registers MIGRATIONS[N] in the
+# same commit (``@migration(N)``), so every released version stays readable.
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+
+
+def migration(from_version: int) -> Callable[[Callable[[dict], dict]], Callable[[dict], dict]]:
+    def register(step: Callable[[dict], dict]) -> Callable[[dict], dict]:
+        if from_version in MIGRATIONS:
+            raise ValueError(f"a migration from schema_version={from_version} is already registered")
+        MIGRATIONS[from_version] = step
+        return step
+
+    return register
+
+
 def migrate(record: dict) -> dict:
-    """Bring a record of any released schema version up to SCHEMA_VERSION."""
+    """Bring a record of any released schema version up to SCHEMA_VERSION, one version at a
+    time; the record given is not modified."""
     version = record.get("schema_version")
-    if version == SCHEMA_VERSION:
-        return record
-    raise ValueError(
-        f"cell record schema_version={version!r} is newer or unknown: this shardbench reads"
-        f" up to {SCHEMA_VERSION}; upgrade shardbench"
-    )
+    if not isinstance(version, int) or isinstance(version, bool) or version > SCHEMA_VERSION:
+        raise UnreadableRecord(
+            f"cell record schema_version={version!r} is newer or unknown: this shardbench reads"
+            f" up to {SCHEMA_VERSION}; upgrade shardbench"
+        )
+    while version < SCHEMA_VERSION:
+        step = MIGRATIONS.get(version)
+        if step is None:
+            raise UnreadableRecord(f"cell record schema_version={version}: no migration to"
+                                   f" {version + 1} is registered (this shardbench reads {SCHEMA_VERSION})")
+        record = step(dict(record))
+        version += 1
+        record["schema_version"] = version
+    return record

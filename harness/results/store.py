@@ -1,14 +1,19 @@
-"""results/<run_id>/: run.json (environment, command), cells.jsonl (one record per cell,
-appended and fsynced as each cell ends) and results/latest pointing at the newest run."""
+"""results/<run_id>/: run.json (environment, command, resume events), cells.jsonl (one
+record per cell, appended and fsynced as each cell ends; a resumed run appends to it) and
+results/latest pointing at the newest run.
+
+Reading never fails on damage: what cannot be read is skipped with a DamagedResultsWarning
+that names the file and line (README "Resuming and damaged results")."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
-from harness.results.schema import migrate
+from harness.results.schema import UnreadableRecord, migrate
 
 
 def new_run_id() -> str:
@@ -39,35 +44,88 @@ class RunStore:
         """One line per record in a single write, flushed and fsynced: a killed run keeps
         every cell that finished, and at worst loses a truncated last line."""
         line = json.dumps(record) + "\n"
+        if self._ends_mid_line():
+            line = "\n" + line  # a killed writer's cut line stays alone, skipped by the loader
         with self.cells_path.open("a") as f:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
 
+    def _ends_mid_line(self) -> bool:
+        try:
+            with self.cells_path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() == 0:
+                    return False
+                f.seek(-1, os.SEEK_END)
+                return f.read(1) != b"\n"
+        except FileNotFoundError:
+            return False
 
-def load_run_info(run_dir: Path) -> dict:
-    """run.json as a dict; {} when it is missing or unreadable (a killed run, an old layout)."""
+
+class DamagedResultsWarning(UserWarning):
+    """Part of a results folder could not be read and was skipped (the message names the
+    file and line)."""
+
+
+def _skip(message: str, skipped: list[str] | None) -> None:
+    warnings.warn(message, DamagedResultsWarning, stacklevel=3)
+    if skipped is not None:
+        skipped.append(message)
+
+
+def load_run_info(run_dir: Path, skipped: list[str] | None = None) -> dict:
+    """run.json as a dict; {} when it is missing or unreadable (a killed run, an old layout),
+    with a DamagedResultsWarning (appended to ``skipped`` when given)."""
+    path = run_dir / "run.json"
     try:
-        info = json.loads((run_dir / "run.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        _skip(f"{path}: missing; the run's suite, command and environment are unknown", skipped)
         return {}
-    return info if isinstance(info, dict) else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        _skip(f"{path}: unreadable ({error}); the run's suite, command and environment are unknown", skipped)
+        return {}
+    if not isinstance(info, dict):
+        _skip(f"{path}: not a JSON object; the run's suite, command and environment are unknown", skipped)
+        return {}
+    return info
 
 
-def load_records(run_dir: Path) -> list[dict]:
-    """Every complete record of a run; a truncated last line (a killed writer) is skipped."""
-    records = []
+def load_records(run_dir: Path, skipped: list[str] | None = None) -> list[dict]:
+    """The run's cell records, migrated to SCHEMA_VERSION: the last record of each cell (a
+    resumed run with --retry-failed appends a new one), in order of each cell's first record.
+
+    A line that cannot be read (truncated or corrupt anywhere in the file, not a cell record,
+    a newer or unknown schema_version) is skipped with a DamagedResultsWarning naming the file
+    and line number; the messages are also appended to ``skipped`` when given.
+    """
     path = run_dir / "cells.jsonl"
-    if not path.exists():
-        return records
-    for line in path.read_text().splitlines():
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    records: dict[str, dict] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"{path}:{number}"
         try:
-            records.append(migrate(json.loads(line)))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            _skip(f"{where}: skipped, not a complete JSON line ({error.msg} at column {error.colno})", skipped)
             continue
-    return records
+        if not (isinstance(record, dict) and isinstance(record.get("cell_id"), str)
+                and isinstance(record.get("status"), str)):
+            _skip(f"{where}: skipped, not a cell record (no cell_id and status)", skipped)
+            continue
+        try:
+            record = migrate(record)
+        except UnreadableRecord as error:
+            _skip(f"{where}: skipped, {error}", skipped)
+            continue
+        records[record["cell_id"]] = record
+    return list(records.values())
 
 
 def resolve_run(results_dir: Path, run: str) -> Path:

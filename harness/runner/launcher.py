@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from harness.config import CellSpec
+from harness.runner.nodes import SINGLE_NODE, NodeSpec
 
 LOG_TAIL_LINES = 30
 POLL_S = 0.2
@@ -31,11 +32,37 @@ class LaunchOptions:
     # Seconds without an event from the workers (a cell starting or ending) before the
     # launch is declared hung; launch start-up counts against the first cell.
     cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
+    # Where this launcher stands in a multi-node job (runner/nodes.py); one node by default.
+    nodes: NodeSpec = SINGLE_NODE
 
 
-def torchrun_args(world_size: int) -> list[str]:
-    # --standalone: a local rendezvous on a free port, so concurrent runs never collide.
-    return ["--standalone", "--nproc-per-node", str(world_size)]
+def nodes_of(world_size: int, nodes: NodeSpec) -> int:
+    """How many nodes a launch of ``world_size`` ranks spans: the single-process references
+    run on one node (node 0), everything else on all of them."""
+    return nodes.nnodes if world_size > 1 else 1
+
+
+def torchrun_args(world_size: int, nodes: NodeSpec = SINGLE_NODE, rdzv_id: str = "shardbench",
+                  timeout_s: float = DEFAULT_CELL_TIMEOUT_S) -> list[str]:
+    if nodes_of(world_size, nodes) == 1:
+        # --standalone: a local rendezvous on a free port, so concurrent runs never collide.
+        return ["--standalone", "--nproc-per-node", str(world_size)]
+    if world_size % nodes.nnodes:
+        raise ValueError(f"world size {world_size} does not split over {nodes.nnodes} nodes")
+    # c10d rendezvous: node 0's torchrun hosts the store at the endpoint (is_host, rather than
+    # guessing from host names, which fails when every node is 127.0.0.1); the others wait for
+    # it up to the cell timeout, since node 0 traces and runs the references first.
+    wait = max(60, int(timeout_s))
+    return [
+        # No --node-rank: c10d assigns the node ranks (torchrun ignores it there); which node
+        # holds global rank 0 does not matter, since every node's local rank 0 writes its
+        # node's stream (worker.py).
+        "--nnodes", str(nodes.nnodes), "--nproc-per-node", str(world_size // nodes.nnodes),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.master_addr}:{nodes.master_port}",
+        "--rdzv-id", rdzv_id,
+        "--rdzv-conf", f"is_host={str(nodes.is_leader).lower()},read_timeout={wait},join_timeout={wait}",
+        "--max-restarts", "0",
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,19 +145,23 @@ def run_batch(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     attempt = 0
     while remaining:
         attempt += 1
-        remaining = _launch_once(remaining, options, workdir / f"launch-{attempt:03d}", on_outcome)
+        remaining = _launch_once(remaining, options, workdir / f"launch-{attempt:03d}", on_outcome,
+                                 rdzv_id=f"shardbench-{workdir.name}-{attempt}")
 
 
 def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
-                 on_outcome: Callable[[CellOutcome], None]) -> list[CellSpec]:
+                 on_outcome: Callable[[CellOutcome], None], rdzv_id: str = "shardbench") -> list[CellSpec]:
     """One torchrun over ``cells``; returns the cells it did not get to."""
     workdir.mkdir(parents=True, exist_ok=True)
     cells_file, stream_file, log_file = workdir / "cells.json", workdir / "stream.jsonl", workdir / "log.txt"
     cells_file.write_text(json.dumps([c.to_dict() for c in cells]))
     stream_file.write_text("")  # a fresh stream: never read a previous launch's events
+    world_size = cells[0].world_size
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", *torchrun_args(cells[0].world_size),
+        sys.executable, "-m", "torch.distributed.run",
+        *torchrun_args(world_size, options.nodes, rdzv_id, options.cell_timeout_s),
         "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
+        "--expect-nnodes", str(nodes_of(world_size, options.nodes)),
     ]
     # One OpenMP thread per rank unless the user chose otherwise: torchrun does this only
     # for several ranks, which would give the one-process reference more cores than each

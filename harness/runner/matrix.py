@@ -1,5 +1,6 @@
 """Run a selection of cells: references first, one launch per world size, every outcome
 recorded (with its equivalence verdict) the moment it is known, and a progress line per cell.
+A resumed run starts from the records it keeps (``recorded``) and runs only the other cells.
 """
 
 from __future__ import annotations
@@ -40,20 +41,29 @@ def human_duration(s: float) -> str:
 
 class MatrixRun:
     def __init__(self, cells: list[CellSpec], store: RunStore, options: LaunchOptions, *,
-                 device_type: str, device_name: str | None, progress: Callable[[str], None]):
+                 device_type: str, device_name: str | None, progress: Callable[[str], None],
+                 recorded: dict[str, dict] | None = None):
         self.cells = with_references(cells)
         self.store = store
         self.options = options
         self.device_type = device_type
         self.device_name = device_name
         self.progress = progress
-        self.records: dict[str, dict] = {}
+        # Kept records of a resumed run count as done; a kept reference gates the cells run now.
+        self.records: dict[str, dict] = {c.cell_id: recorded[c.cell_id] for c in self.cells
+                                         if recorded and c.cell_id in recorded}
+        self.complete = False  # every cell has a record (False after an interrupt)
         self._traced: dict[str, dict] = {}
         self._started = 0.0
+        self._resumed_from = len(self.records)
 
     def run(self) -> dict[str, dict]:
-        unsupported = {c.cell_id: strategies.unsupported_reason(c, self.device_type) for c in self.cells}
-        runnable = [c for c in self.cells if not unsupported[c.cell_id]]
+        todo = [c for c in self.cells if c.cell_id not in self.records]
+        if self._resumed_from:
+            self.progress(f"shardbench: resuming: {self._resumed_from} of {len(self.cells)} cells recorded"
+                          f" and kept, {len(todo)} to run")
+        unsupported = {c.cell_id: strategies.unsupported_reason(c, self.device_type) for c in todo}
+        runnable = [c for c in todo if not unsupported[c.cell_id]]
         if runnable:
             # Before any cell runs: the trace would compete with the ranks for the cores.
             started = time.monotonic()
@@ -61,7 +71,7 @@ class MatrixRun:
             self._traced = traced.trace_cells(runnable)
             self.progress(f"shardbench: traced in {human_duration(time.monotonic() - started)}")
         self._started = time.monotonic()
-        for cell in self.cells:
+        for cell in todo:
             if unsupported[cell.cell_id]:
                 self._finish(cell, make_record(cell, markers=markers.markers_of(cell), status="unsupported",
                                                reason=unsupported[cell.cell_id],
@@ -69,6 +79,7 @@ class MatrixRun:
         for world_size, group in groupby(runnable, key=lambda c: c.world_size):
             run_batch(list(group), self.options, self.store.path / "launches" / f"ws{world_size}",
                       self._on_outcome)
+        self.complete = True
         return self.records
 
     def _on_outcome(self, outcome: CellOutcome) -> None:
@@ -105,7 +116,7 @@ class MatrixRun:
     def _progress_line(self, record: dict) -> str:
         done, total = len(self.records), len(self.cells)
         elapsed = time.monotonic() - self._started
-        eta = elapsed / done * (total - done)
+        eta = elapsed / (done - self._resumed_from) * (total - done)
         m = record["metrics"]
         status = record["status"]
         eq = record["equivalence"]

@@ -13,7 +13,9 @@ from harness import distributed
 from harness.measure import environment
 from harness.report import history, html
 from harness.results.store import RunStore, new_run_id
+from harness.runner import resume
 from harness.runner.launcher import LaunchOptions
+from harness.runner.nodes import NodeSpec
 from harness.runner.matrix import MatrixRun, human_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -21,11 +23,17 @@ SELECTED = pytest.StashKey[list]()
 _RUN = pytest.StashKey["MatrixRun"]()
 
 
-def world_size(gpus: int | None) -> int:
-    """Ranks per node (one node in this release): every GPU, or 2 CPU processes."""
+def world_size(gpus: int | None, nnodes: int = 1) -> int:
+    """Ranks in the job: nodes × ranks per node (``gpus``: every GPU, or 2 CPU processes)."""
     if gpus is not None:
-        return gpus
-    return torch.cuda.device_count() if distributed.device_type() == "cuda" else 2
+        return gpus * nnodes
+    return nnodes * (torch.cuda.device_count() if distributed.device_type() == "cuda" else 2)
+
+
+def node_spec(config: pytest.Config) -> NodeSpec:
+    """This launcher's place in a multi-node job (runner/nodes.py), from the pytest options."""
+    return NodeSpec(nnodes=config.getoption("nnodes"), node_rank=config.getoption("node_rank"),
+                    master_addr=config.getoption("master_addr"), master_port=config.getoption("master_port"))
 
 
 def selected_cells(items: list[pytest.Item]) -> list:
@@ -41,19 +49,26 @@ def out_dir(config: pytest.Config) -> Path:
 def start(config: pytest.Config) -> MatrixRun:
     cells = config.stash.get(SELECTED, [])
     root = out_dir(config)
-    store = RunStore(root / "results", new_run_id())
+    resume.Interrupted.install()
     device_type = distributed.device_type()
     device_name = torch.cuda.get_device_name() if device_type == "cuda" else None
-    store.write_run_info({
-        "run_id": store.run_id,
-        "suite": config.getoption("suite"),
-        "command": sys.argv,
-        "marker_expression": config.getoption("markexpr") or "",
-        "keyword_expression": config.getoption("keyword") or "",
-        "world_size": world_size(config.getoption("gpus")),
-        "device": {"type": device_type, "name": device_name},
-        "environment": environment.collect(REPO_ROOT),
-    })
+    resume_dir, recorded = config.getoption("resume"), None
+    if resume_dir is not None:  # same run folder, same run.json (plus a resume event)
+        store = RunStore(resume_dir.parent, resume_dir.name)
+        recorded = resume.begin(store, command=sys.argv, retry_failed=config.getoption("retry_failed"))
+    else:
+        store = RunStore(root / "results", new_run_id())
+        store.write_run_info({
+            "run_id": store.run_id,
+            "suite": config.getoption("suite"),
+            "command": sys.argv,
+            "marker_expression": config.getoption("markexpr") or "",
+            "keyword_expression": config.getoption("keyword") or "",
+            "world_size": world_size(config.getoption("gpus"), config.getoption("nnodes")),
+            "nodes": node_spec(config).to_dict(),
+            "device": {"type": device_type, "name": device_name},
+            "environment": environment.collect(REPO_ROOT),
+        })
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
 
@@ -63,8 +78,9 @@ def start(config: pytest.Config) -> MatrixRun:
             reporter.write_line(line)
 
     progress(f"shardbench: {len(cells)} cells selected; results in {store.path}")
-    run = MatrixRun(cells, store, LaunchOptions(cell_timeout_s=config.getoption("cell_timeout")),
-                    device_type=device_type, device_name=device_name, progress=progress)
+    run = MatrixRun(cells, store, LaunchOptions(cell_timeout_s=config.getoption("cell_timeout"),
+                                                nodes=node_spec(config)),
+                    device_type=device_type, device_name=device_name, progress=progress, recorded=recorded)
     config.stash[_RUN] = run
     run.run()
     return run
@@ -84,8 +100,18 @@ def summarize(config: pytest.Config, reporter) -> None:
         tokens = f"{m['tokens_per_s']:.0f}" if m else "-"
         reporter.write_line(f"{record['cell_id']:<60} {record['status']:<11} {human_bytes(m.get('peak_mem_bytes')):>11}"
                             f" {step:>9} {tokens:>10} {verdict:>10}")
-    reports = out_dir(config) / "reports"
-    report = html.write_run_report(run.store.path, reports / run.store.run_id)
-    history.write_index(run.store.path.parent, reports)
     reporter.write_line(f"results: {run.store.path}")
+    if not run.complete:
+        # Interrupted: end promptly; the resumed run builds the report.
+        reporter.write_line(f"interrupted: {len(run.records)} of {len(run.cells)} cells recorded; run the rest with"
+                            f" ./run_all.sh --resume {run.store.run_id}"
+                            + (f" --out {out_dir(config)}" if config.getoption("out") else ""))
+        return
+    reports = out_dir(config) / "reports"
+    skipped: list[str] = []
+    report = html.write_run_report(run.store.path, reports / run.store.run_id, skipped)
+    history.write_index(run.store.path.parent, reports)
+    if skipped:
+        reporter.write_line(f"skipped {len(skipped)} unreadable item(s) of {run.store.path}"
+                            " (warnings above, and in the report)")
     reporter.write_line(f"report:  {report}")

@@ -194,8 +194,32 @@ def release_memory(device: torch.device) -> None:
             pass  # not glibc: RSS stays higher, tensor-byte measurements are unaffected
 
 
+def world_problem(env: DistEnv, cells: list[CellSpec], expect_nnodes: int) -> str:
+    """Why this process group cannot run ``cells``, or "" when it can: every rank checks that
+    it joined the world the launcher asked for. Two nodes that each started on their own
+    (--standalone, or different endpoints) form two worlds of their own ranks: each would run
+    every cell with half the ranks and report numbers of a job that never ran."""
+    want = cells[0].world_size if cells else env.world_size
+    if env.world_size != want or env.nnodes != expect_nnodes:
+        return (f"rank {env.rank} joined a world of {env.world_size} rank(s) on {env.nnodes} node(s), but the"
+                f" cells need {want} rank(s) on {expect_nnodes} node(s): every node must join the same"
+                " rendezvous (the same --nnodes, --master-addr and --master-port on each node; a node"
+                " launched --standalone forms a world of its own). Refusing to run.")
+    # Every node must run the same cells in the same order, or the ranks would pair
+    # collectives of different cells.
+    ids = [c.cell_id for c in cells]
+    everyone: list[list[str] | None] = [None] * env.world_size
+    dist.all_gather_object(everyone, ids)
+    differ = [r for r, other in enumerate(everyone) if other != ids]
+    if differ:
+        return (f"rank {env.rank}: ranks {differ} were given other cells; every node must run the same"
+                " selection (the same --suite, -m, -k and --gpus). Refusing to run.")
+    return ""
+
+
 class Stream:
-    """Rank 0's event log: one JSON object per line, flushed and fsynced as written."""
+    """The event log of each node's local rank 0 (global rank 0 on one node): one JSON object
+    per line, flushed and fsynced as written."""
 
     def __init__(self, path: Path, enabled: bool):
         self._file = path.open("a") if enabled else None
@@ -211,13 +235,25 @@ class Stream:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=Path, required=True, help="JSON list of cell specs")
-    parser.add_argument("--stream", type=Path, required=True, help="JSONL event file (rank 0)")
+    parser.add_argument("--stream", type=Path, required=True, help="JSONL event file (local rank 0 of each node)")
+    parser.add_argument("--expect-nnodes", type=int, default=1, help="nodes the process group must span")
     args = parser.parse_args()
 
     env = init_from_torchrun()
-    stream = Stream(args.stream, enabled=env.rank == 0)
-    for spec in json.loads(args.cells.read_text()):
-        cell = CellSpec.from_dict(spec)
+    # Each node's launcher reads its own stream: which node holds global rank 0 is the
+    # rendezvous's choice, and every rank sees the same gathered results anyway.
+    stream = Stream(args.stream, enabled=int(os.environ.get("LOCAL_RANK", env.rank)) == 0)
+    cells = [CellSpec.from_dict(spec) for spec in json.loads(args.cells.read_text())]
+    problem = world_problem(env, cells, args.expect_nnodes)
+    if problem:
+        print(f"shardbench worker: {problem}", file=sys.stderr, flush=True)
+        for cell in cells:  # the reason becomes every cell's failure in the records
+            stream.write({"event": "start", "cell_id": cell.cell_id})
+            stream.write({"event": "done", "cell_id": cell.cell_id,
+                          "per_rank": [{"rank": env.rank, "status": "failed", "reason": problem}]})
+        dist.destroy_process_group()
+        os._exit(0)
+    for cell in cells:
         stream.write({"event": "start", "cell_id": cell.cell_id})
         try:
             result = {"status": "ok", "reason": "", **run_cell(cell, env)}

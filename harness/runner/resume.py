@@ -1,0 +1,79 @@
+"""Resuming a run (``run --resume RUN_ID``): the same selection, only the cells without a
+kept record, appended to the same cells.jsonl; and ending a run cleanly on SIGTERM / SIGINT.
+
+What is kept: every recorded outcome. ``ok`` and ``unsupported`` always; ``failed``,
+``timeout`` and ``oom`` are outcomes a cell completed with, so they are kept too unless
+``--retry-failed`` asks to run those cells again (their new record is appended; the loader
+takes the last record of each cell). A kept reference is not re-run: the cells gated
+against it read its recorded losses.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import warnings
+from pathlib import Path
+
+from harness.results.store import DamagedResultsWarning, RunStore, load_records, load_run_info
+
+RETRIABLE = ("failed", "timeout", "oom")
+# Fields of run.json that fix what a run selects; a resume must select the same cells.
+SELECTION = (("suite", "--suite"), ("marker_expression", "-m"), ("keyword_expression", "-k"),
+             ("world_size", "--gpus"))
+
+
+def original_selection(run_dir: Path) -> dict:
+    """suite, marker and keyword expressions, world size and device of the run at ``run_dir``;
+    ValueError (one line) when its run.json cannot tell."""
+    with warnings.catch_warnings():  # the one-line error below says it all
+        warnings.simplefilter("ignore", DamagedResultsWarning)
+        info = load_run_info(run_dir)
+    missing = [key for key, _ in SELECTION if key not in info]
+    if missing:
+        raise ValueError(f"cannot resume {run_dir}: its run.json is missing or lacks {', '.join(missing)},"
+                         " so the original selection is unknown; start a new run")
+    return {**{key: info[key] for key, _ in SELECTION},
+            "device": (info.get("device") or {}).get("type"),
+            "nnodes": (info.get("nodes") or {}).get("nnodes", 1)}
+
+
+def check_same_selection(run_dir: Path, original: dict, asked: dict) -> None:
+    """ValueError (one line) naming the first option that differs from the original run's
+    (``asked`` holds only the options the user gave, by run.json key)."""
+    for key, option in (*SELECTION, ("device", "--device")):
+        if key in asked and asked[key] != original.get(key):
+            raise ValueError(f"cannot resume {run_dir.name} with {option} {asked[key]!r}: it ran with"
+                             f" {option} {original.get(key)!r}; resume without {option}, or start a new run")
+
+
+def kept_records(records: list[dict], *, retry_failed: bool) -> dict[str, dict]:
+    """cell_id -> the recorded outcome that stands (the loader already took the last per cell)."""
+    return {r["cell_id"]: r for r in records if not (retry_failed and r["status"] in RETRIABLE)}
+
+
+def begin(store: RunStore, *, command: list[str], retry_failed: bool) -> dict[str, dict]:
+    """Note the resume in run.json and return the records to keep."""
+    info = load_run_info(store.path)
+    info["resumes"] = [*info.get("resumes", []), {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command, "retry_failed": retry_failed}]
+    store.write_run_info(info)
+    return kept_records(load_records(store.path), retry_failed=retry_failed)
+
+
+class Interrupted:
+    """SIGTERM and SIGINT raise KeyboardInterrupt in the driver, so every launch's ``finally``
+    kills its torchrun and workers (Python's default SIGTERM ends the process at once and would
+    leave them running); ``signum`` is the signal received, for the 128 + N exit status."""
+
+    signum: int | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, cls._handle)
+
+    @classmethod
+    def _handle(cls, signum, frame) -> None:
+        cls.signum = signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)

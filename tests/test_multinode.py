@@ -1,0 +1,145 @@
+"""Several nodes on one machine: two node launchers on 127.0.0.1 with one rank each against
+one node with two ranks (same cells ok, same losses bitwise, same peak memory), node 1
+writing nothing under results/, and a world of one refused with the reason in the record."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import suites
+from harness.cli import main as cli_main
+from harness.config import CellSpec, StrategySpec
+from harness.predict import traced
+from harness.results.store import RunStore, load_records
+from harness.runner import launcher, nodes
+from harness.runner.launcher import LaunchOptions
+from harness.runner.matrix import MatrixRun
+
+REPO = Path(__file__).resolve().parents[1]
+SELECT = ["--suite", "smoke", "--device", "cpu", "-k", "gpt2-tiny and (ddp or fsdp_full) and fp32 and compress_none",
+          "--cell-timeout", "120"]
+CELLS = {"gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0", "gpt2-tiny/fsdp_full/fp32/ckpt_none/mb2/ws2/seed0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _harness_run(args: list[str], log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "harness", "run", *SELECT, *args], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _records(run_dir: Path) -> dict[str, dict]:
+    return {r["cell_id"]: r for r in load_records(run_dir)}
+
+
+def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
+    port = _free_port()
+    multi = ["--gpus", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    # Node 1 first: it waits at the rendezvous while node 0 traces and runs the reference.
+    node1 = _harness_run([*multi, "--node-rank", "1", "--out", str(tmp_path / "n1")], tmp_path / "n1.log")
+    node0 = _harness_run([*multi, "--node-rank", "0", "--out", str(tmp_path / "n0")], tmp_path / "n0.log")
+    # Meanwhile, here: the same cells on one node of two ranks (no trace or report: not compared).
+    monkeypatch.setenv("SHARDBENCH_DEVICE", "cpu")
+    monkeypatch.setattr(traced, "trace_cells", lambda cells: {})
+    smoke = [c for c in suites.cells_of("smoke", 2) if c.cell_id in CELLS]
+    one_store = RunStore(tmp_path / "one", "one")
+    MatrixRun(smoke, one_store, LaunchOptions(cell_timeout_s=120), device_type="cpu", device_name=None,
+              progress=print).run()
+    codes = [p.wait(timeout=300) for p in (node0, node1)]
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("n0", "n1")}
+    assert codes == [0, 0], logs
+
+    (n0_run,) = [p for p in (tmp_path / "n0" / "results").iterdir() if not p.is_symlink()]
+    two_nodes, one_node = _records(n0_run), _records(one_store.path)
+    assert sorted(two_nodes) == sorted(one_node) and len(two_nodes) == 3
+    for cell_id, record in two_nodes.items():
+        other = one_node[cell_id]
+        assert record["status"] == other["status"] == "ok", (cell_id, record["reason"])
+        assert record["losses"] == other["losses"], cell_id  # bitwise: fp32 on the CPU
+        assert record["metrics"]["peak_mem_bytes"] == other["metrics"]["peak_mem_bytes"], cell_id
+        if record["equivalence"] is not None:
+            assert record["equivalence"]["passed"]
+    assert (tmp_path / "n0" / "results").is_dir()
+    # Node 1 ran its rank of both distributed cells, wrote no run, and kept its launch logs.
+    assert not (tmp_path / "n1" / "results").exists() and not (tmp_path / "n1" / "reports").exists()
+    assert list((tmp_path / "n1" / "node-launches").glob("node1-*/ws2/launch-001/log.txt"))
+    assert "2 ok, 0 not ok" in logs["n1"], logs["n1"]
+    assert '"nnodes": 2' in (n0_run / "run.json").read_text()
+
+
+def test_a_world_of_one_is_refused_with_the_reason_recorded(tmp_path, monkeypatch):
+    """Node 0 of two launched --standalone (as if each node ran on its own): its single rank
+    must refuse the ws2 cell, not run it as a job of one."""
+    standalone = launcher.torchrun_args
+    monkeypatch.setattr(launcher, "torchrun_args", lambda world_size, *rest: standalone(1))
+    monkeypatch.setattr(traced, "trace_cells", lambda cells: {})  # predictions are not the point
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), micro_batch=2, world_size=2)
+    spec = nodes.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    store = RunStore(tmp_path, "refused")
+    MatrixRun([cell], store, LaunchOptions(cell_timeout_s=120, nodes=spec), device_type="cpu",
+              device_name=None, progress=print).run()
+    records = {r["cell_id"]: r for r in load_records(store.path)}
+    assert records[cell.reference().cell_id]["status"] == "ok"  # the reference runs on node 0 alone
+    refused = records[cell.cell_id]
+    assert refused["status"] == "failed"
+    assert "joined a world of 1 rank(s) on 1 node(s), but the cells need 2 rank(s) on 2 node(s)" in refused["reason"]
+
+
+def test_torchrun_arguments():
+    assert launcher.torchrun_args(2) == ["--standalone", "--nproc-per-node", "2"]
+    spec = nodes.NodeSpec(nnodes=2, node_rank=1, master_addr="n01", master_port=1234)
+    assert launcher.torchrun_args(1, spec)[0] == "--standalone"  # references: node 0 alone
+    args = launcher.torchrun_args(8, spec, "shardbench-ws8-1", 600)
+    assert args[:4] == ["--nnodes", "2", "--nproc-per-node", "4"]
+    assert ["--rdzv-backend", "c10d"] == args[4:6] and "n01:1234" in args and "shardbench-ws8-1" in args
+    assert "is_host=false,read_timeout=600,join_timeout=600" in args
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("node[01-04]", "node01"), ("node[3,5-7],gpu1", "node3"), ("a1,b2", "a1"), ("solo", "solo"),
+    ("rack1-n[007-008]", "rack1-n007"),
+])
+def test_first_host_of_a_slurm_node_list(nodelist, host, monkeypatch):
+    monkeypatch.setenv("PATH", "")  # the parser, not scontrol
+    assert nodes.first_host(nodelist) == host
+
+
+def test_slurm_variables():
+    env = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[12-15]",
+           "SLURM_NTASKS_PER_NODE": "1", "MASTER_PORT": "4242"}
+    spec = nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None, environ=env)
+    assert spec == nodes.NodeSpec(nnodes=4, node_rank=2, master_addr="gpu12", master_port=4242)
+    # Options win over SLURM; --nnodes 1 is one node whatever the allocation.
+    assert nodes.resolve(nnodes=1, node_rank=None, master_addr=None, master_port=None, environ=env) == nodes.SINGLE_NODE
+    alone = nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None, environ={})
+    assert alone == nodes.SINGLE_NODE
+    with pytest.raises(ValueError, match="one launcher per node"):
+        nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None,
+                      environ={**env, "SLURM_NTASKS_PER_NODE": "8(x4)"})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "0"], "--nnodes 0: must be 1 or more"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a"], "--node-rank 2: must be in [0, 2)"),
+    (["--nnodes", "2"], "--master-addr is required"),
+    (["--nnodes", "2", "--master-addr", "a", "--master-port", "0"], "--master-port 0: must be in 1-65535"),
+])
+def test_node_options_are_checked_before_anything_launches(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("SHARDBENCH_DEVICE", "cpu")  # the cli sets it; restored after
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    assert cli_main(["run", "--suite", "smoke", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

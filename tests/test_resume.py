@@ -1,0 +1,173 @@
+"""Nothing lost: a run killed (SIGKILL to its whole process group), terminated (SIGTERM) or
+interrupted (SIGINT, as Ctrl-C) keeps every finished cell and leaves no process behind, and
+``run --resume`` runs only the cells without a record, into the same cells.jsonl."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness import suites
+from harness.results.store import load_records
+from harness.runner import resume
+from harness.runner.matrix import with_references
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_CELLS = {c.cell_id for c in with_references(suites.cells_of("smoke", 2))}
+START_TIMEOUT_S = 240  # tracing and the first cells on a busy 2-core host
+
+
+def shardbench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "SHARDBENCH_DEVICE": "cpu"}, timeout=600)
+
+
+def complete_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def start_smoke_run(out: Path, log: Path) -> subprocess.Popen:
+    with log.open("w") as f:
+        # A session of its own: the driver, torchrun and its workers share one process group.
+        return subprocess.Popen([sys.executable, "-m", "harness", "run", "--suite", "smoke", "--out", str(out)],
+                                cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "SHARDBENCH_DEVICE": "cpu"})
+
+
+def wait_for_records(proc: subprocess.Popen, out: Path, n: int, log: Path) -> Path:
+    """The run folder, once its cells.jsonl holds ``n`` complete records (the run still going)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        runs = [p for p in (out / "results").glob("*") if p.is_dir() and not p.is_symlink()]
+        if runs and complete_lines(runs[0] / "cells.jsonl") >= n:
+            assert proc.poll() is None, f"the run ended before it could be interrupted:\n{log.read_text()[-2000:]}"
+            return runs[0].resolve()
+        assert proc.poll() is None, f"the run ended early:\n{log.read_text()[-2000:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} records after {START_TIMEOUT_S} s:\n{log.read_text()[-2000:]}")
+
+
+def processes_of(run_dir: Path, timeout_s: float = 15) -> list[str]:
+    """Command lines still mentioning the run's folder (torchrun, workers, tracer) once the
+    dying ones had ``timeout_s`` to go."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if str(run_dir) in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(cmdline)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def cleanup(proc: subprocess.Popen) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_killed_run_resumes_into_the_same_run_with_one_record_per_cell(tmp_path):
+    log = tmp_path / "first.log"
+    proc = start_smoke_run(tmp_path, log)
+    try:
+        run_dir = wait_for_records(proc, tmp_path, 2, log)
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver, torchrun and every worker at once
+        proc.wait()
+    finally:
+        cleanup(proc)
+    assert processes_of(run_dir) == []
+    cells = run_dir / "cells.jsonl"
+    before = cells.read_bytes()
+    kept = len(load_records(run_dir))
+    assert 2 <= kept < len(SMOKE_CELLS)
+
+    resumed = shardbench("run", "--resume", "latest", "--out", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"{kept} of {len(SMOKE_CELLS)} cells recorded and kept" in resumed.stdout
+    after = cells.read_bytes()
+    assert after.startswith(before)  # the records written before the kill, byte for byte
+    ids = [json.loads(line)["cell_id"] for line in after.decode().splitlines() if line.endswith("}")]
+    assert sorted(ids) == sorted(SMOKE_CELLS)  # each cell exactly once: nothing re-run, nothing missing
+    info = json.loads((run_dir / "run.json").read_text())
+    assert [r["command"][-4:] for r in info["resumes"]] == [["--resume", "latest", "--out", str(tmp_path)]]
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(["latest", run_dir.name])  # no new run
+    records = {r["cell_id"]: r for r in load_records(run_dir)}
+    gated = [r for r in records.values() if r["equivalence"] is not None]
+    assert gated and all(r["equivalence"]["passed"] for r in gated)  # read the recorded references
+    assert (tmp_path / "reports" / run_dir.name / "index.html").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_terminated_run_keeps_its_cells_exits_nonzero_and_leaves_no_process(tmp_path, sig):
+    log = tmp_path / "run.log"
+    proc = start_smoke_run(tmp_path, log)
+    try:
+        run_dir = wait_for_records(proc, tmp_path, 2, log)
+        before = (run_dir / "cells.jsonl").read_bytes()
+        proc.send_signal(sig)  # the driver alone: it must end its launches itself
+        code = proc.wait(timeout=120)
+    finally:
+        cleanup(proc)
+    assert code == 128 + sig, log.read_text()[-3000:]
+    assert processes_of(run_dir) == []
+    assert (run_dir / "cells.jsonl").read_bytes().startswith(before)
+    assert len(load_records(run_dir)) >= 2
+    assert f"--resume {run_dir.name}" in log.read_text()  # the way on, printed
+
+
+def fake_run(tmp_path: Path, **info) -> Path:
+    run_dir = tmp_path / "results" / "run-a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "run_id": "run-a", "suite": "smoke", "marker_expression": "", "keyword_expression": "", "world_size": 2,
+        "device": {"type": "cpu", "name": None}, **info}))
+    return run_dir
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--resume", "run-zzz"], "no run at"),
+    (["--resume", "run-a", "--suite", "default"],
+     "cannot resume run-a with --suite 'default': it ran with --suite 'smoke'"),
+    (["--resume", "run-a", "-m", "ddp"], "with -m 'ddp'"),
+    (["--resume", "run-a", "-k", "llama"], "with -k 'llama'"),
+    (["--resume", "run-a", "--gpus", "4"], "with --gpus 4"),
+    (["--retry-failed"], "--retry-failed: only with --resume"),
+], ids=["unknown", "suite", "marker", "keyword", "world-size", "retry-alone"])
+def test_resume_refuses_another_selection_in_one_line_and_launches_nothing(tmp_path, args, message):
+    run_dir = fake_run(tmp_path)
+    result = shardbench("run", *args, "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (run_dir / "cells.jsonl").exists() and "resumes" not in json.loads((run_dir / "run.json").read_text())
+
+
+def test_resume_of_a_run_without_run_json_is_refused_in_one_line(tmp_path):
+    run_dir = tmp_path / "results" / "run-b"
+    run_dir.mkdir(parents=True)
+    (run_dir / "cells.jsonl").write_text("")
+    result = shardbench("run", "--resume", "run-b", "--out", str(tmp_path))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "cannot resume" in result.stderr and "original selection is unknown" in result.stderr
+    assert (run_dir / "cells.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("retry_failed, kept", [
+    (False, ["a", "b", "c", "d", "e"]),
+    (True, ["a", "b"]),
+])
+def test_finished_outcomes_are_kept_and_failures_rerun_only_when_asked(retry_failed, kept):
+    records = [{"cell_id": c, "status": s} for c, s in
+               zip("abcde", ("ok", "unsupported", "failed", "timeout", "oom"))]
+    assert list(resume.kept_records(records, retry_failed=retry_failed)) == kept

@@ -314,6 +314,28 @@ def cmd_accuracy(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if all_met or not args.strict else 1
 
 
+def cmd_reproduce(args: argparse.Namespace, extra: list[str]) -> int:
+    """Rerun one recorded cell from its record: bitwise-equal losses? how far did it move?"""
+    from harness.distributed import DEVICE_ENV_VAR, device_type
+    from harness.results.store import resolve_run
+    from harness.runner import reproduce
+
+    root = args.out or REPO_ROOT
+    if args.cell_timeout <= 0:
+        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be positive seconds")
+    try:
+        run_dir = resolve_run(root / "results", args.run)
+        record = reproduce.find_record(run_dir, args.cell_id)
+        recorded_device = reproduce.device_of(run_dir) or "cpu"
+        os.environ[DEVICE_ENV_VAR] = recorded_device  # the workers run where the record was made
+        device_type()  # refuses cuda on a host without a GPU
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    text, reproduced = reproduce.reproduce(run_dir, record, recorded_device, args.cell_timeout)
+    print(text)
+    return 0 if reproduced else 1
+
+
 def models_seq(model: str) -> int | None:
     from harness import models
 
@@ -376,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also trace the recommended configuration under FakeTensorMode (exact; slower)")
     pln.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     pln.set_defaults(func=cmd_plan)
+    rpr = sub.add_parser("reproduce", help="rerun one recorded cell from its record and compare")
+    rpr.add_argument("run", help="run id under results/ (or 'latest'), or a run folder")
+    rpr.add_argument("cell_id", help="the cell's id, as in the record")
+    rpr.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
+                     help=f"seconds without progress before the cell is declared hung (default {DEFAULT_CELL_TIMEOUT_S:.0f})")
+    rpr.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    rpr.set_defaults(func=cmd_reproduce)
     acc = sub.add_parser("accuracy", help="predicted vs measured memory and communication of a run's cells")
     acc.add_argument("run", nargs="?", default="latest", help="run id under results/ (default: latest), or a run folder")
     acc.add_argument("--strict", action="store_true", help="exit 1 when any cell misses a ±10%% target")

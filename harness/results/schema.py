@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 
 from harness.config import CellSpec
+from harness.results import provenance
 from harness.markers import ZERO_IDEA
 
 SCHEMA_VERSION = 1
@@ -50,6 +51,7 @@ def make_record(
         "strategy": {k: v for k, v in cell.to_dict()["strategy"].items()},
         "precision": cell.strategy.precision,
         "cell": cell.to_dict(),
+        "provenance": provenance.of(cell),
         "metrics": metrics or {},
         "per_rank": per_rank or [],
         "losses": _finite_or_none(losses or []),

@@ -37,6 +37,17 @@ def shardbench(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
          "--precision fp8: choose one of"),
         (["plan", "--model", "vit-base", "--gpus", "8", "--gpu-mem", "80GiB", "--seq", "512"],
          "--seq applies to text models"),
+        (["plan", "--model", "llama3-8b", "--gpus", "0", "--gpu-mem", "80GiB"], "--gpus 0: must be at least 1"),
+        (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80GiB", "--micro-batch", "0"],
+         "--micro-batch 0: must be at least 1"),
+        (["run", "--nnodes", "0"], "--nnodes 0: must be 1 or more"),
+        (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "--node-rank 2: must be in [0, 2)"),
+        (["run", "--nnodes", "2", "--node-rank", "0"], "--master-addr is required"),
+        (["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "70000"],
+         "--master-port 70000: must be in 1-65535"),
+        (["run", "--resume", "no-such-run"], "no run at"),
+        (["run", "--retry-failed"], "--retry-failed: only with --resume RUN_ID"),
+        (["reproduce", "no-such-run", "gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0"], "no run at"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_launched(tmp_path, args, message):

@@ -185,6 +185,9 @@ class MemoryProbe:
     def before_optimizer_step(self) -> None:
         """Call after the last backward of the step, before the optimizer (or the engine)
         steps: records what is held right then, by category."""
+        # Buffers of finished collectives can linger in reference cycles (gloo's works);
+        # collect them first, so the snapshot holds what the step keeps, not what awaits the GC.
+        gc.collect()
         current = self._tracker.get_tracker_snapshot("current")
         self._at_optimizer_step = _breakdown(current.get(self._device, {"Total": 0}))
 

@@ -228,3 +228,22 @@ def test_main_compare_exit_codes(tmp_path, capsys):
         compare.main_compare(a, b, "pdf", None, None)
     with pytest.raises(ValueError):
         compare.main_compare(a, b, "text", "cpu:5%", None)
+
+
+def _trials_of(cell: CellSpec, seed: int, n: int, **change) -> list[dict]:
+    return [{**_ok_record(cell, np.random.default_rng(seed + t), steps=3, **change), "trial": t} for t in range(n)]
+
+
+def test_trials_are_pooled_for_the_rank_test_and_one_failed_trial_is_a_regression(tmp_path):
+    # 3 trials of 3 steps: too few samples in any one trial, 9 pooled.
+    a = _write_run(tmp_path, "a", _trials_of(CELLS[0], 100, 3) + _trials_of(CELLS[1], 200, 3))
+    flaky = _trials_of(CELLS[1], 400, 3)
+    flaky[2] = make_record(CELLS[1], markers=[], status="timeout", reason="hung", trial=2)
+    b = _write_run(tmp_path, "b", _trials_of(CELLS[0], 300, 3, time_scale=1.5) + flaky)
+    slowed, failed = compare.compare_runs(a, b)
+    assert slowed.time.n_a == slowed.time.n_b == 9 and slowed.time.mark == compare.WORSE
+    assert slowed.time.ratio == pytest.approx(1.5, rel=0.1)
+    assert slowed.mem.mark == compare.SAME  # the median peak of identical trials
+    assert failed.kind == "status_change" and failed.status_b == "timeout" and failed.verdict == compare.WORSE
+    assert failed.reason_b.startswith("2 of 3 trials ok; trial 2: hung")
+    assert [r.cell_id for r in compare.regressions([slowed, failed], "mem:5%")] == [CELLS[1].cell_id]

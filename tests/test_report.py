@@ -181,3 +181,31 @@ def test_pareto_front():
 
     df = pd.DataFrame({"peak_mib": [1, 2, 3, 4], "tokens_per_s": [10, 5, 20, 15], "label": list("abcd")})
     assert list(figures.pareto_front(df)["label"]) == ["a", "c"]
+
+
+def test_a_run_with_trials_shows_medians_spread_and_each_trial(tmp_path):
+    run_dir = tmp_path / "results" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "r", "suite": "default", "world_size": 2, "repeat": 3}))
+    ddp = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))
+    flaky = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fsdp_full"))
+    lines = []
+    for trial, step in enumerate((0.010, 0.014, 0.012)):  # rounds: every cell's trial t before any t + 1
+        lines.append(make_record(ddp, markers=[], status="ok", metrics={**_metrics(2**20, 1e4, False),
+                                                                         "step_time_s": step},
+                                 per_rank=_per_rank(2, 2**20), losses=[1.0, 0.9], trial=trial, wall_s=0.5))
+        lines.append(make_record(flaky, markers=[], status="timeout" if trial == 1 else "ok", reason="hung",
+                                 metrics={} if trial == 1 else _metrics(2**20, 1e4, False), trial=trial))
+    (run_dir / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    page = html.write_run_report(run_dir, tmp_path / "reports" / "r")
+    text = page.read_text()
+    cells = text[text.index('id="cells-table"'):text.index('id="figures"')]
+    assert cells.count('<tr class="ok"') == 1 and cells.count('<tr class="timeout"') == 1  # one row per cell
+    assert "<td data-v=\"0.012\">12.00 ± 1.00</td>" in text  # the median trial's step time
+    assert "trials · spread · peak" in text and "3 · 33.3% · same" in text  # (14 - 10) / 12
+    assert "2 of 3 trials ok; trial 1: hung" in text
+    cell_page = (page.parent / "cells" / html.cell_page_name(ddp.cell_id)).read_text()
+    trials_table = cell_page[cell_page.index('id="trials-table"'):]
+    assert re.findall(r'<td>([^<]*)</td>\s*<td class="status l">(\w+)</td><td>([^<]*)</td>', trials_table) == [
+        ("0", "ok", "10.00"), ("1", "ok", "14.00"), ("2 (shown)", "ok", "12.00")]
+    assert "--repeat 3" in cell_page  # the command that reproduces the run's statistics

@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.config import CellSpec, StrategySpec
 from harness.results import provenance
+from harness.results.schema import make_record
+from harness.runner import reproduce
 
 REPO = Path(__file__).resolve().parents[1]
 CELL = "gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0"
@@ -60,3 +64,18 @@ def test_a_recorded_cell_reproduces_bitwise(tmp_path):
 
     missing = shardbench("reproduce", "latest", "gpt2-tiny/nope", "--out", str(tmp_path))
     assert missing.returncode == 2 and "no cell 'gpt2-tiny/nope'" in missing.stderr
+
+
+def test_find_record_gives_the_median_of_the_trials_and_names_a_trial_that_failed(tmp_path):
+    ok, flaky = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp")), CellSpec(
+        model="gpt2-tiny", strategy=StrategySpec(name="zero1"))
+    lines = []
+    for trial, step in enumerate((0.3, 0.1, 0.2)):
+        lines.append(make_record(ok, markers=[], status="ok", metrics={"step_time_s": step}, trial=trial))
+        lines.append(make_record(flaky, markers=[], status="failed" if trial == 1 else "ok", reason="boom",
+                                 trial=trial))
+    (tmp_path / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    record = reproduce.find_record(tmp_path, ok.cell_id)
+    assert record["metrics"]["step_time_s"] == 0.2 and record["trial"] == 2 and record["trials"]["n"] == 3
+    with pytest.raises(ValueError, match=r"ended 'failed' \(trial 1 of 3\) in run"):
+        reproduce.find_record(tmp_path, flaky.cell_id)

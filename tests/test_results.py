@@ -108,7 +108,7 @@ def test_run_info_loader_warns_and_returns_what_it_can(tmp_path, recwarn, conten
 
 
 def test_migrations_run_step_by_step_from_version_0(monkeypatch):
-    # A synthetic chain 0 -> 1 -> 2 -> 3 (this release is at 1, with no older version).
+    # A synthetic chain 0 -> 1 -> 2 -> 3 (the released chain starts at 1).
     trail = []
 
     def step(n):
@@ -138,8 +138,31 @@ def test_a_registered_migration_is_used_by_the_loader(tmp_path, monkeypatch):
 
     monkeypatch.setitem(schema.MIGRATIONS, 0, rename)
     (tmp_path / "cells.jsonl").write_text(_line("ok", schema_version=0, seconds=1.5) + "\n")
+    [record] = load_records(tmp_path)  # 0 -> 1 (the synthetic step) -> 2 (the released one)
+    assert record["schema_version"] == schema.SCHEMA_VERSION and record["wall_s"] == 1.5 and "seconds" not in record
+    assert record["trial"] == 0
+
+
+def test_every_released_version_has_a_migration_and_version_1_reads_as_trial_0(tmp_path):
+    assert sorted(schema.MIGRATIONS) == list(range(1, schema.SCHEMA_VERSION))
+    version_1 = {k: v for k, v in schema.make_record(CELL, markers=[], status="ok").items() if k != "trial"}
+    version_1["schema_version"] = 1
+    (tmp_path / "cells.jsonl").write_text(json.dumps(version_1) + "\n")
     [record] = load_records(tmp_path)
-    assert record["schema_version"] == 1 and record["wall_s"] == 1.5 and "seconds" not in record
+    assert record == {**version_1, "schema_version": 2, "trial": 0}
+
+
+def test_loader_keeps_every_trial_and_the_last_record_of_each(tmp_path, recwarn):
+    lines = [_line("ok", trial=0), _line("ok", OTHER, trial=0), _line("failed", trial=1, reason="cut"),
+             _line("ok", OTHER, trial=1), _line("ok", trial=1), _line("ok", trial="2"), _line("ok", trial=-1)]
+    (tmp_path / "cells.jsonl").write_text("\n".join(lines) + "\n")
+    skipped: list[str] = []
+    records = load_records(tmp_path, skipped)
+    # (cell, trial) in order of first record; the retried trial 1 of CELL replaced by its later record
+    assert [(r["cell_id"], r["trial"], r["status"]) for r in records] == [
+        (CELL.cell_id, 0, "ok"), (OTHER.cell_id, 0, "ok"), (CELL.cell_id, 1, "ok"), (OTHER.cell_id, 1, "ok")]
+    assert [s.split(": skipped, ")[1] for s in skipped] == [
+        "trial='2' is not a trial number (0, 1, ...)", "trial=-1 is not a trial number (0, 1, ...)"]
 
 
 def test_an_append_after_a_cut_line_starts_a_line_of_its_own(tmp_path):

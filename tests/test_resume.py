@@ -164,10 +164,23 @@ def test_resume_of_a_run_without_run_json_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("retry_failed, kept", [
-    (False, ["a", "b", "c", "d", "e"]),
-    (True, ["a", "b"]),
+    (False, [("a", 0), ("b", 0), ("c", 0), ("d", 0), ("e", 0), ("a", 1), ("c", 1)]),
+    (True, [("a", 0), ("b", 0), ("a", 1)]),
 ])
 def test_finished_outcomes_are_kept_and_failures_rerun_only_when_asked(retry_failed, kept):
-    records = [{"cell_id": c, "status": s} for c, s in
+    records = [{"cell_id": c, "trial": 0, "status": s} for c, s in
                zip("abcde", ("ok", "unsupported", "failed", "timeout", "oom"))]
+    records += [{"cell_id": "a", "trial": 1, "status": "ok"}, {"cell_id": "c", "trial": 1, "status": "failed"}]
     assert list(resume.kept_records(records, retry_failed=retry_failed)) == kept
+
+
+def test_a_run_keeps_its_repeat_on_resume_and_another_is_refused(tmp_path):
+    run_dir = fake_run(tmp_path)
+    assert resume.original_selection(run_dir)["repeat"] == 1  # a run.json from before --repeat: each cell once
+    info = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**info, "repeat": 3}))
+    original = resume.original_selection(run_dir)
+    resume.check_same_selection(run_dir, original, {"repeat": 3})
+    with pytest.raises(ValueError, match="^cannot resume run-a with --repeat 2: it ran with --repeat 3; resume"
+                                         " without --repeat, or start a new run$"):
+        resume.check_same_selection(run_dir, original, {"repeat": 2})

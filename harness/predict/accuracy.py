@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from harness.config import CellSpec
 from harness.predict import analytic
+from harness.results import trials
 
 TOLERANCE = 0.10
 TARGETS = ("traced_peak", "analytic_model_states", "analytic_comm")
@@ -75,8 +76,11 @@ def compare(predicted: dict, metrics: dict) -> dict:
 
 def report(records: list[dict]) -> tuple[str, bool]:
     """Every measured cell's ratios, then per target the worst ratio and how many cells met
-    it. Returns the text and whether every available ratio met its target."""
-    measured = [r for r in records if r["status"] == "ok" and (r.get("predicted") or {}).get("ratios")]
+    it. Returns the text and whether every available ratio met its target. ``records``: a
+    run's (load_records), every trial; a cell's ratios are those of its shown trial
+    (harness/results/trials.py), and a cell with a trial not ok is not measured."""
+    measured = [r for r in trials.aggregate(records)
+                if r["status"] == "ok" and (r.get("predicted") or {}).get("ratios")]
     lines = [f"{'cell':<66} " + " ".join(f"{t:>22}" for t in TARGETS)]
     for r in measured:
         ratios = r["predicted"]["ratios"]

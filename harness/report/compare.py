@@ -23,11 +23,20 @@ Step time (decided from the per-step samples, never from two medians alone):
     floor. Runs made under different load (another job sharing the cores) differ by 30-90 %
     and are rightly flagged at any floor.  Fewer than 4 samples on either side: ``not significant``,
     note "too few samples", p = None.
+    A run with ``--repeat N`` pools its trials: the series is every ok trial's slowest-rank
+    series one after another (N × the timed steps), and the medians are the pooled series'.
+    Pooled, not N medians per side: N is usually 3, too few for the rank test, while the
+    pooled samples carry the trial-to-trial spread. Samples of one trial share its launch
+    and machine state, so p is optimistic when whole trials differ; the 10 % floor is what
+    keeps such drift from being called a change.
 
 Throughput (``metrics.tokens_per_s``, else ``samples_per_s``): change = B / A - 1.  A step's
     throughput is the global batch over the slowest rank's step time, a decreasing function
     of it, so the rank test on throughput is the same test as on step time: same p, and the
     mark mirrors the step-time mark (time ``worse`` <=> throughput ``worse``).
+
+A cell's status, peak memory and throughput are its trials folded (harness/results/trials.py:
+``ok`` only when every trial is, the median peak and throughput).
 
 Cells only in A or only in B, and cells not ``ok`` in one run, are listed with their statuses;
 ``ok`` in A and ``oom``/``timeout``/``failed``/``unsupported`` in B is a regression (mark
@@ -50,6 +59,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
+from harness.results import trials
 from harness.results.store import load_records, load_run_info
 
 ALPHA = 0.05
@@ -159,6 +169,11 @@ def mann_whitney_u(x, y) -> tuple[float, float]:
     return u1, min(1.0, math.erfc(z / math.sqrt(2.0)))
 
 
+def pooled_series(trial_records: list[dict]) -> list[float]:
+    """A cell's samples in one run: the slowest-rank series of each ok trial, in trial order."""
+    return [t for r in trial_records if r["status"] == "ok" for t in slowest_rank_series(r)]
+
+
 def slowest_rank_series(record: dict) -> list[float]:
     """For each step index, the max over ranks of per_rank[r].step_times_s[i]."""
     lists = [r.get("step_times_s") or [] for r in record.get("per_rank") or []]
@@ -233,23 +248,21 @@ def _throughput(rec_a: dict, rec_b: dict, time: MetricChange) -> MetricChange | 
     return None
 
 
-def compare_records(rec_a: dict, rec_b: dict) -> CellComparison:
-    """Both records have status ok."""
+def compare_records(rec_a: dict, rec_b: dict, series_a: list[float], series_b: list[float]) -> CellComparison:
+    """Both records (trials folded) have status ok; ``series_*``: each run's step-time samples
+    (``pooled_series``)."""
     ma, mb = rec_a.get("metrics") or {}, rec_b.get("metrics") or {}
     mem = compare_memory(ma.get("peak_mem_bytes"), mb.get("peak_mem_bytes"))
-    time = compare_step_times(slowest_rank_series(rec_a), slowest_rank_series(rec_b),
-                              ma.get("step_time_s"), mb.get("step_time_s"))
+    time = compare_step_times(series_a, series_b, ma.get("step_time_s"), mb.get("step_time_s"))
     return CellComparison(rec_a["cell_id"], "compared", "ok", "ok", mem=mem, time=time,
                           throughput=_throughput(rec_a, rec_b, time))
 
 
-def _by_cell(records: list[dict]) -> dict[str, dict]:
-    # A re-run cell may appear twice (a resumed run): the last record wins.
-    return {r["cell_id"]: r for r in records}
-
-
 def compare_record_lists(records_a: list[dict], records_b: list[dict]) -> list[CellComparison]:
-    a, b = _by_cell(records_a), _by_cell(records_b)
+    """Every trial of each run's cells in, one CellComparison per cell out."""
+    trials_a, trials_b = trials.by_cell(records_a), trials.by_cell(records_b)
+    a = {cell_id: trials.combine(t) for cell_id, t in trials_a.items()}
+    b = {cell_id: trials.combine(t) for cell_id, t in trials_b.items()}
     out: list[CellComparison] = []
     for cell_id in sorted(set(a) | set(b)):
         ra, rb = a.get(cell_id), b.get(cell_id)
@@ -260,7 +273,7 @@ def compare_record_lists(records_a: list[dict], records_b: list[dict]) -> list[C
             out.append(CellComparison(cell_id, "only_b", None, rb["status"], reason_b=rb.get("reason", ""),
                                       note="only in B"))
         elif ra["status"] == "ok" and rb["status"] == "ok":
-            out.append(compare_records(ra, rb))
+            out.append(compare_records(ra, rb, pooled_series(trials_a[cell_id]), pooled_series(trials_b[cell_id])))
         else:
             kind = "not_ok" if ra["status"] == rb["status"] or "ok" not in (ra["status"], rb["status"]) \
                 else "status_change"
@@ -434,7 +447,7 @@ tr.better td { background: #e8f7e8; }
 </body></html>
 """)
 
-_RULE = (f"Step time: slowest rank per step, two-sided Mann-Whitney U (normal approximation, tie-corrected),"
+_RULE = (f"Step time: slowest rank per step (with --repeat, every trial's steps pooled), two-sided Mann-Whitney U (normal approximation, tie-corrected),"
          f" marked when p < {ALPHA} and the median ratio differs from 1 by more than {MIN_TIME_EFFECT:.0%};"
          f" fewer than {MIN_SAMPLES} samples per side: not significant. Peak memory: marked when it changes"
          f" by more than {MEM_THRESHOLD:.1%}.")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from harness.report import figures
 from harness.report.html import ENV, cell_page_name
+from harness.results import trials
 from harness.results.store import load_records, load_run_info
 
 
@@ -19,7 +20,7 @@ def _runs(results_dir: Path) -> list[dict]:
         info = load_run_info(path)
         env = info.get("environment") or {}
         git = env.get("git") or {}
-        records = load_records(path)
+        records = trials.aggregate(load_records(path))  # a cell's trials: their medians
         runs.append({
             "run_id": path.name,
             "suite": info.get("suite") or "?",

@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 
 from harness.report import figures
+from harness.results import trials
 from harness.results.store import load_records, load_run_info
 
 ENV = jinja2.Environment(
@@ -74,6 +75,17 @@ def _verdict(record: dict) -> tuple[str, str]:
     return text, "" if eq.get("passed") else "bad"
 
 
+def _trials_cell(r: dict) -> tuple[str, str]:
+    """(display, sort key) of the run table's trials column (a run with --repeat): how many
+    trials, their step-time spread, and whether peak memory moved across them."""
+    t = r.get("trials") or {}
+    if t.get("spread") is None:
+        return str(t.get("n", "")), ""
+    moved = t["peak_mem_range_bytes"]
+    return (f"{t['n']} · {t['spread'] * 100:.1f}% · {'same' if moved == 0 else _mib(moved) + ' MiB'}",
+            _num(t["spread"]))
+
+
 def _row(r: dict) -> dict:
     m = r.get("metrics") or {}
     strategy = (r.get("strategy") or {}).get("name") or "?"
@@ -102,6 +114,7 @@ def _row(r: dict) -> dict:
             (_mib(m.get("comm_bytes_per_step")), _num(m.get("comm_bytes_per_step"))),
             (_fmt(m.get("comm_time_s_per_step"), 1000, 2), _num(m.get("comm_time_s_per_step"))),
         ],
+        "trials": _trials_cell(r),
         "verdict": verdict,
         "verdict_class": verdict_class,
         "reason_line": reason.strip().splitlines()[-1] if reason.strip() else "",
@@ -181,6 +194,10 @@ def reproduce_command(record: dict, info: dict) -> str:
     device = (info.get("device") or {}).get("type")
     if device:
         args += ["--device", str(device)]
+    if (info.get("repeat") or 1) > 1:
+        args += ["--repeat", str(info["repeat"])]
+    if info.get("mem_cap_bytes"):
+        args += ["--mem-cap-gib", f"{info['mem_cap_bytes'] / 2**30:g}"]
     claim = (_claim_selecting(record["cell_id"], ws) if suite in suites.CLAIMS_SUITES else None)
     args += ["-k", f"test_claim[{claim}]" if claim else f"test_cell[{record['cell_id']}]"]
     return shlex.join(args)
@@ -205,7 +222,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     """The run's pages. What cannot be read is skipped with a warning, counted on the page,
     and appended to ``skipped`` when given."""
     skipped = [] if skipped is None else skipped
-    records = load_records(run_dir, skipped)
+    records = trials.aggregate(load_records(run_dir, skipped))
     info = load_run_info(run_dir, skipped)
     report_dir.mkdir(parents=True, exist_ok=True)
     fig_dir = report_dir / "figures"
@@ -251,5 +268,6 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
         info=info, run_id=run_id, rows=rows, skipped=skipped, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,
+        max_trials=max((r["trials"]["n"] for r in records), default=1),
         device=info.get("device") or {}))
     return page

@@ -13,7 +13,7 @@ from harness.config import CellSpec
 from harness.results import provenance
 from harness.markers import ZERO_IDEA
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
 
 
@@ -36,12 +36,14 @@ def make_record(
     equivalence: dict | None = None,
     predicted: dict | None = None,
     wall_s: float | None = None,
+    trial: int = 0,
 ) -> dict:
     if status not in STATUSES:
         raise ValueError(f"status={status!r}: choose one of {', '.join(STATUSES)}")
     return {
         "schema_version": SCHEMA_VERSION,
         "cell_id": cell.cell_id,
+        "trial": trial,
         "status": status,
         "reason": reason,
         "markers": markers,
@@ -100,3 +102,10 @@ def migrate(record: dict) -> dict:
         version += 1
         record["schema_version"] = version
     return record
+
+
+@migration(1)
+def _trials(record: dict) -> dict:
+    """2 added ``trial`` (``--repeat N`` records each run of a cell): a run before it ran each
+    cell once."""
+    return {**record, "trial": 0}

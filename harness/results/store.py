@@ -1,5 +1,5 @@
 """results/<run_id>/: run.json (environment, command, resume events), cells.jsonl (one
-record per cell, appended and fsynced as each cell ends; a resumed run appends to it) and
+record per cell and trial, appended and fsynced as each cell ends; a resumed run appends to it) and
 results/latest pointing at the newest run.
 
 Reading never fails on damage: what cannot be read is skipped with a DamagedResultsWarning
@@ -93,8 +93,10 @@ def load_run_info(run_dir: Path, skipped: list[str] | None = None) -> dict:
 
 
 def load_records(run_dir: Path, skipped: list[str] | None = None) -> list[dict]:
-    """The run's cell records, migrated to SCHEMA_VERSION: the last record of each cell (a
-    resumed run with --retry-failed appends a new one), in order of each cell's first record.
+    """The run's cell records, migrated to SCHEMA_VERSION: every trial of every cell (``--repeat
+    N`` records N per cell), the last record of each (cell, trial) (a resumed run with
+    --retry-failed appends a new one), in order of each one's first record. Readers that want
+    one record per cell fold the trials with harness.results.trials.aggregate.
 
     A line that cannot be read (truncated or corrupt anywhere in the file, not a cell record,
     a newer or unknown schema_version) is skipped with a DamagedResultsWarning naming the file
@@ -105,7 +107,7 @@ def load_records(run_dir: Path, skipped: list[str] | None = None) -> list[dict]:
         text = path.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return []
-    records: dict[str, dict] = {}
+    records: dict[tuple[str, int], dict] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -124,7 +126,11 @@ def load_records(run_dir: Path, skipped: list[str] | None = None) -> list[dict]:
         except UnreadableRecord as error:
             _skip(f"{where}: skipped, {error}", skipped)
             continue
-        records[record["cell_id"]] = record
+        trial = record.get("trial")
+        if not isinstance(trial, int) or isinstance(trial, bool) or trial < 0:
+            _skip(f"{where}: skipped, trial={trial!r} is not a trial number (0, 1, ...)", skipped)
+            continue
+        records[record["cell_id"], trial] = record
     return list(records.values())
 
 

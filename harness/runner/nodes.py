@@ -122,28 +122,32 @@ def slurm_ranks_per_node(environ: Mapping[str, str] = os.environ) -> int | None:
 
 
 def run_follower(cells: list, options, launch_dir: Path, device_type: str,
-                 progress: Callable[[str], None] = print) -> int:
+                 progress: Callable[[str], None] = print, repeat: int = 1) -> int:
     """A node of rank > 0: its ranks of every launch that spans the nodes, in the order node 0
-    runs them (MatrixRun's: references first, then by world size, unsupported cells left
-    out). Nothing under results/; returns 0 when every cell ended ok, else 1."""
+    runs them (MatrixRun's: ``repeat`` rounds of references first, then by world size,
+    unsupported cells left out). Nothing under results/; returns 0 when every cell ended ok,
+    else 1."""
     from harness import strategies
     from harness.runner.launcher import run_batch
-    from harness.runner.matrix import human_duration, with_references
+    from harness.runner.matrix import human_duration, launch_dir_name, with_references
 
     runnable = [c for c in with_references(cells)
                 if c.world_size > 1 and not strategies.unsupported_reason(c, device_type)]
+    total = len(runnable) * repeat
     progress(f"shardbench: node {options.nodes.node_rank} of {options.nodes.nnodes}: {len(runnable)} cells span"
-             f" the nodes; node 0 writes the results; launch logs in {launch_dir}")
+             f" the nodes{f', {repeat} trials each' if repeat > 1 else ''}; node 0 writes the results;"
+             f" launch logs in {launch_dir}")
     statuses: list[str] = []
     started = time.monotonic()
 
     def on_outcome(outcome) -> None:
         statuses.append(outcome.status)
         first = outcome.reason.splitlines()[0][:100] if outcome.reason else ""
-        progress(f"[{len(statuses):>3}/{len(runnable)}] {outcome.status:<11} {outcome.cell.cell_id:<58} {first}")
+        progress(f"[{len(statuses):>3}/{total}] {outcome.status:<11} {outcome.cell.cell_id:<58} {first}")
 
-    for world_size, group in groupby(runnable, key=lambda c: c.world_size):
-        run_batch(list(group), options, launch_dir / f"ws{world_size}", on_outcome)
+    for trial in range(repeat):
+        for world_size, group in groupby(runnable, key=lambda c: c.world_size):
+            run_batch(list(group), options, launch_dir / launch_dir_name(world_size, trial), on_outcome)
     bad = sum(s not in ("ok", "oom") for s in statuses)
     progress(f"shardbench: node {options.nodes.node_rank}: {len(statuses) - bad} ok, {bad} not ok"
              f" in {human_duration(time.monotonic() - started)}")

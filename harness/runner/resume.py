@@ -1,11 +1,12 @@
-"""Resuming a run (``run --resume RUN_ID``): the same selection, only the cells without a
-kept record, appended to the same cells.jsonl; and ending a run cleanly on SIGTERM / SIGINT.
+"""Resuming a run (``run --resume RUN_ID``): the same selection and the same ``--repeat``,
+only the (cell, trial) pairs without a kept record, appended to the same cells.jsonl; and
+ending a run cleanly on SIGTERM / SIGINT.
 
-What is kept: every recorded outcome. ``ok`` and ``unsupported`` always; ``failed``,
-``timeout`` and ``oom`` are outcomes a cell completed with, so they are kept too unless
-``--retry-failed`` asks to run those cells again (their new record is appended; the loader
-takes the last record of each cell). A kept reference is not re-run: the cells gated
-against it read its recorded losses.
+What is kept: every recorded outcome, per (cell, trial). ``ok`` and ``unsupported`` always;
+``failed``, ``timeout`` and ``oom`` are outcomes a cell completed with, so they are kept too
+unless ``--retry-failed`` asks to run those trials again (their new record is appended; the
+loader takes the last record of each (cell, trial)). A kept reference is not re-run: the
+cells gated against it read its recorded losses.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ SELECTION = (("suite", "--suite"), ("marker_expression", "-m"), ("keyword_expres
 
 
 def original_selection(run_dir: Path) -> dict:
-    """suite, marker and keyword expressions, world size and device of the run at ``run_dir``;
-    ValueError (one line) when its run.json cannot tell."""
+    """suite, marker and keyword expressions, world size, device and repeat of the run at
+    ``run_dir``; ValueError (one line) when its run.json cannot tell."""
     with warnings.catch_warnings():  # the one-line error below says it all
         warnings.simplefilter("ignore", DamagedResultsWarning)
         info = load_run_info(run_dir)
@@ -35,24 +36,27 @@ def original_selection(run_dir: Path) -> dict:
                          " so the original selection is unknown; start a new run")
     return {**{key: info[key] for key, _ in SELECTION},
             "device": (info.get("device") or {}).get("type"),
-            "nnodes": (info.get("nodes") or {}).get("nnodes", 1)}
+            "nnodes": (info.get("nodes") or {}).get("nnodes", 1),
+            "repeat": info.get("repeat", 1),  # runs from before --repeat ran each cell once
+            "mem_cap_bytes": info.get("mem_cap_bytes")}
 
 
 def check_same_selection(run_dir: Path, original: dict, asked: dict) -> None:
     """ValueError (one line) naming the first option that differs from the original run's
     (``asked`` holds only the options the user gave, by run.json key)."""
-    for key, option in (*SELECTION, ("device", "--device")):
+    for key, option in (*SELECTION, ("device", "--device"), ("repeat", "--repeat"), ("mem_cap_bytes", "--mem-cap-gib")):
         if key in asked and asked[key] != original.get(key):
             raise ValueError(f"cannot resume {run_dir.name} with {option} {asked[key]!r}: it ran with"
                              f" {option} {original.get(key)!r}; resume without {option}, or start a new run")
 
 
-def kept_records(records: list[dict], *, retry_failed: bool) -> dict[str, dict]:
-    """cell_id -> the recorded outcome that stands (the loader already took the last per cell)."""
-    return {r["cell_id"]: r for r in records if not (retry_failed and r["status"] in RETRIABLE)}
+def kept_records(records: list[dict], *, retry_failed: bool) -> dict[tuple[str, int], dict]:
+    """(cell_id, trial) -> the recorded outcome that stands (the loader already took the last
+    of each)."""
+    return {(r["cell_id"], r["trial"]): r for r in records if not (retry_failed and r["status"] in RETRIABLE)}
 
 
-def begin(store: RunStore, *, command: list[str], retry_failed: bool) -> dict[str, dict]:
+def begin(store: RunStore, *, command: list[str], retry_failed: bool) -> dict[tuple[str, int], dict]:
     """Note the resume in run.json and return the records to keep."""
     info = load_run_info(store.path)
     info["resumes"] = [*info.get("resumes", []), {

@@ -10,6 +10,7 @@ pytest files in suites/ parametrise over it, one test per cell.
   overhead against a bare training loop, launch amortisation, the default suite's wall time).
 - claims: the cells the published claims need (suites/claims/, harness/claims.py): one test
   per claim, not per cell.
+- a path ending in .toml: a suite of one's own (harness/suite_files.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from harness import strategies
+from pathlib import Path
+
+from harness import strategies, suite_files
 from harness.config import CellSpec, StrategySpec
 
 MICRO_BATCH = 2
+# Suite files to start one's own from (README: Suites of your own).
+SUITE_FILE_EXAMPLES = Path(__file__).resolve().parents[1] / "suites" / "examples"
 TORCH_NATIVE = ("single", "ddp", "zero1", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid",
                 "fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard", "fsdp1_hybrid")
 
@@ -133,10 +138,13 @@ BENCHMARK_SUITES = frozenset({"perf"})
 CLAIMS_SUITES = frozenset({"claims"})
 
 
-def cells_of(suite: str, world_size: int) -> list[CellSpec]:
+def cells_of(suite: str, world_size: int, nnodes: int = 1) -> list[CellSpec]:
     """The suite's cells, de-duplicated, each checked for compatibility up front."""
+    if suite_files.is_suite_file(suite):
+        return list({c.cell_id: c for c in suite_files.cells(Path(suite), world_size, nnodes)}.values())
     if suite not in SUITES:
-        raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
+        raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}, or a {suite_files.SUFFIX}"
+                         " suite file")
     if suite in BENCHMARK_SUITES:
         return []
     if world_size < 2:

@@ -63,3 +63,29 @@ def test_marker_expressions_are_checked():
     markers.check_marker_expression("fsdp and bf16 and not ckpt_full or (zero1)")
     with pytest.raises(ValueError, match="unknown marker.*zero4"):
         markers.check_marker_expression("zero4 and bf16")
+
+
+def test_a_suite_file_is_the_product_of_its_tables(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text("[defaults]\nmodel = 'gpt2-tiny'\nmicro_batch = 3\n"
+                    "[[cells]]\nstrategy = ['ddp', 'fsdp_full']\nprecision = ['fp32', 'bf16']\n"
+                    "[[cells]]\nstrategy = 'single'\nmodel = 'llama-tiny'\n")
+    cells = suites.cells_of(str(path), 4)
+    assert [c.cell_id for c in cells] == [
+        "gpt2-tiny/ddp/fp32/ckpt_none/mb3/ws4/seed0", "gpt2-tiny/ddp/bf16/ckpt_none/mb3/ws4/seed0",
+        "gpt2-tiny/fsdp_full/fp32/ckpt_none/mb3/ws4/seed0", "gpt2-tiny/fsdp_full/bf16/ckpt_none/mb3/ws4/seed0",
+        # the reference takes the whole global batch in one process, as in the built-in suites
+        "llama-tiny/single/fp32/ckpt_none/mb12/ws1/seed0",
+    ]
+
+
+def test_the_example_suite_file_is_valid():
+    cells = suites.cells_of(str(suites.SUITE_FILE_EXAMPLES / "fsdp_vs_zero3.toml"), 2)
+    assert len(cells) == 16 and {c.strategy.name for c in cells} == {"fsdp_full", "deepspeed_zero3"}
+
+
+def test_a_suite_file_table_without_cells_is_refused(tmp_path):
+    path = tmp_path / "empty.toml"
+    path.write_text("description = 'nothing'\n")
+    with pytest.raises(ValueError, match="no \\[\\[cells\\]\\] tables"):
+        suites.cells_of(str(path), 2)

@@ -3,9 +3,11 @@
 Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` with FAULT:
 - ``raise``: every rank raises before training (the cell is recorded ``failed``; the
   launch goes on with the next cell).
-- ``crash``: the last rank exits at once with status 13, as a segfault or a kill would
-  end it (torchrun tears the launch down; the launcher records ``failed`` and relaunches
+- ``crash``: the last rank exits at once with status 13, as a kill would end it (torchrun
+  tears the launch down; the launcher records ``failed``, naming the rank, and relaunches
   the remaining cells).
+- ``segfault``: the last rank dereferences a null pointer (SIGSEGV, as a native extension's
+  bug would); the worker's faulthandler writes its Python stack first, which the record keeps.
 - ``hang``: rank 0 sleeps forever, as in a collective that never completes (the launcher
   records ``timeout`` after --cell-timeout and kills every process of the launch).
 - ``grads_set_to_none``: not an exception but a wrong computation: FairScale's
@@ -16,6 +18,7 @@ Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -23,7 +26,7 @@ from harness.distributed import DistEnv
 
 ENV_VAR = "SHARDBENCH_FAULT"
 GRADS_SET_TO_NONE = "grads_set_to_none"
-FAULTS = ("raise", "crash", "hang", GRADS_SET_TO_NONE)
+FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE)
 
 
 class InjectedFault(RuntimeError):
@@ -47,6 +50,8 @@ def inject(cell_id: str, env: DistEnv) -> None:
         raise InjectedFault(f"{ENV_VAR} asked cell {cell_id} to raise")
     if fault == "crash" and env.rank == env.world_size - 1:
         os._exit(13)
+    if fault == "segfault" and env.rank == env.world_size - 1:
+        ctypes.string_at(0)
     if fault == "hang" and env.rank == 0:
         while True:
             time.sleep(60)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,20 +22,29 @@ from pathlib import Path
 import psutil
 
 from harness.config import CellSpec
+from harness.runner import timeouts
 from harness.runner.nodes import SINGLE_NODE, NodeSpec
 
 LOG_TAIL_LINES = 30
 POLL_S = 0.2
-DEFAULT_CELL_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
     # Seconds without an event from the workers (a cell starting or ending) before the
-    # launch is declared hung; launch start-up counts against the first cell.
-    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
+    # launch is declared hung; launch start-up counts against the first cell. None: each
+    # cell's own limit, scaled to it (runner/timeouts.py).
+    cell_timeout_s: float | None = None
     # Where this launcher stands in a multi-node job (runner/nodes.py); one node by default.
     nodes: NodeSpec = SINGLE_NODE
+    # Where the cells run: the scaled timeouts read the device's FLOP rate.
+    device_type: str = "cpu"
+    device_name: str | None = None
+    # --mem-cap-gib: a rank whose memory exceeds it records `oom` (worker.py says how).
+    mem_cap_bytes: int | None = None
+
+    def timeout(self, cell: CellSpec) -> timeouts.CellTimeout:
+        return timeouts.for_cell(cell, self.cell_timeout_s, self.device_type, self.device_name)
 
 
 def nodes_of(world_size: int, nodes: NodeSpec) -> int:
@@ -43,7 +54,7 @@ def nodes_of(world_size: int, nodes: NodeSpec) -> int:
 
 
 def torchrun_args(world_size: int, nodes: NodeSpec = SINGLE_NODE, rdzv_id: str = "shardbench",
-                  timeout_s: float = DEFAULT_CELL_TIMEOUT_S) -> list[str]:
+                  timeout_s: float = timeouts.FALLBACK_S) -> list[str]:
     if nodes_of(world_size, nodes) == 1:
         # --standalone: a local rendezvous on a free port, so concurrent runs never collide.
         return ["--standalone", "--nproc-per-node", str(world_size)]
@@ -72,6 +83,8 @@ class CellOutcome:
     reason: str
     per_rank: list[dict]
     wall_s: float
+    # An oom's highest peak over the ranks that reported one (worker.py: peak_reached_bytes).
+    peak_reached_bytes: int | None = None
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -79,6 +92,25 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+# torchrun's error summary names the rank that failed first ("Root Cause"); the others it
+# stopped itself (SIGTERM) and are listed as failures too.
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _crash_reason(status: int | None, workdir: Path, log_file: Path) -> str:
+    """Which rank died, how, and the last lines it wrote (its own stderr, kept per rank by
+    torchrun's --log-dir); the launch log's tail where torchrun did not say."""
+    found = _ROOT_CAUSE.search(_tail(log_file, lines=4 * LOG_TAIL_LINES))
+    if not found:
+        return f"workers exited with status {status}; log tail:\n{_tail(log_file)}"
+    rank, local_rank, code = found.group(1), found.group(2), int(found.group(3))
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    own = next(iter(sorted((workdir / "ranks").glob(f"*/attempt_*/{local_rank}/stderr.log"))), None)
+    lines = _tail(own) if own else ""
+    return (f"rank {rank} {how}, the first rank to fail (torchrun then stopped the others); its last lines:\n"
+            f"{lines or '(none)'}")
 
 
 class _Launch:
@@ -133,8 +165,9 @@ def _outcome_from_worker(cell: CellSpec, per_rank: list[dict], wall_s: float) ->
     if not bad:
         return CellOutcome(cell=cell, status="ok", reason="", per_rank=per_rank, wall_s=wall_s)
     first = bad[0]
+    reached = [r["peak_reached_bytes"] for r in bad if r.get("peak_reached_bytes") is not None]
     return CellOutcome(cell=cell, status=first["status"], reason=f"rank {first['rank']}: {first['reason']}",
-                       per_rank=[], wall_s=wall_s)
+                       per_rank=[], wall_s=wall_s, peak_reached_bytes=max(reached, default=None))
 
 
 def run_batch(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
@@ -157,11 +190,15 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     cells_file.write_text(json.dumps([c.to_dict() for c in cells]))
     stream_file.write_text("")  # a fresh stream: never read a previous launch's events
     world_size = cells[0].world_size
+    limits = [options.timeout(cell) for cell in cells]
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        *torchrun_args(world_size, options.nodes, rdzv_id, options.cell_timeout_s),
+        *torchrun_args(world_size, options.nodes, rdzv_id, max(limit.seconds for limit in limits)),
+        # Each rank's output also in a file of its own, for the reason of a rank that dies.
+        "--log-dir", str(workdir / "ranks"), "--tee", "3",
         "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
         "--expect-nnodes", str(nodes_of(world_size, options.nodes)),
+        *(["--mem-cap-bytes", str(options.mem_cap_bytes)] if options.mem_cap_bytes else []),
     ]
     # One OpenMP thread per rank unless the user chose otherwise: torchrun does this only
     # for several ranks, which would give the one-process reference more cores than each
@@ -179,7 +216,8 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
             for event in _events(stream, launch):
                 now = time.monotonic()
                 if event is None:
-                    if now - last_event > options.cell_timeout_s:
+                    # The running cell's limit (between cells: the next one's).
+                    if now - last_event > limits[min(n_done, len(cells) - 1)].seconds:
                         timed_out = True
                         break
                     continue
@@ -199,7 +237,8 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     left = cells[n_done:]
     wall = time.monotonic() - started
     if timed_out:
-        reason = f"no result after {options.cell_timeout_s:.0f} s; log tail:\n{_tail(log_file)}"
+        limit = limits[min(n_done, len(cells) - 1)]
+        reason = f"no result after {limit.seconds:.0f} s (the limit: {limit.why}); log tail:\n{_tail(log_file)}"
         if not any_event:
             # The launch never started a cell (rendezvous or start-up hang): waiting the
             # full timeout once per remaining cell would only repeat that.
@@ -215,8 +254,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
         # The workers died: blame the cell that was running (the first not done), record
         # it, and hand the rest back for a fresh launch.
         on_outcome(CellOutcome(cell=left[0], status="failed",
-                               reason=f"workers exited with status {launch.proc.returncode}; "
-                                      f"log tail:\n{_tail(log_file)}",
+                               reason=_crash_reason(launch.proc.returncode, workdir, log_file),
                                per_rank=[], wall_s=wall))
         return left[1:]
     return left

@@ -37,9 +37,10 @@ VERDICTS = ("holds", "does not hold", "not measurable here")
 CLAIMS_FILE = "claims.jsonl"
 
 MODEL = "gpt2-tiny"
-# No timing is read: the fewest steps a cell accepts (2 warm-up, the memory and the comm
-# probe, 2 timed); PowerSGD compresses from its third step (start_powerSGD_iter=2) on.
-STEPS = 6
+
+# No timing is read: the fewest steps every claims cell accepts (PowerSGD's 3 warm-up steps,
+# the memory and the comm probe, 2 timed); one count for all, as the cells share references.
+STEPS = 7
 
 # Tolerances, decided from what the quantities are (README "Claims" gives the reasons):
 MODEL_STATES_TOL = 0.10  # the brief's; tensor bytes are exact, engines add alignment padding
@@ -78,7 +79,9 @@ class Outcome:
 
 
 class Readings:
-    """The claim's view of a run: its cells' records, refused unless measured."""
+    """The claim's view of a run: its cells' records, refused unless measured. A run with
+    --repeat gives each cell's trials folded (harness/results/trials.py: median metrics, the
+    per-rank numbers of the trial nearest the median, ok only when every trial was)."""
 
     def __init__(self, record_of: Callable[[CellSpec], dict | None], world_size: int):
         self._record_of = record_of

@@ -20,6 +20,12 @@ Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafac
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
 HsdpMesh = Literal["explicit", "fsdp_default"]
 
+# PowerSGD runs vanilla all-reduce for its first steps (start_powerSGD_iter; 2 is the smallest
+# value it accepts) and allocates its error-feedback state in the first compressed step:
+# a PowerSGD cell's warm-up must include that step, or the memory step measures a one-off.
+POWERSGD_START_ITER = 2
+MIN_WARMUP = 2
+
 STRATEGY_NAMES = (
     "single",
     "ddp",
@@ -44,6 +50,11 @@ def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         choices = ", ".join(str(a) for a in allowed)
         raise ValueError(f"{field_name}={value!r}: choose one of {choices}")
+
+
+def min_warmup(strategy: StrategySpec) -> int:
+    """Steps before a strategy's steps are all alike (the default warm-up)."""
+    return POWERSGD_START_ITER + 1 if strategy.compression == "powersgd" else MIN_WARMUP
 
 
 def _check_positive(field_name: str, value: int) -> None:
@@ -97,7 +108,8 @@ class CellSpec:
     micro_batch: int = 2
     world_size: int = 2
     steps: int = 10
-    warmup: int = 2
+    # None: the fewest steps after which this strategy's steps are steady (min_warmup).
+    warmup: int | None = None
     seed: int = 0
     lr: float = 1e-3
     # Steps after warm-up: one memory-tracked, one communication-counted, the rest timed.
@@ -110,19 +122,30 @@ class CellSpec:
         _check_choice("model", self.model, tuple(PRESETS))
         for name in ("micro_batch", "world_size", "steps"):
             _check_positive(name, getattr(self, name))
-        if self.warmup < 2:
-            # DDP rebuilds its buckets during the first steps; memory measured there is not
-            # the steady state (cpu-gloo-facts.md, "Measuring on CPU").
-            raise ValueError(f"warmup={self.warmup}: must be at least 2")
-        if self.steps < self.warmup + self.probe_steps + 2:
+        least = min_warmup(self.strategy)
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", least)  # frozen: set once, here
+        if self.warmup < least:
+            # DDP rebuilds its buckets during the first steps, PowerSGD starts compressing
+            # late: memory measured before then is not the steady state (cpu-gloo-facts.md,
+            # "Measuring on CPU").
+            why = (f"PowerSGD compresses from step {POWERSGD_START_ITER} on" if least > MIN_WARMUP
+                   else "DDP rebuilds its buckets in the first steps")
+            raise ValueError(f"warmup={self.warmup}: must be at least {least} ({why})")
+        if self.steps < self.min_steps:
             raise ValueError(
                 f"steps={self.steps}: need at least warmup + {self.probe_steps} probe steps"
-                f" + 2 timed steps = {self.warmup + self.probe_steps + 2}"
+                f" + 2 timed steps = {self.min_steps}"
             )
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r}: must be positive")
         if self.strategy.name == "single" and self.world_size != 1:
             raise ValueError("strategy=single is the one-process reference: world_size must be 1")
+
+    @property
+    def min_steps(self) -> int:
+        """The fewest steps this cell accepts: warm-up, the probes and 2 timed steps."""
+        return self.warmup + self.probe_steps + 2
 
     @property
     def timed_steps(self) -> int:
@@ -164,6 +187,7 @@ class CellSpec:
                                   optimizer=self.strategy.optimizer),
             micro_batch=self.global_batch,
             world_size=1,
+            warmup=None,  # its own: the warm-up decides which steps are measured, not the losses
         )
 
     def to_dict(self) -> dict:

@@ -81,3 +81,12 @@ def test_specs_are_frozen():
 def test_unknown_model_names_the_presets():
     with pytest.raises(ValueError, match="model='gpt3': choose one of .*gpt2-tiny"):
         cell(model="gpt3")
+
+
+def test_powersgd_warms_up_past_its_first_compressed_step():
+    powersgd = cell(strategy=StrategySpec(name="ddp", compression="powersgd"))
+    assert powersgd.warmup == 3 and cell().warmup == 2  # the memory step is a steady one
+    assert powersgd.reference().warmup == 2  # warm-up picks the measured steps, not the losses
+    assert CellSpec.from_dict(powersgd.to_dict()) == powersgd
+    with pytest.raises(ValueError, match=r"warmup=2: must be at least 3 \(PowerSGD compresses from step 2 on\)"):
+        cell(strategy=StrategySpec(name="ddp", compression="powersgd"), warmup=2)

@@ -137,3 +137,19 @@ def test_bare_cuda_means_the_current_device(monkeypatch):
         _step(model, opt, 8)
     assert probe.result().tracker == "cuda"
     assert {d for _, d in fake.calls} == {torch.device("cuda", 0)}
+
+
+def test_bytes_freed_on_another_thread_are_counted_apart():
+    """What gloo's threads do to a collective's buffers: the last reference dies elsewhere."""
+    import threading
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track_step_memory(model, opt, fsdp2=False, device="cpu") as probe:
+        handed_over = [torch.zeros(1024)]  # 4,096 B made in the step, freed on another thread
+        other = threading.Thread(target=handed_over.clear)
+        other.start()
+        other.join()
+        kept_here = torch.zeros(256)  # made and freed on the step's own thread: not counted
+        del kept_here
+    assert probe.result().async_freed_bytes == 4096

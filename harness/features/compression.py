@@ -12,9 +12,7 @@ from __future__ import annotations
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-# PowerSGD runs vanilla all-reduce for the first steps (start_powerSGD_iter) so that error
-# feedback starts from meaningful gradients; 2 is the smallest value it accepts.
-POWERSGD_START_ITER = 2
+from harness.config import POWERSGD_START_ITER
 
 
 def needs_single_bucket(compression: str, backend: str) -> bool:

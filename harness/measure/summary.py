@@ -8,6 +8,8 @@
   formulas. Every rank holds the same states, but a rank can still hold a communication
   buffer in flight (FSDP2 with gloo: the root unit's reduce-scatter input, on one rank in
   some runs and not others), so this is the rank holding the least; per_rank has each.
+- async_freed_bytes: the most any rank freed on another thread during its memory step
+  (measure/memory.py): how far peak_mem_bytes can move from run to run; 0: it cannot.
 - step_time_s: the median over timed steps of the slowest rank's time in each step (the job
   waits for it at every step); step_time_iqr_s the inter-quartile range of the same series.
 - samples_per_s, tokens_per_s: the whole job's (global batch ÷ step time).
@@ -58,6 +60,7 @@ def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float |
         "mem_breakdown_bytes": {k: peak_rank["mem_breakdown_bytes"][k] for k in BREAKDOWN_KEYS},
         "rss_peak_bytes": max((r["rss_peak_bytes"] or 0) for r in per_rank) or None,
         "at_optimizer_step_bytes": _at_optimizer_step(per_rank),
+        "async_freed_bytes": max(r.get("async_freed_bytes", 0) for r in per_rank),
         "step_time_s": step_time,
         "step_time_iqr_s": step_iqr,
         "samples_per_s": samples_per_s,
@@ -84,6 +87,7 @@ def per_rank_view(per_rank: list[dict]) -> list[dict]:
             "cuda_memory": r["cuda_memory"],
             "memory_tracker": r["memory_tracker"],
             "at_optimizer_step_bytes": r.get("at_optimizer_step_bytes"),
+            "async_freed_bytes": r.get("async_freed_bytes"),
             "step_time_s": median,
             "step_time_iqr_s": iqr,
             "step_times_s": r["step_times_s"],

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import markers, suites
+from harness import markers, suite_files, suites
 from harness.distributed import DEVICES
-from harness.runner.launcher import DEFAULT_CELL_TIMEOUT_S
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUITES_DIR = REPO_ROOT / "suites"
@@ -27,8 +26,18 @@ class UsageError(Exception):
     pass
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (``--gpus abc``) as one line too, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"shardbench: error: {self.prog.removeprefix('shardbench').strip() or 'shardbench'}:"
+                              f" {message} (see --help)\n")
+
+
 def _selection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="default", help=f"one of {', '.join(suites.SUITES)} (default: default)")
+    parser.add_argument("--suite", default="default",
+                        help=f"one of {', '.join(suites.SUITES)} (default: default), or a .toml suite file"
+                             " (README: Suites of your own)")
     parser.add_argument("--device", choices=DEVICES, default=None,
                         help="run cells on cpu (gloo) or cuda (NCCL); default: cuda where a GPU is visible")
     parser.add_argument("--gpus", type=int, default=None,
@@ -53,8 +62,15 @@ def _check_selection(args: argparse.Namespace) -> None:
         if on_cuda and args.gpus is not None and args.gpus > torch.cuda.device_count():
             raise UsageError(f"--gpus {args.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
                              " use fewer, or --device cpu for CPU ranks")
+        if not on_cuda and (args.gpus or 2) > (os.cpu_count() or 1):
+            # Allowed (memory and communication are still measured right), but said out loud.
+            print(f"shardbench: note: {args.gpus or 2} CPU ranks on {os.cpu_count()} cores: ranks share cores,"
+                  " so step times are not comparable to a run with a core per rank", file=sys.stderr)
         nnodes = args.nodes.nnodes if hasattr(args, "nodes") else 1  # `list`: one node
-        suites.cells_of(args.suite, world_size(args.gpus, nnodes))
+        if suite_files.is_suite_file(args.suite):
+            # pytest and a resumed run must find the file wherever they are started from.
+            args.suite = str(Path(args.suite).resolve())
+        suites.cells_of(args.suite, world_size(args.gpus, nnodes), nnodes)
         if args.markexpr:
             markers.check_marker_expression(args.markexpr)
     except ValueError as error:
@@ -109,8 +125,9 @@ def _run_follower(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"shardbench: error: collecting {SUITES_DIR} failed (pytest exit {int(code)})", file=sys.stderr)
         return int(code)
     launch_dir = (args.out or REPO_ROOT).resolve() / "node-launches" / f"node{args.nodes.node_rank}-{new_run_id()}"
-    options = LaunchOptions(cell_timeout_s=args.cell_timeout, nodes=args.nodes)
-    return nodes.run_follower(collector.cells, options, launch_dir, device_type())
+    options = LaunchOptions(cell_timeout_s=args.cell_timeout, nodes=args.nodes, device_type=device_type(),
+                            device_name=_device_name(), mem_cap_bytes=args.mem_cap_bytes)
+    return nodes.run_follower(collector.cells, options, launch_dir, device_type(), repeat=args.repeat or 1)
 
 
 def _resume_selection(args: argparse.Namespace) -> None:
@@ -127,8 +144,11 @@ def _resume_selection(args: argparse.Namespace) -> None:
             raise ValueError(f"cannot resume {run_dir.name}: resuming a run over several nodes is not"
                              " supported yet (the followers hold no results to resume from); start a new run")
         asked = {key: value for key, value in (("suite", args.suite), ("marker_expression", args.markexpr),
-                                               ("keyword_expression", args.keyword), ("device", args.device))
+                                               ("keyword_expression", args.keyword), ("device", args.device),
+                                               ("repeat", args.repeat))
                  if value is not None}
+        if args.mem_cap_gib is not None:
+            asked["mem_cap_bytes"] = int(args.mem_cap_gib * 2**30)
         if args.gpus is not None:
             asked["world_size"] = world_size(args.gpus)
         resume.check_same_selection(run_dir, original, asked)
@@ -138,6 +158,8 @@ def _resume_selection(args: argparse.Namespace) -> None:
     args.suite, args.markexpr, args.keyword = (original["suite"], original["marker_expression"],
                                                original["keyword_expression"])
     args.gpus = original["world_size"]
+    if original["mem_cap_bytes"] is not None:
+        args.mem_cap_gib = original["mem_cap_bytes"] / 2**30
     if args.device is None and original["device"] in DEVICES:
         args.device = original["device"]
     if args.out is None:
@@ -159,12 +181,19 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         if args.out.exists() and not args.out.is_dir():
             raise UsageError(f"--out {args.out}: exists and is not a folder")
         args.out.mkdir(parents=True, exist_ok=True)
-    if args.cell_timeout <= 0:
-        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be positive seconds")
+    _check_cell_timeout(args)
+    _check_mem_cap(args)
+    if args.repeat is not None and args.repeat < 1:
+        raise UsageError(f"--repeat {args.repeat}: must be 1 or more trials per cell")
     if not args.nodes.is_leader:
         return _run_follower(args, extra)
-    pytest_args = _pytest_args(args) + _node_args(args.nodes) + ["--cell-timeout", str(args.cell_timeout), "-rfEs",
-                                                                 *extra]
+    pytest_args = _pytest_args(args) + _node_args(args.nodes) + ["-rfEs", *extra]
+    if args.cell_timeout is not None:
+        pytest_args += ["--cell-timeout", str(args.cell_timeout)]
+    if args.mem_cap_bytes is not None:
+        pytest_args += ["--mem-cap-bytes", str(args.mem_cap_bytes)]
+    if args.repeat is not None:
+        pytest_args += ["--repeat", str(args.repeat)]
     if args.out is not None:
         pytest_args += ["--out", str(args.out.resolve())]
     if args.resume is not None:
@@ -321,8 +350,7 @@ def cmd_reproduce(args: argparse.Namespace, extra: list[str]) -> int:
     from harness.runner import reproduce
 
     root = args.out or REPO_ROOT
-    if args.cell_timeout <= 0:
-        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be positive seconds")
+    _check_cell_timeout(args)
     try:
         run_dir = resolve_run(root / "results", args.run)
         record = reproduce.find_record(run_dir, args.cell_id)
@@ -336,6 +364,38 @@ def cmd_reproduce(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if reproduced else 1
 
 
+def _check_cell_timeout(args: argparse.Namespace) -> None:
+    if args.cell_timeout is not None and not args.cell_timeout > 0:
+        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be positive seconds")
+
+
+def _device_name() -> str | None:
+    import torch
+
+    from harness.distributed import device_type
+
+    return torch.cuda.get_device_name() if device_type() == "cuda" else None
+
+
+def _check_mem_cap(args: argparse.Namespace) -> None:
+    """--mem-cap-gib: positive, and on CUDA no more than the GPU has (sets args.mem_cap_bytes)."""
+    import torch
+
+    from harness.distributed import device_type
+
+    args.mem_cap_bytes = None
+    if args.mem_cap_gib is None:
+        return
+    if not args.mem_cap_gib > 0:
+        raise UsageError(f"--mem-cap-gib {args.mem_cap_gib}: must be a positive number of GiB per rank")
+    args.mem_cap_bytes = int(args.mem_cap_gib * 2**30)
+    if device_type() == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        if args.mem_cap_bytes > total:
+            raise UsageError(f"--mem-cap-gib {args.mem_cap_gib}: more than the {total / 2**30:.1f} GiB"
+                             f" of {torch.cuda.get_device_name(0)}; give at most that")
+
+
 def models_seq(model: str) -> int | None:
     from harness import models
 
@@ -343,13 +403,20 @@ def models_seq(model: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardbench", description="Distributed training strategies, side by side.")
+    parser = _OneLineParser(prog="shardbench", description="Distributed training strategies, side by side.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a suite (extra arguments go to pytest)")
     _selection_args(run)
     run.add_argument("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo)")
-    run.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
-                     help=f"seconds without progress before a cell is declared hung (default {DEFAULT_CELL_TIMEOUT_S:.0f})")
+    run.add_argument("--cell-timeout", type=float, default=None,
+                     help="seconds without progress before a cell is declared hung (default: scaled to each"
+                          " cell, README Faults)")
+    run.add_argument("--mem-cap-gib", type=float, default=None,
+                     help="memory per rank, as if each had a device this size: a rank over it records oom"
+                          " with its peak (README Faults)")
+    run.add_argument("--repeat", type=int, default=None,
+                     help="trials per cell, in rounds over every cell (default 1; with --resume: the run's own;"
+                          " README Repeated runs)")
     run.add_argument("--nnodes", type=int, default=None,
                      help="nodes in the job, one launcher per node (default 1, or SLURM_NNODES); README Several nodes")
     run.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes) (or SLURM_NODEID);"
@@ -401,8 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     rpr = sub.add_parser("reproduce", help="rerun one recorded cell from its record and compare")
     rpr.add_argument("run", help="run id under results/ (or 'latest'), or a run folder")
     rpr.add_argument("cell_id", help="the cell's id, as in the record")
-    rpr.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
-                     help=f"seconds without progress before the cell is declared hung (default {DEFAULT_CELL_TIMEOUT_S:.0f})")
+    rpr.add_argument("--cell-timeout", type=float, default=None,
+                     help="seconds without progress before the cell is declared hung (default: scaled to the cell)")
     rpr.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
     rpr.set_defaults(func=cmd_reproduce)
     acc = sub.add_parser("accuracy", help="predicted vs measured memory and communication of a run's cells")

@@ -14,7 +14,6 @@ import pytest
 from harness import markers, suites
 from harness.runner import resume
 from harness.runner import session as run_session
-from harness.runner.launcher import DEFAULT_CELL_TIMEOUT_S
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,12 +27,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     " under pytest (the others: python -m harness run)")
     group.addoption("--master-addr", default=None, help="node 0's address: the c10d rendezvous endpoint's host")
     group.addoption("--master-port", type=int, default=29500, help="the rendezvous endpoint's port (default 29500)")
-    group.addoption("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S,
-                    help="seconds without progress before a cell is declared hung and killed")
+    group.addoption("--cell-timeout", type=float, default=None,
+                    help="seconds without progress before a cell is declared hung and killed (default: scaled"
+                         " to each cell, harness/runner/timeouts.py)")
+    group.addoption("--mem-cap-bytes", type=int, default=None,
+                    help="memory per rank (python -m harness run --mem-cap-gib): a rank over it records oom")
     group.addoption("--resume", type=Path, default=None,
                     help="run folder to resume: run only its cells without a kept record, appending to it")
     group.addoption("--retry-failed", action="store_true",
                     help="with --resume: also re-run the cells recorded failed, timeout or oom")
+    # None when not given: a new run runs each cell once, a resumed run as many times as it did.
+    group.addoption("--repeat", type=int, default=None,
+                    help="run each cell N times, in N interleaved rounds, recording every trial (default 1;"
+                         " with --resume: the run's own)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,6 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
             markers.check_marker_expression(expr)
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
+    repeat = config.getoption("repeat")
+    if repeat is not None and repeat < 1:
+        raise pytest.UsageError(f"--repeat {repeat}: must be 1 or more (how many times each cell runs)")
     resume_dir = config.getoption("resume")
     if resume_dir is not None:
         # `python -m harness run --resume` checks this before pytest; here for pytest used directly.
@@ -60,7 +69,8 @@ def pytest_configure(config: pytest.Config) -> None:
             resume.check_same_selection(resume_dir, resume.original_selection(resume_dir), {
                 "suite": config.getoption("suite"), "marker_expression": config.getoption("markexpr") or "",
                 "keyword_expression": config.getoption("keyword") or "",
-                "world_size": run_session.world_size(config.getoption("gpus"))})
+                "world_size": run_session.world_size(config.getoption("gpus")),
+                **({} if repeat is None else {"repeat": repeat})})
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
 
@@ -70,8 +80,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     config = metafunc.config
     try:
-        cells = suites.cells_of(config.getoption("suite"), run_session.world_size(config.getoption("gpus"),
-                                                                                  config.getoption("nnodes")))
+        nnodes = config.getoption("nnodes")
+        cells = suites.cells_of(config.getoption("suite"), run_session.world_size(config.getoption("gpus"), nnodes),
+                                nnodes)
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
     metafunc.parametrize(

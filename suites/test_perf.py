@@ -5,14 +5,20 @@ side by side in one run:
   CPU process (target: at most 1.03×; absolute times in pytest-benchmark's table, the ratio
   from interleaved pairs);
 - many cells per torchrun against one launch per cell (why the runner batches);
-- the default suite's wall time (target: under 6 minutes on a 2-core CPU host).
+- the default suite's wall time (target: under 6 minutes on a 2-core CPU host);
+- the soak: the default suite three times in one driver (``--repeat 3``), the driver's RSS
+  growth over the rounds (target: under 5 %) and each cell's peak memory across them
+  (identical for fp32 CPU cells). About 10-12 minutes on a 2-core host; ``-k soak`` runs it
+  alone, ``-k "not soak"`` the rest.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -23,10 +29,12 @@ from harness.features import optimizers, precision
 from harness.results.store import RunStore
 from harness.runner import worker
 from harness.runner.launcher import LaunchOptions, run_batch
-from harness.runner.matrix import MatrixRun
+from harness.runner.matrix import MatrixRun, human_bytes
 
 OVERHEAD_TARGET = 1.03
 DEFAULT_SUITE_TARGET_S = 360.0
+SOAK_ROUNDS = 3
+SOAK_GROWTH_TARGET = 0.05
 STEP_ROUNDS = 300
 CELL = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), micro_batch=4, world_size=1, steps=10)
 ENV = DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
@@ -122,3 +130,60 @@ def test_default_suite_wall_time(tmp_path, capsys):
               f" target < {DEFAULT_SUITE_TARGET_S:.0f} s")
     assert all(r["status"] in ("ok", "unsupported") for r in records.values())
     assert wall < DEFAULT_SUITE_TARGET_S
+
+
+def test_soak_default_suite_three_rounds(tmp_path, capsys):
+    """The default suite with repeat 3 in one driver process. A driver that kept what it no
+    longer needs (launch state, outcomes, per-cell caches) would grow with every round: its RSS
+    is read as each round ends, and the growth counted from the end of round 1, which holds
+    the imports, the FakeTensorMode trace of every cell and first-use caches, to the end of
+    round 3. fp32 peaks on the CPU are tensor bytes of a deterministic computation: identical
+    in every round, except by buffers that another thread frees at a moment the scheduler
+    picks (measure/memory.py, "Frees on another thread"): a cell whose memory steps freed
+    nothing that way must not move at all, and no cell may move by more than its largest
+    such free."""
+    driver = psutil.Process()
+    rss: list[int] = []
+
+    def round_end(trial: int) -> None:
+        gc.collect()  # live memory, not garbage a later collection would free anyway
+        rss.append(driver.memory_info().rss)
+
+    device_type = distributed.device_type()
+    start = time.monotonic()
+    run = MatrixRun(suites.cells_of("default", 2), RunStore(tmp_path, "soak"), LaunchOptions(),
+                    device_type=device_type, device_name=None, progress=lambda line: None,
+                    repeat=SOAK_ROUNDS, on_round_end=round_end)
+    records = run.run()
+    wall = time.monotonic() - start
+    growth = rss[-1] / rss[0] - 1
+    measured = [r for r in records.values() if r["trials"]["n"] == SOAK_ROUNDS]
+    # The most any trial of the cell freed on another thread during its memory step.
+    play = {r["cell_id"]: max(run.by_trial[r["cell_id"], t]["metrics"].get("async_freed_bytes", 0)
+                              for t in range(SOAK_ROUNDS)) for r in measured}
+    fp32_cpu = [r for r in measured if device_type == "cpu" and r["precision"] == "fp32"]
+    moved = {r["cell_id"]: r["trials"]["peak_mem_range_bytes"] for r in fp32_cpu
+             if r["trials"]["peak_mem_range_bytes"] != 0}
+    beyond_play = {cell_id: (range_, play[cell_id]) for cell_id, range_ in moved.items() if range_ > play[cell_id]}
+    spreads = sorted(r["trials"]["spread"] for r in measured if r["trials"]["spread"] is not None)
+    with capsys.disabled():
+        print(f"\nsoak: default suite x{SOAK_ROUNDS} in one driver, {len(records)} cells, {wall:.0f} s wall")
+        for trial, value in enumerate(rss):
+            print(f"  driver RSS at the end of round {trial + 1}: {human_bytes(value)}")
+        print(f"  growth, end of round 1 -> end of round {SOAK_ROUNDS}: {growth:+.2%}"
+              f" (target < {SOAK_GROWTH_TARGET:.0%}; round 1 holds the imports, the trace and first-use caches)")
+        print(f"  peak memory per rank across the {SOAK_ROUNDS} trials ('same': identical):")
+        for r in measured:
+            t = r["trials"]
+            peaks = ", ".join(human_bytes(p) for p in t["peak_mem_bytes"])
+            range_ = "same" if t["peak_mem_range_bytes"] == 0 else f"moved {human_bytes(t['peak_mem_range_bytes'])}"
+            freed = f"  (freed on another thread: up to {human_bytes(play[r['cell_id']])})" if play[r["cell_id"]] else ""
+            print(f"    {r['cell_id']:<62} {r['precision']:<5} {peaks:<34} {range_}{freed}")
+        print(f"  fp32 cells: {len(fp32_cpu) - len(moved)} of {len(fp32_cpu)} identical; {len(moved)} moved, by at most"
+              f" what they freed on another thread: {not beyond_play}")
+        if spreads:
+            print(f"  step-time spread across trials ((max - min) / median): median {statistics.median(spreads):.1%},"
+                  f" largest {spreads[-1]:.1%}, over {len(spreads)} cells")
+    assert all(r["status"] in ("ok", "unsupported") for r in records.values())
+    assert growth < SOAK_GROWTH_TARGET
+    assert beyond_play == {}, f"fp32 CPU peaks moved by more than the bytes freed off-thread: {beyond_play}"

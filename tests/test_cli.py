@@ -8,12 +8,25 @@ from pathlib import Path
 
 import pytest
 
+from harness import cli
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def shardbench(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600)
+
+
+SUITE_FILES = {
+    "not_toml.toml": "[[cells]\nmodel = 'gpt2-tiny'\n",
+    "zero4.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'deepspeed_zero4'\n",
+    "powersgd_fsdp.toml": ("[defaults]\nmodel = 'gpt2-tiny'\ncompression = 'powersgd'\n"
+                           "[[cells]]\nstrategy = 'ddp'\n[[cells]]\nstrategy = 'fsdp_full'\n"),
+    "typo.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nprecison = 'bf16'\n",
+    "zero_batch.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nmicro_batch = 0\n",
+    "ws3.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nworld_size = 3\n",
+}
 
 
 @pytest.mark.parametrize(
@@ -48,14 +61,38 @@ def shardbench(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
         (["run", "--resume", "no-such-run"], "no run at"),
         (["run", "--retry-failed"], "--retry-failed: only with --resume RUN_ID"),
         (["reproduce", "no-such-run", "gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0"], "no run at"),
+        (["run", "--gpus", "two"], "run: argument --gpus: invalid int value: 'two'"),
+        (["run", "--mem-cap-gib", "0"], "--mem-cap-gib 0.0: must be a positive number of GiB per rank"),
+        (["run", "--mem-cap-gib", "80GB"], "argument --mem-cap-gib: invalid float value: '80GB'"),
+        (["run", "--repeat", "0"], "--repeat 0: must be 1 or more trials per cell"),
+        (["run", "--suite", "{files}/missing.toml"], "missing.toml: cannot read it ([Errno 2] No such file"),
+        (["run", "--suite", "{files}/not_toml.toml"], "not_toml.toml: not valid TOML: Expected ']]'"),
+        (["list", "--suite", "{files}/zero4.toml"], "zero4.toml, cells[0]: strategy='deepspeed_zero4': choose one of"
+                                                    " single, ddp, zero1"),
+        (["run", "--suite", "{files}/powersgd_fsdp.toml"], "cells[1]: gpt2-tiny/fsdp_full/fp32/ckpt_none/compress_"
+                                                           "powersgd-r1/mb2/ws2/seed0 is not a valid combination"),
+        (["run", "--suite", "{files}/typo.toml"], "cells[0]: unknown option(s) precison: choose from strategy, model"),
+        (["run", "--suite", "{files}/zero_batch.toml"], "cells[0]: micro_batch=0: must be a positive integer"),
+        (["run", "--suite", "{files}/ws3.toml", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
+         "world_size 3 does not split over 2 nodes (every node runs world_size / nnodes ranks)"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2_with_nothing_launched(tmp_path, args, message):
+def test_bad_input_is_one_line_and_exit_2_with_nothing_launched(tmp_path, args, message, capsys):
+    files = tmp_path / "suite-files"
+    files.mkdir()
+    for name, text in SUITE_FILES.items():
+        (files / name).write_text(text)
+    args = [arg.format(files=files) for arg in args]
     takes_out = args[0] not in ("list", "plan")
-    result = shardbench(*args, "--out", str(tmp_path)) if takes_out else shardbench(*args)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    # In this process (a second each, not five): every input here fails before pytest starts.
+    try:
+        code = cli.main([*args, "--out", str(tmp_path)] if takes_out else args)
+    except SystemExit as exited:  # argparse's own errors
+        code = exited.code
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], stderr
     assert not (tmp_path / "results").exists()
 
 
@@ -109,3 +146,26 @@ def test_plan_prints_every_candidate_and_a_recommendation():
     assert plan["recommended"] in configs and plan["recommendation"].startswith("Recommended:")
     best = next(row for row in plan["rows"] if row["config"] == plan["recommended"])
     assert best["fits"] and best["predicted"]["peak_bytes"] <= 40e9
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "4"], "--gpus 4: this host has 2 visible GPU(s); use fewer, or --device cpu for CPU ranks"),
+    (["--mem-cap-gib", "100"], "--mem-cap-gib 100.0: more than the 80.0 GiB of Fake GPU 80GB; give at most that"),
+])
+def test_bad_input_against_the_gpus_present(tmp_path, capsys, monkeypatch, args, message):
+    """No GPU here: a host with two 80 GiB GPUs, as torch.cuda would describe it."""
+    import types
+
+    import torch
+
+    from harness.distributed import DEVICE_ENV_VAR
+
+    monkeypatch.delenv(DEVICE_ENV_VAR)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU 80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * 2**30))
+    assert cli.main(["run", *args, "--out", str(tmp_path)]) == 2
+    stderr = capsys.readouterr().err.strip().splitlines()
+    assert len(stderr) == 1 and message in stderr[0]
+    assert not (tmp_path / "results").exists()

@@ -52,7 +52,7 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     after_crash = CellSpec(model="bert-tiny", strategy=StrategySpec(name="ddp"))
     hanging = CellSpec(model="mlp-tiny", strategy=StrategySpec(name="ddp"))
     after_hang = CellSpec(model="vit-tiny", strategy=StrategySpec(name="ddp"))
-    monkeypatch.setenv(faults.ENV_VAR, f"{raising.cell_id}=raise,{crashing.cell_id}=crash,{hanging.cell_id}=hang")
+    monkeypatch.setenv(faults.ENV_VAR, f"{raising.cell_id}=raise,{crashing.cell_id}=segfault,{hanging.cell_id}=hang")
     outcomes = []
     batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang]
     run_batch(batch, LaunchOptions(cell_timeout_s=25), tmp_path, outcomes.append)
@@ -67,7 +67,9 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     peaks = [[r["peak_mem_bytes"] for r in o.per_rank] for o in outcomes if o.cell == first]
     assert peaks[0] == peaks[1]
     assert "InjectedFault" in outcomes[2].reason and "rank 0" in outcomes[2].reason
-    assert "exited with status" in outcomes[4].reason
+    # The rank that died, how, and its own Python stack (faulthandler), not torchrun's.
+    assert outcomes[4].reason.startswith("rank 1 was killed by SIGSEGV, the first rank to fail")
+    assert "Fatal Python error: Segmentation fault" in outcomes[4].reason and "faults.py" in outcomes[4].reason
     assert "no result after 25 s" in outcomes[6].reason
     assert _worker_processes(tmp_path) == [], "a launch left worker processes behind"
 
@@ -86,3 +88,20 @@ def test_records_reach_the_store_as_cells_end(tmp_path):
     assert len(ok["losses"]) == cell.steps and len(ok["per_rank"]) == 2
     assert len(ok["per_rank"][0]["step_times_s"]) == cell.timed_steps
     assert metrics["tokens_per_s"] == pytest.approx(metrics["samples_per_s"] * 32)
+
+
+def test_a_cell_over_the_memory_cap_records_oom_with_its_peak_and_the_next_cell_is_unaffected(tmp_path):
+    small, big = CellSpec(model="mlp-tiny", strategy=StrategySpec(name="ddp")), gpt2("ddp")
+    uncapped: list = []
+    run_batch([small, big], LaunchOptions(), tmp_path / "uncapped", uncapped.append)
+    small_peak, big_peak = (max(r["peak_mem_bytes"] for r in o.per_rank) for o in uncapped)
+    assert small_peak < big_peak
+    cap = (small_peak + big_peak) // 2
+    records = run_matrix([big, small], tmp_path, mem_cap_bytes=cap)  # the references run under the cap too
+
+    over, after = records[big.cell_id], records[small.cell_id]
+    assert (over["status"], after["status"]) == ("oom", "ok")
+    assert over["metrics"] == {"peak_mem_bytes": big_peak}  # the peak it reached, to the byte (fp32 on CPU)
+    assert f"({cap:,} B per rank)" in over["reason"] and f"peaked at {big_peak:,} B" in over["reason"]
+    assert after["metrics"]["peak_mem_bytes"] == small_peak
+    assert _worker_processes(tmp_path) == []

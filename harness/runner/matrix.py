@@ -1,18 +1,29 @@
 """Run a selection of cells: references first, one launch per world size, every outcome
 recorded (with its equivalence verdict) the moment it is known, and a progress line per cell.
-A resumed run starts from the records it keeps (``recorded``) and runs only the other cells.
+
+With ``repeat`` N the selection runs in N rounds, as asv does: round 1 runs every cell once,
+round 2 every cell again in fresh launches, and so on, so machine noise (another job, a
+thermal or frequency change) spreads over every cell instead of landing on one cell's trials.
+Each record carries its ``trial`` (0-based); a trial is gated against the reference's record
+of the same trial (it ran earlier in the same round), else any recorded trial of it. Cells are
+traced once, and an ``unsupported`` cell is recorded once (trial 0): it does not run.
+
+A resumed run starts from the records it keeps (``recorded``, by (cell, trial)) and runs only
+the (cell, trial) pairs without one.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from itertools import groupby
 
 from harness import equivalence, markers, strategies
 from harness.config import CellSpec
 from harness.measure import flops, summary
 from harness.predict import accuracy, traced
+from harness.results import trials
 from harness.results.schema import make_record
 from harness.results.store import RunStore
 from harness.runner.launcher import CellOutcome, LaunchOptions, run_batch
@@ -39,31 +50,53 @@ def human_duration(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
 
 
+def launch_dir_name(world_size: int, trial: int) -> str:
+    """The folder of one round's launches of one world size, under launches/ (a follower node
+    names its own the same: the name is part of the rendezvous id)."""
+    return f"ws{world_size}" if trial == 0 else f"ws{world_size}-trial{trial}"
+
+
 class MatrixRun:
     def __init__(self, cells: list[CellSpec], store: RunStore, options: LaunchOptions, *,
                  device_type: str, device_name: str | None, progress: Callable[[str], None],
-                 recorded: dict[str, dict] | None = None):
+                 repeat: int = 1, recorded: dict[tuple[str, int], dict] | None = None,
+                 on_round_end: Callable[[int], None] | None = None):
+        if repeat < 1:
+            raise ValueError(f"repeat={repeat}: run each cell at least once")
         self.cells = with_references(cells)
         self.store = store
         self.options = options
         self.device_type = device_type
         self.device_name = device_name
         self.progress = progress
+        self.repeat = repeat
+        self.on_round_end = on_round_end  # called with the trial number as each round ends
+        self._unsupported = {c.cell_id: strategies.unsupported_reason(c, device_type) for c in self.cells}
+        # Every (cell, trial) to record, round by round; an unsupported cell only in round 1.
+        self.planned = [(c, trial) for trial in range(repeat) for c in self.cells
+                        if trial == 0 or not self._unsupported[c.cell_id]]
         # Kept records of a resumed run count as done; a kept reference gates the cells run now.
-        self.records: dict[str, dict] = {c.cell_id: recorded[c.cell_id] for c in self.cells
-                                         if recorded and c.cell_id in recorded}
-        self.complete = False  # every cell has a record (False after an interrupt)
+        self.by_trial: dict[tuple[str, int], dict] = {(c.cell_id, t): recorded[c.cell_id, t] for c, t in self.planned
+                                                      if recorded and (c.cell_id, t) in recorded}
+        self.complete = False  # every (cell, trial) has a record (False after an interrupt)
         self._traced: dict[str, dict] = {}
         self._started = 0.0
-        self._resumed_from = len(self.records)
+        self._resumed_from = len(self.by_trial)
+
+    @property
+    def records(self) -> dict[str, dict]:
+        """cell_id -> the cell's record, its trials folded (harness/results/trials.py)."""
+        return {r["cell_id"]: r for r in trials.aggregate(list(self.by_trial.values()))}
+
+    def recorded_count(self) -> str:
+        """"N of M cells" with a record ("cell trials" with repeat > 1)."""
+        return f"{len(self.by_trial)} of {len(self.planned)} {'cells' if self.repeat == 1 else 'cell trials'}"
 
     def run(self) -> dict[str, dict]:
-        todo = [c for c in self.cells if c.cell_id not in self.records]
+        todo = [(c, t) for c, t in self.planned if (c.cell_id, t) not in self.by_trial]
         if self._resumed_from:
-            self.progress(f"shardbench: resuming: {self._resumed_from} of {len(self.cells)} cells recorded"
-                          f" and kept, {len(todo)} to run")
-        unsupported = {c.cell_id: strategies.unsupported_reason(c, self.device_type) for c in todo}
-        runnable = [c for c in todo if not unsupported[c.cell_id]]
+            self.progress(f"shardbench: resuming: {self.recorded_count()} recorded and kept, {len(todo)} to run")
+        runnable = list({c.cell_id: c for c, _ in todo if not self._unsupported[c.cell_id]}.values())
         if runnable:
             # Before any cell runs: the trace would compete with the ranks for the cores.
             started = time.monotonic()
@@ -71,23 +104,39 @@ class MatrixRun:
             self._traced = traced.trace_cells(runnable)
             self.progress(f"shardbench: traced in {human_duration(time.monotonic() - started)}")
         self._started = time.monotonic()
-        for cell in todo:
-            if unsupported[cell.cell_id]:
-                self._finish(cell, make_record(cell, markers=markers.markers_of(cell), status="unsupported",
-                                               reason=unsupported[cell.cell_id],
-                                               predicted=accuracy.prediction(cell, None)))
-        for world_size, group in groupby(runnable, key=lambda c: c.world_size):
-            run_batch(list(group), self.options, self.store.path / "launches" / f"ws{world_size}",
-                      self._on_outcome)
+        for trial in range(self.repeat):
+            self._run_round([c for c, t in todo if t == trial], trial)
+            if self.on_round_end is not None:
+                self.on_round_end(trial)
         self.complete = True
         return self.records
 
-    def _on_outcome(self, outcome: CellOutcome) -> None:
+    def _run_round(self, cells: list[CellSpec], trial: int) -> None:
+        for cell in cells:
+            if self._unsupported[cell.cell_id]:
+                self._finish(make_record(cell, markers=markers.markers_of(cell), status="unsupported",
+                                         reason=self._unsupported[cell.cell_id],
+                                         predicted=accuracy.prediction(cell, None), trial=trial))
+        runnable = [c for c in cells if not self._unsupported[c.cell_id]]
+        for world_size, group in groupby(runnable, key=lambda c: c.world_size):
+            run_batch(list(group), self.options, self.store.path / "launches" / launch_dir_name(world_size, trial),
+                      partial(self._on_outcome, trial=trial))
+
+    def _reference_record(self, cell: CellSpec, trial: int) -> dict | None:
+        """The reference's record of the same trial, else of its earliest recorded trial."""
+        ref_id = cell.reference().cell_id
+        recorded = {t: r for (cell_id, t), r in self.by_trial.items() if cell_id == ref_id}
+        return recorded.get(trial) or (recorded[min(recorded)] if recorded else None)
+
+    def _on_outcome(self, outcome: CellOutcome, trial: int) -> None:
         cell = outcome.cell
         predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id))
-        common = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s)
+        common = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial)
         if outcome.status != "ok":
-            record = make_record(cell, status=outcome.status, reason=outcome.reason, predicted=predicted, **common)
+            # An oom keeps the peak it reached (worker.py); nothing else was measured.
+            reached = {} if outcome.peak_reached_bytes is None else {"peak_mem_bytes": outcome.peak_reached_bytes}
+            record = make_record(cell, status=outcome.status, reason=outcome.reason, predicted=predicted,
+                                 metrics=reached, **common)
         else:
             rank0 = outcome.per_rank[0]
             peak = flops.peak_flops(self.device_name, cell.strategy.precision)
@@ -103,18 +152,18 @@ class MatrixRun:
                 per_rank=summary.per_rank_view(outcome.per_rank),
                 losses=rank0["losses"],
                 equivalence=None if is_reference else equivalence.check(
-                    cell, rank0["losses"], self.records.get(cell.reference().cell_id)),
+                    cell, rank0["losses"], self._reference_record(cell, trial)),
                 **common,
             )
-        self._finish(cell, record)
+        self._finish(record)
 
-    def _finish(self, cell: CellSpec, record: dict) -> None:
-        self.records[cell.cell_id] = record
+    def _finish(self, record: dict) -> None:
+        self.by_trial[record["cell_id"], record["trial"]] = record
         self.store.append(record)
         self.progress(self._progress_line(record))
 
     def _progress_line(self, record: dict) -> str:
-        done, total = len(self.records), len(self.cells)
+        done, total = len(self.by_trial), len(self.planned)
         elapsed = time.monotonic() - self._started
         eta = elapsed / (done - self._resumed_from) * (total - done)
         m = record["metrics"]
@@ -124,7 +173,11 @@ class MatrixRun:
             status = "ok, NOT EQUIVALENT" if status == "ok" else status
         detail = (f"peak {human_bytes(m['peak_mem_bytes'])}  step {m['step_time_s'] * 1e3:.1f} ms"
                   if status.startswith("ok") else record["reason"].splitlines()[0][:100] if record["reason"] else "")
-        return f"[{done:>3}/{total}] {status:<11} {record['cell_id']:<58} {detail}  (ETA {human_duration(eta)})"
+        trial = f" t{record['trial']}" if self.repeat > 1 else ""
+        return (f"[{done:>3}/{total}{trial}] {status:<11} {record['cell_id']:<58} {detail}"
+                f"  (ETA {human_duration(eta)})")
 
     def record_of(self, cell: CellSpec) -> dict | None:
-        return self.records.get(cell.cell_id)
+        """The cell's record, its trials folded; None before any trial has one."""
+        mine = [r for (cell_id, _), r in self.by_trial.items() if cell_id == cell.cell_id]
+        return trials.combine(mine) if mine else None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness.config import CellSpec
 from harness.measure import summary
-from harness.results import provenance
+from harness.results import provenance, trials
 from harness.results.schema import _finite_or_none
 from harness.results.store import load_records, load_run_info
 from harness.runner.launcher import CellOutcome, LaunchOptions, run_batch
@@ -26,14 +26,17 @@ COMPARED = (("peak_mem_bytes", "peak memory per rank"), ("step_time_s", "step ti
 
 
 def find_record(run_dir: Path, cell_id: str) -> dict:
-    """The cell's last record in the run; ValueError (one line) if it has none or no measurement."""
-    records = {r["cell_id"]: r for r in load_records(run_dir)}
+    """The cell's record in the run, its trials folded (harness/results/trials.py: with
+    --repeat, the medians over its trials, and the losses of the trial whose step time is
+    nearest the median); ValueError (one line) if it has none or no measurement."""
+    records = {r["cell_id"]: r for r in trials.aggregate(load_records(run_dir))}
     if cell_id not in records:
         raise ValueError(f"no cell {cell_id!r} in run {run_dir.name}: it has {len(records)} cells"
                          f" (python -m harness report {run_dir.name} lists them)")
     record = records[cell_id]
     if record["status"] != "ok":
-        raise ValueError(f"{cell_id} ended {record['status']!r} in run {run_dir.name}: there is no"
+        trial = f" (trial {record['trial']} of {record['trials']['n']})" if record["trials"]["n"] > 1 else ""
+        raise ValueError(f"{cell_id} ended {record['status']!r}{trial} in run {run_dir.name}: there is no"
                          " measurement to reproduce")
     return record
 
@@ -47,15 +50,21 @@ def _max_rel_diff(old: list, new: list) -> float:
     return max(diffs, default=0.0)
 
 
-def reproduce(run_dir: Path, record: dict, device_type: str, cell_timeout_s: float) -> tuple[str, bool]:
+def reproduce(run_dir: Path, record: dict, device_type: str, cell_timeout_s: float | None) -> tuple[str, bool]:
     """Rerun the record's cell; the report text and whether it reproduced (bitwise where
     expected, else merely completed)."""
     cell = CellSpec.from_dict(record["cell"])
     workdir = run_dir / "reproduce" / time.strftime("%Y%m%d-%H%M%S")
     outcomes: list[CellOutcome] = []
-    run_batch([cell], LaunchOptions(cell_timeout_s=cell_timeout_s), workdir, outcomes.append)
+    info = load_run_info(run_dir)
+    options = LaunchOptions(cell_timeout_s=cell_timeout_s, device_type=device_type,
+                            device_name=(info.get("device") or {}).get("name"), mem_cap_bytes=info.get("mem_cap_bytes"))
+    run_batch([cell], options, workdir, outcomes.append)
     outcome = outcomes[0]
     lines = [f"reproducing {cell.cell_id} of run {run_dir.name} (logs: {workdir})"]
+    if record["trials"]["n"] > 1:
+        lines.append(f"against the median of its {record['trials']['n']} trials; losses of trial {record['trial']},"
+                     " the one whose step time is nearest the median")
     then = record.get("provenance") or {}
     now = provenance.of(cell)
     if then.get("cell_version") == now["cell_version"]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import distributed
+from harness import distributed, suite_files
 from harness.measure import environment
 from harness.report import history, html
 from harness.results.store import RunStore, new_run_id
@@ -55,16 +55,25 @@ def start(config: pytest.Config) -> MatrixRun:
     resume_dir, recorded = config.getoption("resume"), None
     if resume_dir is not None:  # same run folder, same run.json (plus a resume event)
         store = RunStore(resume_dir.parent, resume_dir.name)
+        original = resume.original_selection(resume_dir)  # the run's own; a different one was refused
+        repeat, mem_cap_bytes = original["repeat"], original["mem_cap_bytes"]
         recorded = resume.begin(store, command=sys.argv, retry_failed=config.getoption("retry_failed"))
     else:
         store = RunStore(root / "results", new_run_id())
+        repeat = config.getoption("repeat") or 1
+        mem_cap_bytes = config.getoption("mem_cap_bytes")
+        suite = config.getoption("suite")
         store.write_run_info({
             "run_id": store.run_id,
-            "suite": config.getoption("suite"),
+            "suite": suite,
+            # A suite file's text too: the file may change or vanish after the run.
+            **({"suite_file": Path(suite).read_text()} if suite_files.is_suite_file(suite) else {}),
             "command": sys.argv,
             "marker_expression": config.getoption("markexpr") or "",
             "keyword_expression": config.getoption("keyword") or "",
             "world_size": world_size(config.getoption("gpus"), config.getoption("nnodes")),
+            "repeat": repeat,
+            "mem_cap_bytes": mem_cap_bytes,
             "nodes": node_spec(config).to_dict(),
             "device": {"type": device_type, "name": device_name},
             "environment": environment.collect(REPO_ROOT),
@@ -77,13 +86,24 @@ def start(config: pytest.Config) -> MatrixRun:
         with capture.global_and_fixture_disabled():
             reporter.write_line(line)
 
-    progress(f"shardbench: {len(cells)} cells selected; results in {store.path}")
-    run = MatrixRun(cells, store, LaunchOptions(cell_timeout_s=config.getoption("cell_timeout"),
-                                                nodes=node_spec(config)),
-                    device_type=device_type, device_name=device_name, progress=progress, recorded=recorded)
+    progress(f"shardbench: {len(cells)} cells selected" + (f", {repeat} trials each in rounds" if repeat > 1 else "")
+             + f"; results in {store.path}")
+    options = LaunchOptions(cell_timeout_s=config.getoption("cell_timeout"), nodes=node_spec(config),
+                            device_type=device_type, device_name=device_name, mem_cap_bytes=mem_cap_bytes)
+    run = MatrixRun(cells, store, options,
+                    device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
+                    recorded=recorded)
     config.stash[_RUN] = run
     run.run()
     return run
+
+
+def trials_columns(trials: dict) -> str:
+    """With --repeat: the cell's trials, their step-time spread, and how far its peak memory
+    moved across them ("same": identical)."""
+    moved = trials["peak_mem_range_bytes"]
+    spread = "-" if trials["spread"] is None else f"{trials['spread']:.1%}"
+    return f" {trials['n']:>6} {spread:>7} {'-' if moved is None else 'same' if moved == 0 else human_bytes(moved):>10}"
 
 
 def summarize(config: pytest.Config, reporter) -> None:
@@ -91,19 +111,24 @@ def summarize(config: pytest.Config, reporter) -> None:
     if run is None:
         return
     reporter.section("shardbench summary")
-    reporter.write_line(f"{'cell':<60} {'status':<11} {'peak/rank':>11} {'step':>9} {'tokens/s':>10} {'equivalent':>10}")
+    # With --repeat N: medians over each cell's trials, and their spread (harness/results/trials.py).
+    trials_head = f" {'trials':>6} {'spread':>7} {'peak moved':>10}" if run.repeat > 1 else ""
+    reporter.write_line(f"{'cell':<60} {'status':<11} {'peak/rank':>11} {'step':>9} {'tokens/s':>10} {'equivalent':>10}"
+                        + trials_head)
     for record in run.records.values():
         m, eq = record["metrics"], record["equivalence"]
         verdict = "reference" if eq is None and record["status"] == "ok" else (
             "-" if eq is None else "yes" if eq["passed"] else "NO")
-        step = f"{m['step_time_s'] * 1e3:.1f} ms" if m else "-"
-        tokens = f"{m['tokens_per_s']:.0f}" if m else "-"
-        reporter.write_line(f"{record['cell_id']:<60} {record['status']:<11} {human_bytes(m.get('peak_mem_bytes')):>11}"
-                            f" {step:>9} {tokens:>10} {verdict:>10}")
+        # An oom's metrics hold only the peak it reached.
+        step = f"{m['step_time_s'] * 1e3:.1f} ms" if m.get("step_time_s") else "-"
+        tokens = f"{m['tokens_per_s']:.0f}" if m.get("tokens_per_s") else "-"
+        line = (f"{record['cell_id']:<60} {record['status']:<11} {human_bytes(m.get('peak_mem_bytes')):>11}"
+                f" {step:>9} {tokens:>10} {verdict:>10}")
+        reporter.write_line(line + (trials_columns(record["trials"]) if run.repeat > 1 else ""))
     reporter.write_line(f"results: {run.store.path}")
     if not run.complete:
         # Interrupted: end promptly; the resumed run builds the report.
-        reporter.write_line(f"interrupted: {len(run.records)} of {len(run.cells)} cells recorded; run the rest with"
+        reporter.write_line(f"interrupted: {run.recorded_count()} recorded; run the rest with"
                             f" ./run_all.sh --resume {run.store.run_id}"
                             + (f" --out {out_dir(config)}" if config.getoption("out") else ""))
         return

@@ -13,12 +13,20 @@ every rank's numbers), flushed at once, so the launcher can report progress and 
 cell was running if the process dies. After a cell that failed on any rank, the process
 group may be out of step (a rank left mid-collective), so the workers write ``restart`` and
 leave; the launcher runs the remaining cells in a fresh launch.
+
+A memory cap (``--mem-cap-bytes``, from ``--mem-cap-gib``) makes each rank behave as if its
+device had that much memory. On CUDA the caching allocator enforces it
+(``set_per_process_memory_fraction``): an allocation beyond it raises the real OOM. On the
+CPU there is no allocator limit to set, so the cap is checked against the peak the record
+reports (the memory-tracked step, after warm-up): when any rank's peak exceeds it, every
+rank ends the cell as ``oom`` together. Either way the record keeps the peak reached.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import gc
 import json
 import os
@@ -135,14 +143,50 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
                         batches=local_batches(built, cell, env))
 
 
-def run_cell(cell: CellSpec, env: DistEnv) -> dict:
+class MemoryCapExceeded(torch.OutOfMemoryError):
+    """A CPU rank's step needed more than --mem-cap-gib."""
+
+    def __init__(self, message: str, peak_reached_bytes: int):
+        super().__init__(message)
+        self.peak_reached_bytes = peak_reached_bytes
+
+
+def enforce_cpu_memory_cap(peak_bytes: int, cap_bytes: int | None, env: DistEnv) -> None:
+    """Raise MemoryCapExceeded on every rank when any rank's ``peak_bytes`` exceeds the cap.
+    Every rank learns every peak first, so all of them leave the cell at the same point and
+    none is left waiting in a collective of the next step."""
+    if cap_bytes is None or env.is_cuda:  # CUDA: the allocator enforces it (main)
+        return
+    peaks: list[int | None] = [None] * env.world_size
+    dist.all_gather_object(peaks, peak_bytes)
+    over = [rank for rank, peak in enumerate(peaks) if peak > cap_bytes]
+    if over:
+        raise MemoryCapExceeded(
+            f"out of memory under --mem-cap-gib {cap_bytes / 2**30:g} ({cap_bytes:,} B per rank): rank(s)"
+            f" {', '.join(map(str, over))} peaked at {max(peaks):,} B in the memory-tracked step",
+            peak_reached_bytes=max(peaks))
+
+
+def peak_reached(error: BaseException, env: DistEnv) -> int | None:
+    """The memory a rank had reached when ``error`` ended its cell, where that is known."""
+    if isinstance(error, MemoryCapExceeded):
+        return error.peak_reached_bytes
+    if env.is_cuda and isinstance(error, torch.OutOfMemoryError):
+        return torch.cuda.max_memory_allocated(env.device)  # reset as the cell began
+    return None
+
+
+def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None) -> dict:
     """Train one cell and return this rank's measurements."""
     faults.inject(cell.cell_id, env)
+    if env.is_cuda:
+        torch.cuda.reset_peak_memory_stats(env.device)  # an OOM reports this cell's peak
     session = prepare_cell(cell, env)
     built, prep = session.built, session.prep
     losses = [session.step(i) for i in range(cell.warmup)]
     i = cell.warmup
     loss, mem = session.tracked_step(i)
+    enforce_cpu_memory_cap(mem.peak_bytes, mem_cap_bytes, env)
     losses.append(loss)
     with comm.count_comm(env.device) as comm_stats:
         losses.append(session.step(i + 1))
@@ -164,6 +208,7 @@ def run_cell(cell: CellSpec, env: DistEnv) -> dict:
         "cuda_memory": mem.cuda,
         "memory_tracker": mem.tracker,
         "at_optimizer_step_bytes": mem.at_optimizer_step_bytes,
+        "async_freed_bytes": mem.async_freed_bytes,
         "step_times_s": step_times,
         "comm_by_op": {op: vars(stats) for op, stats in comm_stats().items()},
         "engine": prep.engine_report(),
@@ -237,9 +282,16 @@ def main() -> None:
     parser.add_argument("--cells", type=Path, required=True, help="JSON list of cell specs")
     parser.add_argument("--stream", type=Path, required=True, help="JSONL event file (local rank 0 of each node)")
     parser.add_argument("--expect-nnodes", type=int, default=1, help="nodes the process group must span")
+    parser.add_argument("--mem-cap-bytes", type=int, default=None, help="memory per rank (module docstring)")
     args = parser.parse_args()
+    # A rank killed by a signal (a native extension's segfault) still leaves its Python stack
+    # on stderr, which the launcher puts in the cell's record.
+    faulthandler.enable()
 
     env = init_from_torchrun()
+    if args.mem_cap_bytes and env.is_cuda:
+        total = torch.cuda.get_device_properties(env.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_bytes / total), env.device)
     # Each node's launcher reads its own stream: which node holds global rank 0 is the
     # rendezvous's choice, and every rank sees the same gathered results anyway.
     stream = Stream(args.stream, enabled=int(os.environ.get("LOCAL_RANK", env.rank)) == 0)
@@ -256,14 +308,17 @@ def main() -> None:
     for cell in cells:
         stream.write({"event": "start", "cell_id": cell.cell_id})
         try:
-            result = {"status": "ok", "reason": "", **run_cell(cell, env)}
+            result = {"status": "ok", "reason": "", **run_cell(cell, env, args.mem_cap_bytes)}
         except Exception as error:  # a failing cell is a result; the batch goes on
             # Also into the launch log: if the other ranks are stuck in a collective, the
             # gather below never completes and the log is where the launcher's timeout looks.
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
-            tail = traceback.format_exc().strip().splitlines()[-TRACEBACK_LINES:]
-            result = {"rank": env.rank, "status": outcome_of(error), "reason": "\n".join(tail)}
+            # The cap's verdict is the whole story; anything else needs its traceback.
+            tail = ([str(error)] if isinstance(error, MemoryCapExceeded)
+                    else traceback.format_exc().strip().splitlines()[-TRACEBACK_LINES:])
+            result = {"rank": env.rank, "status": outcome_of(error), "reason": "\n".join(tail),
+                      "peak_reached_bytes": peak_reached(error, env)}
         per_rank: list[dict | None] = [None] * env.world_size
         dist.all_gather_object(per_rank, result)
         stream.write({"event": "done", "cell_id": cell.cell_id, "per_rank": per_rank})

@@ -75,14 +75,12 @@ def _expand(table: dict) -> list[dict]:
 
 
 def _cell(options: dict, world_size: int) -> CellSpec:
+    from harness import suites  # on use: harness.suites imports this module
+
     strategy = StrategySpec(name=options["strategy"], **{k: options[k] for k in _STRATEGY_OPTIONS if k in options})
     cell_options = {k: options[k] for k in _CELL_OPTIONS if k in options}
     cell_options.setdefault("world_size", world_size)
-    if strategy.name == "single":
-        # The reference takes the whole global batch in one process, as suites._cell does.
-        cell_options["micro_batch"] = cell_options.get("micro_batch", 2) * cell_options["world_size"]
-        cell_options["world_size"] = 1
-    return CellSpec(strategy=strategy, **cell_options)
+    return suites.suite_cell(cell_options.pop("model"), strategy, cell_options.pop("world_size"), **cell_options)
 
 
 def cells(path: Path, world_size: int, nnodes: int = 1) -> list[CellSpec]:

@@ -30,14 +30,18 @@ TORCH_NATIVE = ("single", "ddp", "zero1", "fsdp_full", "fsdp_grad_op", "fsdp_hyb
                 "fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard", "fsdp1_hybrid")
 
 
-def _cell(model: str, strategy: str, world_size: int, **options) -> CellSpec:
-    if strategy == "single":
+def suite_cell(model: str, strategy: StrategySpec, world_size: int, micro_batch: int = MICRO_BATCH,
+               **cell_options) -> CellSpec:
+    """A cell as a suite lists it: ``world_size`` ranks of ``micro_batch`` samples each."""
+    if strategy.name == "single":
         # The reference takes the whole global batch in one process: listed in a suite, it is
         # the very cell the distributed cells are gated against.
-        return CellSpec(model=model, strategy=StrategySpec(name=strategy, **options),
-                        micro_batch=MICRO_BATCH * world_size, world_size=1)
-    return CellSpec(model=model, strategy=StrategySpec(name=strategy, **options),
-                    micro_batch=MICRO_BATCH, world_size=world_size)
+        micro_batch, world_size = micro_batch * world_size, 1
+    return CellSpec(model=model, strategy=strategy, micro_batch=micro_batch, world_size=world_size, **cell_options)
+
+
+def _cell(model: str, strategy: str, world_size: int, **options) -> CellSpec:
+    return suite_cell(model, StrategySpec(name=strategy, **options), world_size)
 
 
 def smoke(world_size: int) -> list[CellSpec]:

@@ -89,11 +89,15 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_launched(tmp_path, args, 
         code = cli.main([*args, "--out", str(tmp_path)] if takes_out else args)
     except SystemExit as exited:  # argparse's own errors
         code = exited.code
-    stderr = capsys.readouterr().err
+    _assert_refused(code, capsys.readouterr().err, message, tmp_path)
+
+
+def _assert_refused(code: int, stderr: str, message: str, out: Path) -> None:
+    """Exit 2, one line on stderr saying ``message``, nothing written under ``out``."""
     assert code == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], stderr
-    assert not (tmp_path / "results").exists()
+    assert not (out / "results").exists()
 
 
 def test_list_shows_the_selection_and_the_references_it_needs():
@@ -165,7 +169,4 @@ def test_bad_input_against_the_gpus_present(tmp_path, capsys, monkeypatch, args,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU 80GB")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * 2**30))
-    assert cli.main(["run", *args, "--out", str(tmp_path)]) == 2
-    stderr = capsys.readouterr().err.strip().splitlines()
-    assert len(stderr) == 1 and message in stderr[0]
-    assert not (tmp_path / "results").exists()
+    _assert_refused(cli.main(["run", *args, "--out", str(tmp_path)]), capsys.readouterr().err, message, tmp_path)

@@ -1,6 +1,7 @@
 """Several nodes on one machine: two node launchers on 127.0.0.1 with one rank each against
-one node with two ranks (same cells ok, same losses bitwise, same peak memory), node 1
-writing nothing under results/, and a world of one refused with the reason in the record."""
+one node with two ranks (same cells ok, same losses bitwise, same peak memory but for frees
+on gloo's threads), node 1 writing nothing under results/, and a world of one refused with
+the reason in the record."""
 
 from __future__ import annotations
 
@@ -68,7 +69,11 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
         other = one_node[cell_id]
         assert record["status"] == other["status"] == "ok", (cell_id, record["reason"])
         assert record["losses"] == other["losses"], cell_id  # bitwise: fp32 on the CPU
-        assert record["metrics"]["peak_mem_bytes"] == other["metrics"]["peak_mem_bytes"], cell_id
+        # Identical, but for buffers freed on gloo's worker threads (memory.py "Frees on another
+        # thread"): a late one moves the peak by at most what the step freed that way.
+        play = max(r["metrics"].get("async_freed_bytes", 0) for r in (record, other))
+        moved = abs(record["metrics"]["peak_mem_bytes"] - other["metrics"]["peak_mem_bytes"])
+        assert moved <= play, (cell_id, moved, play)
         if record["equivalence"] is not None:
             assert record["equivalence"]["passed"]
     assert (tmp_path / "n0" / "results").is_dir()

@@ -49,9 +49,9 @@ ACTIVATIONS_TOL = 0.20  # the formula leaves out small terms (embeddings, final 
 EXACT_TOL = 0.01  # formula and measurement count the same tensors
 
 
-def cell(strategy: str, world_size: int, **options) -> CellSpec:
-    """A claims cell: GPT-2 tiny, fp32 AdamW unless the options vary it."""
-    return dataclasses.replace(suites._cell(MODEL, strategy, world_size, **options), steps=STEPS)
+def cell(strategy: str, world_size: int, attention: str = "sdpa", **options) -> CellSpec:
+    """A claims cell: GPT-2 tiny, fp32 AdamW, SDPA attention unless the options vary it."""
+    return dataclasses.replace(suites._cell(MODEL, strategy, world_size, **options), steps=STEPS, attention=attention)
 
 
 class NotMeasurable(Exception):
@@ -87,8 +87,8 @@ class Readings:
         self._record_of = record_of
         self.world_size = world_size
 
-    def cell(self, strategy: str, **options) -> CellSpec:
-        return cell(strategy, self.world_size, **options)
+    def cell(self, strategy: str, attention: str = "sdpa", **options) -> CellSpec:
+        return cell(strategy, self.world_size, attention, **options)
 
     def record(self, c: CellSpec) -> dict:
         record = self._record_of(c)
@@ -324,6 +324,75 @@ def _selective_70(r: Readings) -> Outcome:
     return Outcome(predicted=0.70, measured=saved, verdict="holds" if ok else "does not hold",
                    reason="" if ok else f"the formula saves {saved:.1%}",
                    details={"no_recompute_bytes_per_layer": none, "selective_bytes_per_layer": selective})
+
+
+def _eager_scores(r: Readings) -> Outcome:
+    from harness import models
+    from harness.predict import analytic
+
+    eager, sdpa = r.cell("ddp", attention="eager"), r.cell("ddp")
+    spec = models.get_preset(eager.model)
+    predicted = (analytic.activation_bytes(eager, spec)["layers"] - analytic.activation_bytes(sdpa, spec)["layers"])
+    measured = _activations_at_peak(r, eager) - _activations_at_peak(r, sdpa)
+    s, b, a = spec.tokens_per_sample, eager.micro_batch, spec.n_heads
+    return _compare(measured, predicted, EXACT_TOL, details={
+        "eager_bytes": _activations_at_peak(r, eager), "sdpa_bytes": _activations_at_peak(r, sdpa),
+        "scores_per_layer_bytes": 4 * a * s * s * b, "logsumexp_per_layer_bytes": 4 * a * s * b,
+        "layers": spec.n_layers})
+
+
+# --- pipeline bubble (no cells) -------------------------------------------------------------------
+
+def _pipeline_bubble(r: Readings) -> Outcome:
+    from harness.config import DEFAULT_PP_MICROBATCHES
+    from harness.predict import analytic
+
+    p, m = r.world_size, DEFAULT_PP_MICROBATCHES
+    return Outcome(
+        predicted=analytic.pipeline_bubble_fraction(p, m), measured=None, verdict="not measurable here",
+        reason=("a bubble is idle time, read from step times: on this shared 2-core CPU host the stages compete"
+                " for the same cores and gloo's point-to-point waits are scheduler noise, so no step time separates"
+                f" the bubble; the formula's value for p = {p}, m = {m} is shown"),
+        details={"stages": p, "microbatches": m,
+                 "bubble_over_ideal": (p - 1) / m,
+                 "interleaved_v2": analytic.pipeline_bubble_fraction(p, m, virtual_stages=2),
+                 "gpipe_4p_microbatches": analytic.pipeline_bubble_fraction(p, 4 * p)})
+
+
+# --- tensor parallelism ---------------------------------------------------------------------------
+
+def _tp_strategy_present() -> bool:
+    """Whether this tree has the tp strategy (harness/strategies/tensor_parallel.py)."""
+    from harness import strategies
+
+    try:
+        strategies.module("tp")
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def _tp_cells(world_size: int) -> list[CellSpec]:
+    return [cell("tp", world_size)] if _tp_strategy_present() else []
+
+
+def _tp_params(r: Readings) -> Outcome:
+    from harness import models
+    from harness.predict import analytic
+
+    c = cell("tp", r.world_size)
+    spec = models.get_preset(c.model)
+    numel, sharded = _layout(c).numel, analytic.tp_sharded_numel(spec)
+    predicted = analytic.tp_model_states(sharded, numel - sharded, r.world_size).params
+    details = {"sharded_numel": sharded, "replicated_numel": numel - sharded, "tp": r.world_size,
+               "unsplit_params_bytes": 4 * numel}
+    if not _tp_strategy_present():
+        return Outcome(predicted=predicted, measured=None, verdict="not measurable here",
+                       reason="the tp strategy (harness/strategies/tensor_parallel.py) is not in this tree", details=details)
+    held = [p["at_optimizer_step_bytes"]["params"] for p in r.record(c)["per_rank"] if p.get("at_optimizer_step_bytes")]
+    if not held:
+        raise NotMeasurable(f"{c.cell_id}: no at_optimizer_step_bytes in the record", failed=True)
+    return _compare(max(held), predicted, EXACT_TOL, details={**details, "per_rank_params_bytes": held})
 
 
 # --- optimizer state ----------------------------------------------------------------------------
@@ -562,6 +631,24 @@ _CLAIMS += [
           formula="(L·per-layer(2 B) + fp32 logits) ÷ (L·per-layer(4 B) + fp32 logits)",
           tolerance=f"±{ACTIVATIONS_TOL:.0%}", unit="bf16 / fp32", judge=_activations_bf16,
           cells=_cells(("ddp", {"precision": "bf16"}), ("ddp", {}))),
+    Claim(claim_id="activations/eager_scores", title="Eager attention keeps the s×s scores; fused attention does not",
+          source=f"{_KORTHIKANTI} §4.1 (the 5as²b term); Dao et al. 2022 (FlashAttention)",
+          published="the a·s² terms of s·b·h·(34 + 5·a·s/h) are the score matrix; fused kernels never store it",
+          formula="L·(v·a·s²·b − 4·a·s·b): the fp32 softmax output eager keeps, less the fp32 log-sum-exp per row"
+                  " SDPA keeps (no dropout: no mask, no dropout output); analytic.activation_bytes eager − sdpa",
+          tolerance=f"±{EXACT_TOL:.0%}", unit="bytes", judge=_eager_scores,
+          cells=_cells(("ddp", {"attention": "eager"}), ("ddp", {}))),
+    Claim(claim_id="pipeline/bubble", title="The pipeline bubble is (p−1)/(m+p−1) of a step",
+          source="Huang et al. 2019 (GPipe); Narayanan et al. 2021 §2.2",
+          published="bubble ÷ ideal time (p−1)/m for GPipe and 1F1B, divided by v when interleaved",
+          formula="analytic.pipeline_bubble_fraction(p, m) = (p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1)",
+          tolerance="n/a (not measured)", unit="fraction of the step", judge=_pipeline_bubble),
+    Claim(claim_id="tensor_parallel/params_split", title="Tensor parallelism divides the split layers' parameters by t",
+          source="Shoeybi et al. 2019 (Megatron-LM) §3",
+          published="column- and row-parallel linear layers hold 1/t of their weights per rank; the rest is replicated",
+          formula="4·(sharded/t + replicated) bytes of fp32 parameters per rank (analytic.tp_model_states,"
+                  " analytic.tp_sharded_numel)",
+          tolerance=f"±{EXACT_TOL:.0%}", unit="bytes", judge=_tp_params, cells=_tp_cells),
     Claim(claim_id="optimizer/adamw8bit_quarter", title="8-bit AdamW state is a quarter of AdamW's 32-bit moments",
           source="Dettmers et al. 2022", published="2 B/param against 8 B/param: 75% less",
           formula="analytic.optimizer_state_bytes: uint8 moments + fp32 absmax per 256 values; tensors < 4,096"

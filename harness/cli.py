@@ -194,6 +194,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         pytest_args += ["--mem-cap-bytes", str(args.mem_cap_bytes)]
     if args.repeat is not None:
         pytest_args += ["--repeat", str(args.repeat)]
+    if args.memory_snapshot:
+        pytest_args += ["--memory-snapshot"]
     if args.out is not None:
         pytest_args += ["--out", str(args.out.resolve())]
     if args.resume is not None:
@@ -417,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--repeat", type=int, default=None,
                      help="trials per cell, in rounds over every cell (default 1; with --resume: the run's own;"
                           " README Repeated runs)")
+    run.add_argument("--memory-snapshot", action="store_true",
+                     help="write each cell's memory-over-time by category (and on CUDA the allocator's snapshot"
+                          " for pytorch.org/memory_viz) to the run folder's memory/; charted in the cell's page")
     run.add_argument("--nnodes", type=int, default=None,
                      help="nodes in the job, one launcher per node (default 1, or SLURM_NNODES); README Several nodes")
     run.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes) (or SLURM_NODEID);"

@@ -19,6 +19,10 @@ Offload = Literal["none", "params", "optimizer", "optimizer_params"]
 Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"]
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
 HsdpMesh = Literal["explicit", "fsdp_default"]
+# transformers' attn_implementation: "eager" materialises the attention scores, "sdpa"
+# calls torch's scaled_dot_product_attention (a fused kernel where the device has one),
+# "flash" is flash_attention_2 (the flash-attn package, CUDA only).
+Attention = Literal["sdpa", "eager", "flash"]
 
 # PowerSGD runs vanilla all-reduce for its first steps (start_powerSGD_iter; 2 is the smallest
 # value it accepts) and allocates its error-feedback state in the first compressed step:
@@ -43,7 +47,20 @@ STRATEGY_NAMES = (
     "fairscale_oss",
     "fairscale_sdp",
     "fairscale_fsdp",
+    "tp",
+    "tp_fsdp",
+    "pp_gpipe",
+    "pp_1f1b",
+    "pp_interleaved_1f1b",
+    "megatron",
+    "cp",
 )
+PIPELINE_STRATEGIES = frozenset({"pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"})
+# Every rank of these takes the same samples: the model (or the sequence) is split, not the batch.
+NO_DATA_PARALLEL = PIPELINE_STRATEGIES | {"tp", "megatron", "cp"}
+# The defaults the options below resolve to where they apply.
+DEFAULT_TP_DEGREE = 2  # tp_fsdp: the inner (tensor-parallel) dimension of its 2-D mesh
+DEFAULT_PP_MICROBATCHES = 4  # pipelines: micro-batches per optimizer step
 
 
 def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
@@ -81,6 +98,12 @@ class StrategySpec:
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
     # shown to catch that pitfall; suites never select it.
     hsdp_mesh: HsdpMesh = "explicit"
+    # tp_fsdp: ranks per tensor-parallel group (the mesh is data-parallel × tensor-parallel).
+    # None resolves to DEFAULT_TP_DEGREE there; "tp" uses every rank.
+    tp_degree: int | None = None
+    # Pipelines: the micro-batches one optimizer step is cut into (each of cell.micro_batch
+    # samples); None resolves to DEFAULT_PP_MICROBATCHES there.
+    pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.name, STRATEGY_NAMES)
@@ -97,6 +120,34 @@ class StrategySpec:
             raise ValueError(f"powersgd_rank={self.powersgd_rank}: applies to compression=powersgd only")
         if self.hsdp_mesh != "explicit" and self.name != "fsdp1_hybrid":
             raise ValueError(f"hsdp_mesh={self.hsdp_mesh!r}: applies to strategy=fsdp1_hybrid only")
+        self._resolve("tp_degree", DEFAULT_TP_DEGREE, self.name == "tp_fsdp", "strategy=tp_fsdp")
+        self._resolve("pp_microbatches", DEFAULT_PP_MICROBATCHES, self.is_pipeline,
+                      f"the pipeline strategies ({', '.join(sorted(PIPELINE_STRATEGIES))})")
+
+    def _resolve(self, option: str, default: int, applies: bool, where: str) -> None:
+        """An option that applies to some strategies only: None becomes ``default`` where it
+        applies; elsewhere any value is refused (it would make a new cell id that changes nothing)."""
+        value = getattr(self, option)
+        if not applies:
+            if value is not None:
+                raise ValueError(f"{option}={value!r}: applies to {where} only")
+            return
+        if value is None:
+            object.__setattr__(self, option, default)  # frozen: set once, here
+        else:
+            _check_positive(option, value)
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.name in PIPELINE_STRATEGIES
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """How many groups of ranks take different samples (the rest of the mesh splits the model)."""
+        if self.name in NO_DATA_PARALLEL:
+            return 1
+        if self.name == "tp_fsdp":
+            return world_size // self.tp_degree
+        return world_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +163,10 @@ class CellSpec:
     warmup: int | None = None
     seed: int = 0
     lr: float = 1e-3
+    # Model structure axes: the attention implementation, and (CUDA) the caching allocator's
+    # expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
+    attention: Attention = "sdpa"
+    expandable_segments: bool = False
     # Steps after warm-up: one memory-tracked, one communication-counted, the rest timed.
     # (Both probes add overhead, so they never share a step with the timer.)
     probe_steps: int = field(default=2, init=False)
@@ -141,6 +196,19 @@ class CellSpec:
             raise ValueError(f"lr={self.lr!r}: must be positive")
         if self.strategy.name == "single" and self.world_size != 1:
             raise ValueError("strategy=single is the one-process reference: world_size must be 1")
+        _check_choice("attention", self.attention, get_args(Attention))
+        if self.attention != "sdpa" and PRESETS[self.model].family == "mlp":
+            raise ValueError(f"attention={self.attention!r}: model {self.model} has no attention; leave it 'sdpa'")
+        if not isinstance(self.expandable_segments, bool):
+            raise ValueError(f"expandable_segments={self.expandable_segments!r}: must be true or false")
+        s = self.strategy
+        if s.name == "tp_fsdp" and (self.world_size % s.tp_degree or self.world_size == s.tp_degree):
+            raise ValueError(f"world_size={self.world_size} with tp_fsdp tp_degree={s.tp_degree}: the world size must"
+                             f" be a multiple of tp_degree with at least 2 data-parallel groups"
+                             f" ({2 * s.tp_degree}, {3 * s.tp_degree}, ...)")
+        if s.is_pipeline and s.accumulation != 1:
+            raise ValueError(f"accumulation={s.accumulation} with {s.name}: a pipeline accumulates over its own"
+                             " micro-batches; set pp_microbatches instead")
 
     @property
     def min_steps(self) -> int:
@@ -153,8 +221,10 @@ class CellSpec:
 
     @property
     def global_batch(self) -> int:
-        """Samples per optimizer step, over all ranks and accumulation micro-steps."""
-        return self.micro_batch * self.world_size * self.strategy.accumulation
+        """Samples per optimizer step, over all data-parallel ranks and micro-steps."""
+        s = self.strategy
+        return (self.micro_batch * s.data_parallel_size(self.world_size) * s.accumulation
+                * (s.pp_microbatches if s.is_pipeline else 1))
 
     @property
     def cell_id(self) -> str:
@@ -171,15 +241,23 @@ class CellSpec:
             parts.append(f"compress_{s.compression}{rank}")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
+        if s.name == "tp_fsdp":
+            parts.append(f"tp{s.tp_degree}")
+        if s.is_pipeline:
+            parts.append(f"pmb{s.pp_microbatches}")
+        if self.attention != "sdpa":
+            parts.append(f"attn_{self.attention}")
+        if self.expandable_segments:
+            parts.append("alloc_expandable")
         parts += [f"mb{self.micro_batch}", f"ws{self.world_size}", f"seed{self.seed}"]
         return "/".join(parts)
 
     def reference(self) -> CellSpec:
         """The single-process run this cell must train identically to.
 
-        Same model, seed, precision, optimizer, data and steps; the whole global batch in one
-        process and one micro-step, no feature that should not change the maths
-        (checkpointing, offload, compression, accumulation).
+        Same model, attention, seed, precision, optimizer, data and steps; the whole global
+        batch in one process and one micro-step, no feature that should not change the maths
+        (checkpointing, offload, compression, accumulation, the allocator's settings).
         """
         return dataclasses.replace(
             self,
@@ -188,6 +266,7 @@ class CellSpec:
             micro_batch=self.global_batch,
             world_size=1,
             warmup=None,  # its own: the warm-up decides which steps are measured, not the losses
+            expandable_segments=False,
         )
 
     def to_dict(self) -> dict:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from typing import get_args
 
-from harness.config import STRATEGY_NAMES, CellSpec, Checkpointing, Compression, Optimizer, Precision
+from harness.config import STRATEGY_NAMES, Attention, CellSpec, Checkpointing, Compression, Optimizer, Precision
 
-MODEL_FAMILIES = ("gpt2", "llama", "bert", "vit", "mlp")
+MODEL_FAMILIES = ("gpt2", "llama", "bert", "vit", "mlp", "moe")
 ACCUMULATION_MARKERS = (1, 2, 4, 8)
 WORLD_SIZE_MARKERS = (1, 2, 4, 8, 16)
 
@@ -49,6 +49,13 @@ STRATEGY_FAMILIES = {
     "fairscale_oss": ("fairscale",),
     "fairscale_sdp": ("fairscale",),
     "fairscale_fsdp": ("fairscale",),
+    "tp": (),
+    "tp_fsdp": ("tp", "fsdp"),
+    "pp_gpipe": ("pp",),
+    "pp_1f1b": ("pp",),
+    "pp_interleaved_1f1b": ("pp",),
+    "megatron": ("tp", "pp"),
+    "cp": (),
 }
 
 CATALOGUE: dict[str, str] = {
@@ -61,6 +68,13 @@ CATALOGUE: dict[str, str] = {
     "zero1": "ZeRO stage 1 in any engine (torch ZeroRedundancyOptimizer, DeepSpeed, FairScale OSS)",
     "zero2": "ZeRO stage 2 in any engine (optimizer state and gradients sharded)",
     "zero3": "ZeRO stage 3 in any engine (optimizer state, gradients and parameters sharded)",
+    "tp": "tensor parallel, alone or in a mesh (strategies tp, tp_fsdp, megatron)",
+    "pp": "any pipeline-parallel strategy (GPipe, 1F1B, interleaved 1F1B; Megatron's pipeline)",
+    **{f"attn_{a}": f"attention implementation {a}" for a in get_args(Attention)},
+    "mha": "multi-head attention (as many key/value heads as query heads)",
+    "gqa": "grouped-query attention (fewer key/value heads than query heads, more than one)",
+    "mqa": "multi-query attention (one key/value head)",
+    "alloc_expandable": "CUDA caching allocator with expandable segments",
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
     **{f"offload_{o}": f"offload: {o}" for o in ("none", "params", "optimizer")},
@@ -82,7 +96,8 @@ def markers_of(cell: CellSpec) -> list[str]:
     from harness.models import get_preset  # models pull in transformers: import on use
 
     s = cell.strategy
-    family = get_preset(cell.model).family
+    spec = get_preset(cell.model)
+    family = spec.family
     # "optimizer_params" offloads both: it carries both markers.
     offload = ["none"] if s.offload == "none" else s.offload.split("_")
     marks = [
@@ -97,11 +112,19 @@ def markers_of(cell: CellSpec) -> list[str]:
         f"compress_{s.compression}",
         f"ws{cell.world_size}",
         family,
+        *([] if family == "mlp" else [f"attn_{cell.attention}", _attention_heads(spec)]),
+        *(["alloc_expandable"] if cell.expandable_segments else []),
     ]
     unknown = [m for m in marks if m not in CATALOGUE]
     if unknown:
         raise ValueError(f"cell {cell.cell_id} has unregistered markers {unknown}")
     return list(dict.fromkeys(marks))  # de-duplicated, order kept (zero1 is its own idea)
+
+
+def _attention_heads(spec) -> str:
+    if spec.kv_heads == spec.n_heads:
+        return "mha"
+    return "mqa" if spec.kv_heads == 1 else "gqa"
 
 
 _KEYWORDS = {"and", "or", "not"}

@@ -44,6 +44,12 @@ def _cell(model: str, strategy: str, world_size: int, **options) -> CellSpec:
     return suite_cell(model, StrategySpec(name=strategy, **options), world_size)
 
 
+def _with_reference(cell: CellSpec) -> list[CellSpec]:
+    """A cell and the reference it is gated against (for strategies whose ranks share samples,
+    the reference is not the suite's usual whole-batch ``single`` cell)."""
+    return [cell.reference(), cell]
+
+
 def smoke(world_size: int) -> list[CellSpec]:
     return [
         _cell("gpt2-tiny", "single", world_size),
@@ -106,6 +112,40 @@ def default(world_size: int) -> list[CellSpec]:
     # The other model families.
     for model, strategy in (("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp")):
         cells += [_cell(model, "single", world_size), _cell(model, strategy, world_size)]
+    cells += model_parallel(world_size)
+    cells += model_structure(world_size)
+    return cells
+
+
+def model_parallel(world_size: int) -> list[CellSpec]:
+    """Tensor and pipeline parallelism (and their unsupported relatives on a CPU host). The
+    2-layer models split only so far: a cell this world size cannot form (llama-tiny's 2
+    key/value heads over 4 ranks, 8 pipeline stages of 2 blocks) is left out, as in ``full``."""
+    candidates = [_cell(model, "tp", world_size) for model in ("gpt2-tiny", "llama-tiny")]
+    if world_size >= 4 and world_size % 2 == 0:  # a 2-D mesh needs two data-parallel groups
+        candidates.append(_cell("llama-tiny", "tp_fsdp", world_size))
+    candidates += [_cell("llama-tiny", schedule, world_size)
+                   for schedule in ("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b")]
+    candidates += [
+        _cell("gpt2-tiny", "pp_1f1b", world_size),  # the tied head across the first and last stage
+        _cell("llama-tiny", "pp_1f1b", world_size, precision="bf16"),
+        # Megatron's local layers compute attention unfused: gated against eager attention.
+        suite_cell("gpt2-tiny", StrategySpec(name="megatron"), world_size, attention="eager"),
+        _cell("llama-tiny", "cp", world_size),
+    ]
+    return [c for cell in candidates if strategies.incompatibility(cell) is None for c in _with_reference(cell)]
+
+
+def model_structure(world_size: int) -> list[CellSpec]:
+    """Attention implementations, key/value head counts, mixture of experts, allocator settings."""
+    cells = []
+    for attention in ("eager", "flash"):
+        cells += [suite_cell("gpt2-tiny", StrategySpec(name=s), world_size, attention=attention)
+                  for s in ("single", "ddp")]
+    cells += [suite_cell("llama-tiny", StrategySpec(name=s), world_size, attention="eager") for s in ("single", "ddp")]
+    for model in ("llama-tiny-mha", "llama-tiny-mqa", "moe-tiny"):
+        cells += [_cell(model, s, world_size) for s in ("single", "ddp", "fsdp_full")]
+    cells += [suite_cell("gpt2-tiny", StrategySpec(name="ddp"), world_size, expandable_segments=True)]
     return cells
 
 

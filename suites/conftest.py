@@ -36,6 +36,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run folder to resume: run only its cells without a kept record, appending to it")
     group.addoption("--retry-failed", action="store_true",
                     help="with --resume: also re-run the cells recorded failed, timeout or oom")
+    group.addoption("--memory-snapshot", action="store_true", default=False,
+                    help="write each cell's memory timeline (and on CUDA the allocator snapshot) to the run folder's memory/")
     # None when not given: a new run runs each cell once, a resumed run as many times as it did.
     group.addoption("--repeat", type=int, default=None,
                     help="run each cell N times, in N interleaved rounds, recording every trial (default 1;"

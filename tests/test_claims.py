@@ -81,10 +81,59 @@ def test_a_deviation_is_explained_only_while_the_claim_does_not_hold():
     assert two_gathers["verdict"] == "holds" and not two_gathers["explained"]
 
 
+# Formula-only claims whose quantity this host cannot measure: they show the formula's value.
+NOT_MEASURED_HERE = {"pipeline/bubble"}
+
+
 @pytest.mark.parametrize("claim_id", [c for c in claims.CLAIMS if not claims.CLAIMS[c].cells(2)])
 def test_formula_only_claims_hold(claim_id):
     record = claims.evaluate(claim_id, lambda c: None, 2)
+    if claim_id in NOT_MEASURED_HERE or (claim_id == "tensor_parallel/params_split"
+                                         and not claims._tp_strategy_present()):
+        assert record["verdict"] == "not measurable here" and not record["cell_failed"], record
+        assert record["predicted"] > 0 and record["reason"], record
+        return
     assert record["verdict"] == "holds", record
+
+
+def test_pipeline_bubble_claim_shows_the_formula():
+    record = claims.evaluate("pipeline/bubble", lambda c: None, 4)
+    assert record["predicted"] == pytest.approx(3 / 7)  # p = 4, m = 4: (p − 1)/(m + p − 1)
+    assert record["details"]["interleaved_v2"] == pytest.approx(3 / 11)
+    assert "2-core CPU host" in record["reason"]
+
+
+def _activations(c, nbytes: int) -> dict:
+    return _record(c, mem_breakdown_bytes={"activations": nbytes})
+
+
+def test_eager_scores_claim_reads_the_difference_of_the_two_cells():
+    eager, sdpa = claims.cell("ddp", 2, attention="eager"), claims.cell("ddp", 2)
+    scores = 2 * (4 * 4 * 32 * 32 * 2 - 4 * 4 * 32 * 2)  # gpt2-tiny: L·(4·a·s²·b − 4·a·s·b), fp32, mb 2
+
+    def run(eager_bytes):
+        by_id = {eager.cell_id: _activations(eager, eager_bytes), sdpa.cell_id: _activations(sdpa, 1_000_000)}
+        return claims.evaluate("activations/eager_scores", lambda c: by_id.get(c.cell_id), 2)
+
+    held = run(1_000_000 + scores)
+    assert (held["verdict"], held["predicted"], held["measured"]) == ("holds", scores, scores)
+    assert run(1_000_000 + 2 * scores)["verdict"] == "does not hold"  # e.g. the pre-softmax scores kept too
+    assert eager.cell_id == "gpt2-tiny/ddp/fp32/ckpt_none/attn_eager/mb2/ws2/seed0"
+
+
+def test_tp_claim_compares_the_params_each_rank_holds():
+    if not claims._tp_strategy_present():
+        pytest.skip("the tp strategy is not in this tree")
+    tp = claims.cell("tp", 2)
+    split = 4 * (99_200 / 2 + 134_912 - 99_200)  # gpt2-tiny: the blocks' linear layers split, the rest whole
+
+    def run(per_rank_params):
+        record = _record(tp)
+        record["per_rank"] = [{"at_optimizer_step_bytes": {"params": b}} for b in per_rank_params]
+        return claims.evaluate("tensor_parallel/params_split", lambda c: record if c.cell_id == tp.cell_id else None, 2)
+
+    assert run([split, split])["verdict"] == "holds"
+    assert run([4 * 134_912] * 2)["verdict"] == "does not hold"  # nothing split
 
 
 def test_claims_suite_end_to_end(tmp_path):

@@ -21,6 +21,10 @@ def cell(**kw) -> CellSpec:
         ({"name": "ddp", "powersgd_rank": -1}, "powersgd_rank=-1"),
         ({"name": "ddp", "powersgd_rank": 4}, "powersgd_rank=4: applies to compression=powersgd only"),
         ({"name": "fsdp1_full", "hsdp_mesh": "fsdp_default"}, "applies to strategy=fsdp1_hybrid only"),
+        ({"name": "tp", "tp_degree": 2}, "tp_degree=2: applies to strategy=tp_fsdp only"),
+        ({"name": "tp_fsdp", "tp_degree": 0}, "tp_degree=0: must be a positive integer"),
+        ({"name": "ddp", "pp_microbatches": 4}, "pp_microbatches=4: applies to the pipeline strategies"),
+        ({"name": "pp_1f1b", "pp_microbatches": -1}, "pp_microbatches=-1: must be a positive integer"),
     ],
 )
 def test_strategy_spec_rejects_bad_values_naming_the_choices(kwargs, message):
@@ -37,6 +41,12 @@ def test_strategy_spec_rejects_bad_values_naming_the_choices(kwargs, message):
         ({"steps": 5}, "steps=5: need at least"),
         ({"lr": 0.0}, "lr=0.0"),
         ({"strategy": StrategySpec(name="single"), "world_size": 2}, "world_size must be 1"),
+        ({"attention": "flash2"}, "attention='flash2': choose one of sdpa, eager, flash"),
+        ({"model": "mlp-tiny", "attention": "eager"}, "model mlp-tiny has no attention"),
+        ({"expandable_segments": "yes"}, "expandable_segments='yes': must be true or false"),
+        ({"strategy": StrategySpec(name="tp_fsdp"), "world_size": 2}, "the world size must be a multiple of tp_degree"),
+        ({"strategy": StrategySpec(name="tp_fsdp", tp_degree=2), "world_size": 6 - 1}, "world_size=5 with tp_fsdp"),
+        ({"strategy": StrategySpec(name="pp_gpipe", accumulation=2)}, "set pp_microbatches instead"),
     ],
 )
 def test_cell_spec_rejects_bad_values(kwargs, message):
@@ -66,6 +76,12 @@ def test_cell_ids_differ_for_every_option_and_round_trip():
         cell(strategy=StrategySpec(name="fsdp1_hybrid")),
         cell(strategy=StrategySpec(name="fsdp1_hybrid", hsdp_mesh="fsdp_default")),
         cell(strategy=StrategySpec(name="fsdp_full", offload="params")),
+        cell(attention="eager"),
+        cell(expandable_segments=True),
+        cell(strategy=StrategySpec(name="tp_fsdp"), world_size=4),
+        cell(strategy=StrategySpec(name="tp_fsdp", tp_degree=4), world_size=8),
+        cell(strategy=StrategySpec(name="pp_1f1b")),
+        cell(strategy=StrategySpec(name="pp_1f1b", pp_microbatches=8)),
     ]
     assert len({c.cell_id for c in variants}) == len(variants)
     for c in variants:
@@ -90,3 +106,26 @@ def test_powersgd_warms_up_past_its_first_compressed_step():
     assert CellSpec.from_dict(powersgd.to_dict()) == powersgd
     with pytest.raises(ValueError, match=r"warmup=2: must be at least 3 \(PowerSGD compresses from step 2 on\)"):
         cell(strategy=StrategySpec(name="ddp", compression="powersgd"), warmup=2)
+
+
+@pytest.mark.parametrize("strategy, world_size, global_batch", [
+    (StrategySpec(name="ddp", accumulation=2), 4, 2 * 4 * 2),
+    (StrategySpec(name="tp"), 4, 2),  # every rank takes the same samples
+    (StrategySpec(name="tp_fsdp"), 8, 2 * 4),  # 4 data-parallel groups of 2 tensor-parallel ranks
+    (StrategySpec(name="pp_gpipe", pp_microbatches=8), 2, 2 * 8),  # the pipeline's micro-batches
+])
+def test_global_batch_counts_data_parallel_groups_and_pipeline_micro_batches(strategy, world_size, global_batch):
+    c = cell(strategy=strategy, world_size=world_size)
+    assert c.global_batch == global_batch
+    assert c.reference().micro_batch == global_batch
+
+
+def test_options_that_apply_resolve_to_their_defaults_and_round_trip():
+    tp_fsdp = StrategySpec(name="tp_fsdp")
+    pipeline = StrategySpec(name="pp_interleaved_1f1b")
+    assert (tp_fsdp.tp_degree, tp_fsdp.pp_microbatches) == (2, None)
+    assert (pipeline.tp_degree, pipeline.pp_microbatches) == (None, 4)
+    eager = cell(strategy=pipeline, attention="eager", expandable_segments=True)
+    assert eager.reference().attention == "eager"  # the same maths as its reference
+    assert eager.reference().expandable_segments is False  # an allocator setting is not maths
+    assert CellSpec.from_dict(eager.to_dict()) == eager

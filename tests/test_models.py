@@ -9,7 +9,8 @@ import torch
 
 from harness.models import PRESETS, ModelSpec, analytic_n_params, build, flops_per_sample, get_preset
 
-TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny"]
+TINY = ["gpt2-tiny", "llama-tiny", "llama-tiny-mha", "llama-tiny-mqa", "bert-tiny", "vit-tiny", "mlp-tiny",
+        "moe-tiny"]
 
 
 def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -77,7 +78,8 @@ def test_block_type_and_counts(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(set(PRESETS) - set(TINY)))
 def test_real_presets_are_sized_without_building(name: str) -> None:
-    expected = {"gpt2-124m": 124_439_808, "llama-1b": 1_235_814_400, "llama3-8b": 8_030_261_248}
+    expected = {"gpt2-124m": 124_439_808, "llama-1b": 1_235_814_400, "llama3-8b": 8_030_261_248,
+                "mixtral-8x7b": 46_702_792_704}
     n = analytic_n_params(PRESETS[name])
     assert n == expected.get(name, n) and n > 50_000_000
 

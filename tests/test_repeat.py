@@ -36,8 +36,9 @@ def test_repeat_runs_interleaved_rounds_records_every_trial_and_resumes_the_miss
     assert json.loads((run_dir / "run.json").read_text())["repeat"] == 2
     # Rounds: the reference first, then the cell, in each; every trial 0 before any trial 1.
     assert order(run_dir) == [(REFERENCE, 0), (CELL, 0), (REFERENCE, 1), (CELL, 1)]
+    # One launch per world size and round, and the run's bandwidth sweep before them.
     assert {p.name for p in (run_dir / "launches").iterdir()} == {
-        launch_dir_name(ws, trial) for ws in (1, 2) for trial in (0, 1)}
+        "bandwidth", *(launch_dir_name(ws, trial) for ws in (1, 2) for trial in (0, 1))}
     records = load_records(run_dir)
     for cell_id in (REFERENCE, CELL):
         trials = [r for r in records if r["cell_id"] == cell_id]

@@ -5,8 +5,8 @@ from harness.config import CellSpec, StrategySpec
 
 
 # Markers the default suite leaves to other suites: world sizes other than its own, the
-# accumulation depths between 1 and 4.
-NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8"}
+# accumulation depths between 1 and 4, and tp_fsdp (a 2-D mesh: from 4 ranks on).
+NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8", "tp_fsdp"}
 
 
 def test_default_suite_covers_every_axis_value():
@@ -24,6 +24,10 @@ def test_every_suite_cell_has_registered_markers_and_is_compatible(suite):
     for c in suites.cells_of(suite, 2):
         assert set(markers.markers_of(c)) <= markers.CATALOGUE.keys()
         assert strategies.incompatibility(c) is None
+
+
+def test_default_suite_at_four_ranks_has_the_2d_mesh():
+    assert any(c.strategy.name == "tp_fsdp" for c in suites.cells_of("default", 4))
 
 
 def test_suite_single_cells_are_the_references_of_the_distributed_ones():

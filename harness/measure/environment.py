@@ -42,6 +42,20 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def nvidia_driver() -> tuple[str | None, str]:
+    """(the NVIDIA driver's version, "") from NVML, or (None, why it is unknown)."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ModuleNotFoundError:
+        return None, "nvidia-ml-py (pynvml) is not installed"
+    try:
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+    except pynvml.NVMLError as error:
+        return None, f"NVML: {error}"
+    return (version.decode() if isinstance(version, bytes) else version), ""
+
+
 def hardware() -> dict:
     info = {
         "machine": platform.machine(),
@@ -56,6 +70,9 @@ def hardware() -> dict:
             info["gpus"].append({"name": props.name, "memory_bytes": props.total_memory})
         info["cuda"] = torch.version.cuda
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["driver"], driver_reason = nvidia_driver()
+        if driver_reason:
+            info["driver_reason"] = driver_reason
     return info
 
 

@@ -7,9 +7,12 @@ zero_grad)::
         step(between_micro_steps=probe.micro_step_boundary)
     mem = probe.result()
 
-The trackers refuse a second forward of the same module in one block; with gradient
+torch's trackers refuse a second forward of the same module in one block; with gradient
 accumulation, call ``probe.micro_step_boundary()`` between micro-steps (it clears the
-per-module statistics, not the step's peak).
+per-module statistics, not the step's peak). A pipeline schedule forwards each stage once
+per micro-batch with backwards in between, inside the harness's one call: the MemTracker used
+here forgets a top-level module's statistics when it is forwarded again (the step's peak,
+which is all this module reads, is left alone).
 
 Measure a step at or after the third: DDP rebuilds its buckets during the first steps and
 the optimizer creates its state on the first ``step()``; choosing that step is the caller's
@@ -31,7 +34,10 @@ Where the numbers come from
   (``reset_peak_memory_stats`` and ``reset_accumulated_memory_stats``), so every number in
   ``cuda`` is for this step alone: ``max_allocated``, ``max_reserved``, ``fragmentation``
   (max_reserved - max_allocated), ``alloc_retries`` (``num_alloc_retries``) and ``num_ooms``;
-  the device is synchronised again after the step. The breakdown still comes from the same
+  the device is synchronised again after the step. ``allocated`` and ``reserved`` are the
+  allocator's holdings when the step ended, ``nvml_used`` what NVML reports used on the whole
+  device then (every process and the CUDA context, via ``torch.cuda.device_memory_used``;
+  None with ``nvml_reason`` when nvidia-ml-py or the driver's NVML is missing). The breakdown still comes from the same
   trackers, their snapshot for ``device`` (the trackers round CUDA storages to the
   allocator's 512-byte blocks);
   whatever the allocator held at its peak that the tracker did not see (tensors from before
@@ -69,10 +75,36 @@ A tensor whose last reference is dropped on a thread other than the step's is fr
 moment the scheduler picks: gloo's worker threads drop a finished collective's buffers (FSDP2's
 all-gather outputs), and a comm hook's ``Future.then`` callbacks run there (PowerSGD's
 bucket-sized buffers). When such a free comes late, the buffer overlaps the step's next
-allocations and the peak is higher by up to its size: 4 of 56 steady PowerSGD steps (+402,944 B)
-on a loaded 2-core host, and 1 of 62 fp32 cells (3.0 KiB) over three rounds of the default suite.
-``async_freed_bytes`` counts the bytes freed that way during the step: how far the peak can
-move from run to run. A cell without any has a peak that does not move.
+allocations and the peak is higher by up to its size: 1 of 62 fp32 cells (FSDP2, 3.0 KiB) over
+three rounds of the default suite. ``async_freed_bytes`` counts the bytes freed that way
+during the step. It bounds that movement, but it is not the only one: the tracker is a
+thread-local dispatch mode, so what a callback *allocates* on gloo's thread is not seen at
+all, and when a future is already complete as ``.then`` is attached the callback runs inline,
+on the step's thread, where it is seen. PowerSGD's error-feedback and P/Q temporaries are
+unseen in most steps and counted in a few (+402,944 B for gpt2-tiny rank 4, in steps whose
+``async_freed_bytes`` is 0: in those the chain ran inline). Making both fixed needs one gloo
+worker thread, a drain after each wait in the tracked step and synchronous PowerSGD
+collectives (measured to give identical peaks; not adopted: private torch APIs, and one
+worker thread deadlocks any callback that waits on a collective).
+
+Timeline (``timeline=True``)
+Every change the tracker makes to its current bytes, in order: ``[seconds since the step
+began, breakdown key, signed bytes]``; the running sum per key is memory over time by
+category, the same on CPU and CUDA. The tracker samples its peak after each op, while the
+timeline also sees what lives between two ops, so its maximum can be above ``peak_bytes``
+(a 2-layer MLP's step: +13 %). A storage whose category changes (an activation that
+becomes a gradient) appears as a minus on one key and a plus on the other. At most
+``TIMELINE_MAX_EVENTS`` are kept (``timeline_truncated`` says so): a big model's step makes
+hundreds of thousands.
+
+Memory between steps (``live_bytes``, for the leak check)
+- CUDA: ``torch.cuda.memory_allocated``: every tensor byte the allocator has handed out.
+- CPU: the bytes of the distinct storages of every CPU tensor the garbage collector tracks
+  (every tensor Python holds, directly or in containers: a list that keeps a tensor per step
+  shows in full). Tensors only C++ holds (DDP's buckets, gloo's buffers) are not seen; they
+  do not grow from step to step unless the library leaks. Not glibc's malloc count: that
+  moves by ±300 KB over five gpt2-tiny steps on 2 gloo ranks (ZeRO-1 +300 KB, FSDP −100 KB)
+  with nothing kept. About 0.1 s per call.
 
 No references to the module, optimizer or their tensors outlive the ``with`` block: the
 result is computed when the block exits and the tracker is dropped then.
@@ -82,6 +114,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,6 +138,7 @@ _CATEGORY = {
     "Activation": "activations",
 }
 
+TIMELINE_MAX_EVENTS = 200_000
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
@@ -122,6 +156,9 @@ class StepMemory:
     at_optimizer_step_bytes: dict[str, int] | None = None
     # Bytes freed during the step on another thread (module docstring): the peak's play.
     async_freed_bytes: int = 0
+    # The step's tracker events (module docstring, "Timeline"); None unless asked for.
+    timeline: list[list] | None = None
+    timeline_truncated: bool = False
 
 
 def _reset_rss_peak() -> bool:
@@ -139,10 +176,26 @@ def _rss_peak() -> int:
     raise RuntimeError("VmHWM missing from /proc/self/status")
 
 
-def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp2: bool,
-                  held: Sequence[torch.Tensor]):
+def _repeated_forward_mem_tracker():
+    """A MemTracker that takes a module forwarded again at the top level within one step (a
+    pipeline stage, once per micro-batch) as a first call, forgetting its per-module
+    statistics; torch's raises "does not support memory tracking for multiple iterative
+    calls". The global peak snapshots this module reads are untouched."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    class RepeatedForwardMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return RepeatedForwardMemTracker()
+
+
+def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp2: bool,
+                  held: Sequence[torch.Tensor]):
     if fsdp2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -151,7 +204,7 @@ def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fs
         return tracker, "FSDPMemTracker"
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    tracker = MemTracker()
+    tracker = _repeated_forward_mem_tracker()
     # ZeroRedundancyOptimizer keeps the real (sharded) state in its local optimizer.
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim
@@ -169,18 +222,115 @@ def _breakdown(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def _cuda_stats(device: torch.device) -> dict[str, int]:
+def nvml_used(device: torch.device) -> tuple[int | None, str]:
+    """(bytes NVML reports used on the whole device, "") or (None, why it cannot say)."""
+    try:
+        return torch.cuda.device_memory_used(device), ""
+    except ModuleNotFoundError:
+        return None, "nvidia-ml-py (pynvml) is not installed"
+    except Exception as error:  # pynvml.NVMLError and the driver's: NVML absent in a container
+        return None, f"NVML: {type(error).__name__}: {error}"
+
+
+def _cuda_stats(device: torch.device) -> dict[str, int | str | None]:
     """The step's allocator numbers for `device` (its stats were reset before the step)."""
     stats = torch.cuda.memory_stats(device)
     allocated = torch.cuda.max_memory_allocated(device)
     reserved = torch.cuda.max_memory_reserved(device)
+    used, nvml_reason = nvml_used(device)
     return {
         "max_allocated": allocated,
         "max_reserved": reserved,
         "fragmentation": reserved - allocated,
         "alloc_retries": stats.get("num_alloc_retries", 0),
         "num_ooms": stats.get("num_ooms", 0),
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "nvml_used": used,
+        "nvml_reason": nvml_reason,
     }
+
+
+# Allocator history entries kept for a CUDA memory snapshot: a step of a 1B model makes
+# tens of thousands; beyond this the oldest are overwritten (a ring buffer).
+HISTORY_MAX_ENTRIES = 500_000
+
+
+@contextmanager
+def cuda_memory_history(pickle_path: Path) -> Iterator[None]:
+    """Record the CUDA caching allocator's history for the block and write its snapshot to
+    ``pickle_path`` in PyTorch's own format (``_dump_snapshot``: a pickle, the file
+    pytorch.org/memory_viz opens; nothing in shardbench loads it). Python frames only: C++
+    frames are symbolised when the snapshot is taken, which can take minutes."""
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES, stacks="python")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(str(pickle_path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _python_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every CPU tensor the garbage collector tracks."""
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which some module proxies
+        # answer with a deprecation warning.
+        if not issubclass(type(obj), torch.Tensor) or obj.device.type != "cpu":
+            continue
+        try:
+            storage = obj.untyped_storage()
+            address = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor) own no storage;
+            continue  # FSDP2 frees an unsharded parameter's by resizing it away
+        if address not in seen:
+            seen.add(address)
+            total += storage.nbytes()
+    return total
+
+
+def live_bytes(device: torch.device) -> int:
+    """Memory held right now (module docstring, "Memory between steps")."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _python_tensor_bytes()
+
+
+class _Timeline:
+    """Records every change the tracker makes to ``device``'s current bytes, as
+    [seconds, breakdown key, signed bytes]; ``_update_snap`` is where every one passes."""
+
+    def __init__(self, tracker, device: torch.device) -> None:
+        self.events: list[list] = []
+        self.truncated = False
+        self._start = time.perf_counter()
+        update_snap = tracker._update_snap
+        snapshots = tracker._curr_mem_snap
+        # What the tracker registered before this (the module and optimizer, at construction).
+        self._record({}, snapshots.get(device, {}))
+
+        def recording_update_snap(u_type, winfo, *args, **kwargs) -> None:
+            if winfo.device != device:
+                update_snap(u_type, winfo, *args, **kwargs)
+                return
+            before = dict(snapshots.get(device, {}))
+            update_snap(u_type, winfo, *args, **kwargs)
+            self._record(before, snapshots.get(device, {}))
+
+        tracker._update_snap = recording_update_snap
+
+    def _record(self, before: dict, after: dict) -> None:
+        at = round(time.perf_counter() - self._start, 6)
+        for category in set(before) | set(after):
+            delta = after.get(category, 0) - before.get(category, 0)
+            if delta and category != "Total":
+                if len(self.events) >= TIMELINE_MAX_EVENTS:
+                    self.truncated = True
+                    return
+                key = _CATEGORY.get(str(getattr(category, "value", category)), "other")
+                self.events.append([at, key, delta])
 
 
 class _AsyncFrees:
@@ -232,7 +382,7 @@ class MemoryProbe:
 @contextmanager
 def track_step_memory(
     module: nn.Module, optimizer: torch.optim.Optimizer | None, *, fsdp2: bool,
-    device: torch.device, held: Sequence[torch.Tensor] = (),
+    device: torch.device, held: Sequence[torch.Tensor] = (), timeline: bool = False,
 ) -> Iterator[MemoryProbe]:
     """Track one training step computed on `device`; ``probe.result()`` gives its StepMemory.
 
@@ -242,6 +392,8 @@ def track_step_memory(
 
     CPU vs CUDA follows `device`, not where the parameters live. A bare "cuda" means the
     current CUDA device (the trackers key their snapshots by an indexed device).
+
+    ``timeline``: also record the step's events (module docstring, "Timeline").
     """
     device = torch.device(device)
     on_cuda = device.type == "cuda"
@@ -249,6 +401,7 @@ def track_step_memory(
         device = torch.device("cuda", torch.cuda.current_device())
     tracker, name = _make_tracker(module, optimizer, fsdp2, held)
     async_frees = _AsyncFrees(tracker)
+    events = _Timeline(tracker, device) if timeline else None
     probe = MemoryProbe(tracker, device)
     rss_ok = _reset_rss_peak()
     if on_cuda:
@@ -267,6 +420,7 @@ def track_step_memory(
     # collecting here, while the model is still alive, lets the caller free it by refcount.
     del tracker, probe._tracker
     gc.collect()
+    recorded = {} if events is None else {"timeline": events.events, "timeline_truncated": events.truncated}
 
     if on_cuda:
         torch.cuda.synchronize(device)
@@ -278,9 +432,11 @@ def track_step_memory(
         breakdown["other"] += untracked
         probe._result = StepMemory(peak_bytes=cuda["max_allocated"], breakdown_bytes=breakdown,
                                    rss_peak_bytes=rss, cuda=cuda, tracker="cuda",
-                                   at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes)
+                                   at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes,
+                                   **recorded)
     else:
         breakdown = _breakdown(peaks.get(torch.device("cpu"), {"Total": 0}))
         probe._result = StepMemory(peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
                                    rss_peak_bytes=rss, cuda=None, tracker=name,
-                                   at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes)
+                                   at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes,
+                                   **recorded)

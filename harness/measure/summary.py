@@ -16,6 +16,10 @@
 - tflops_per_rank: model FLOPs (PaLM formula, no recomputation counted) per rank per second.
 - mfu: only against a known peak for the detected device; None otherwise, never a guess.
   mfu_suspect is set when it exceeds 1: a measuring error, not a fast run.
+- memory_growth_bytes: the most any rank's held memory grew from the first timed step to
+  the last (worker.py, measure/memory.py ``live_bytes``); more than 0 is a leak: both
+  measures (CUDA's allocator count, the CPU tensor bytes Python holds) stay put from step to
+  step unless something is kept.
 - comm_*: counted on rank 0's comm step; every rank runs the same collectives. busbw_gbps
   per op by the nccl-tests factors (on gloo, time includes waiting for the peer).
 """
@@ -26,6 +30,7 @@ from harness.config import CellSpec
 from harness.measure.comm import busbw_factor
 from harness.measure.memory import BREAKDOWN_KEYS
 from harness.measure.timing import median_iqr
+
 
 
 def _with_busbw(comm_by_op: dict, world_size: int) -> dict:
@@ -46,6 +51,11 @@ def _at_optimizer_step(per_rank: list[dict]) -> dict | None:
     return min(held, key=lambda b: sum(b.values())) if held else None
 
 
+def memory_growth(per_rank: list[dict]) -> int | None:
+    """The most any rank's held memory grew over the timed steps; None where unmeasured."""
+    return max((r["memory_growth_bytes"] for r in per_rank if r.get("memory_growth_bytes") is not None), default=None)
+
+
 def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float | None) -> dict:
     peak_rank = max(per_rank, key=lambda r: r["peak_mem_bytes"])
     slowest_per_step = [max(times) for times in zip(*(r["step_times_s"] for r in per_rank))]
@@ -61,6 +71,7 @@ def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float |
         "rss_peak_bytes": max((r["rss_peak_bytes"] or 0) for r in per_rank) or None,
         "at_optimizer_step_bytes": _at_optimizer_step(per_rank),
         "async_freed_bytes": max(r.get("async_freed_bytes", 0) for r in per_rank),
+        "memory_growth_bytes": memory_growth(per_rank),
         "step_time_s": step_time,
         "step_time_iqr_s": step_iqr,
         "samples_per_s": samples_per_s,
@@ -88,6 +99,14 @@ def per_rank_view(per_rank: list[dict]) -> list[dict]:
             "memory_tracker": r["memory_tracker"],
             "at_optimizer_step_bytes": r.get("at_optimizer_step_bytes"),
             "async_freed_bytes": r.get("async_freed_bytes"),
+            "memory_growth_bytes": r.get("memory_growth_bytes"),
+            "memory_growth_steps": r.get("memory_growth_steps"),
+            "live_bytes_measure": r.get("live_bytes_measure"),
+            "memory_timeline": r.get("memory_timeline"),
+            "memory_snapshot": r.get("memory_snapshot"),
+            "memory_snapshot_reason": r.get("memory_snapshot_reason"),
+            "expandable_segments": r.get("expandable_segments"),
+            "float32_matmul_precision": r.get("float32_matmul_precision"),
             "step_time_s": median,
             "step_time_iqr_s": iqr,
             "step_times_s": r["step_times_s"],

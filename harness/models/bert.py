@@ -7,7 +7,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM
 from transformers.models.bert.modeling_bert import BertLayer
 
-from .common import ParamCount, hf_loss, linear
+from .common import ParamCount, hf_attention, hf_loss, linear
 from .spec import ModelSpec
 
 BLOCK_TYPE = BertLayer
@@ -16,7 +16,7 @@ MASK_FRACTION = 0.15  # BERT's masking rate
 TYPE_VOCAB = 2  # segment A / B
 
 
-def build_module(spec: ModelSpec) -> nn.Module:
+def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     config = BertConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden, num_hidden_layers=spec.n_layers,
         num_attention_heads=spec.n_heads, intermediate_size=spec.ffn,
@@ -24,7 +24,7 @@ def build_module(spec: ModelSpec) -> nn.Module:
         # Dropout draws from each rank's RNG, which would break equality with the 1-process run.
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         pad_token_id=0,
-        attn_implementation="sdpa",
+        attn_implementation=hf_attention(attention),
     )
     return BertForMaskedLM(config)
 

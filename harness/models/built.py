@@ -9,11 +9,12 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from . import bert, gpt2, llama, mlp, vit
+from . import bert, gpt2, llama, mlp, moe, vit
 from .spec import ModelSpec
 
 # Each family file provides BLOCK_TYPE, build_module, make_batch, loss and count_params.
-_FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "mlp": mlp}
+_FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "mlp": mlp,
+                                    "moe": moe}
 
 
 def analytic_n_params(spec: ModelSpec) -> int:
@@ -29,6 +30,12 @@ def flops_per_sample(spec: ModelSpec) -> float:
     class token are left out, while the LM head (gpt2, llama, BERT's MLM decoder) is always in,
     V*h, whether or not its weight is tied to the token table: it is a V x h matmul in every
     forward either way, so a tied and an untied model of the same sizes have the same FLOPs.
+    For moe, N counts the ACTIVE parameters, those a token passes through: attention, norms,
+    the router (h x n_experts) and top_k of the n_experts experts per layer, so
+    N = total - lookups - n_layers * (n_experts - top_k) * 3*h*ffn (Mixtral-8x7B: 12.9B of
+    46.7B). It is what the hardware computes when every token goes to exactly top_k experts,
+    as in Mixtral (no capacity limit, no dropped tokens); the routing itself (softmax, top-k,
+    gather/scatter of tokens) is not a matmul and is left out.
     The causal mask is NOT credited with halving the attention term, as in torchtitan. For mlp
     (no attention, one "token" per sample) this is 6*N.
     """
@@ -100,14 +107,15 @@ class BuiltModel:
         return _FAMILIES[self.spec.family].loss(module, batch)
 
 
-def build(spec: ModelSpec, *, seed: int = 0) -> BuiltModel:
-    """Build on CPU with weights that depend on `seed` only, identical on every rank."""
+def build(spec: ModelSpec, *, seed: int = 0, attention: str = "sdpa") -> BuiltModel:
+    """Build on CPU with weights that depend on `seed` only, identical on every rank.
+    ``attention``: CellSpec.attention (which kernel, not which weights)."""
     family = _FAMILIES[spec.family]
     # Models are initialised on CPU, so the CPU generator is all that is seeded; fork_rng
     # restores it afterwards, leaving the caller's RNG (and any CUDA RNG) untouched.
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        module = family.build_module(spec)
+        module = family.build_module(spec, attention)
     config = getattr(module, "config", None)
     return BuiltModel(
         spec=spec,

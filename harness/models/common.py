@@ -18,18 +18,38 @@ class ParamCount(NamedTuple):
     # A LM head whose weight is the token table: counted once above (inside `embedding`), but
     # it is a V x h matmul in every forward all the same, so it is credited with FLOPs.
     tied_head: int = 0
+    # Parameters a token does not pass through: in a mixture of experts, the experts it is not
+    # routed to. Counted in `total` (they are held and trained), not in the FLOPs.
+    inactive: int = 0
 
     @property
     def matmul(self) -> int:
-        """N of the PaLM FLOPs formula: every parameter but the lookups, the LM head included.
+        """N of the PaLM FLOPs formula: every parameter a token passes through but the lookups,
+        the LM head included.
 
-        Tied or untied, a LM head adds the same V*h here.
+        Tied or untied, a LM head adds the same V*h here; a mixture of experts counts its
+        router and the top_k experts a token is routed to, not the others.
         """
-        return self.total - self.embedding + self.tied_head
+        return self.total - self.embedding + self.tied_head - self.inactive
+
+
+# CellSpec.attention -> transformers' attn_implementation.
+_HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+
+
+def hf_attention(attention: str) -> str:
+    return _HF_ATTENTION[attention]
 
 
 def linear(n_in: int, n_out: int, bias: bool = True) -> int:
     return n_in * n_out + (n_out if bias else 0)
+
+
+def grouped_query_attention_params(spec: ModelSpec) -> int:
+    """q and o over all heads, k and v over the key/value heads; no biases (Llama, Mixtral)."""
+    d = spec.head_dim
+    return (linear(spec.hidden, spec.n_heads * d, False) + 2 * linear(spec.hidden, spec.kv_heads * d, False)
+            + linear(spec.n_heads * d, spec.hidden, False))
 
 
 def causal_lm_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:

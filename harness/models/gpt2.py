@@ -6,7 +6,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from .common import ParamCount, causal_lm_batch, hf_loss, linear
+from .common import ParamCount, causal_lm_batch, hf_attention, hf_loss, linear
 from .spec import ModelSpec
 
 BLOCK_TYPE = GPT2Block
@@ -14,7 +14,7 @@ make_batch = causal_lm_batch
 loss = hf_loss
 
 
-def build_module(spec: ModelSpec) -> nn.Module:
+def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     config = GPT2Config(
         vocab_size=spec.vocab_size, n_positions=spec.seq_len, n_embd=spec.hidden,
         n_layer=spec.n_layers, n_head=spec.n_heads, n_inner=spec.ffn,
@@ -22,7 +22,7 @@ def build_module(spec: ModelSpec) -> nn.Module:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
         bos_token_id=None, eos_token_id=None,  # the defaults (50256) lie outside tiny vocabularies
-        attn_implementation="sdpa",
+        attn_implementation=hf_attention(attention),
     )
     module = GPT2LMHeadModel(config)
     # HF picks the loss from the class name, and "LMHeadModel" names none: it would warn and

@@ -6,7 +6,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from .common import ParamCount, causal_lm_batch, hf_loss, linear
+from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_attention, hf_loss, linear
 from .spec import ModelSpec
 
 BLOCK_TYPE = LlamaDecoderLayer
@@ -14,7 +14,7 @@ make_batch = causal_lm_batch
 loss = hf_loss
 
 
-def build_module(spec: ModelSpec) -> nn.Module:
+def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     config = LlamaConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn,
         num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
@@ -22,15 +22,14 @@ def build_module(spec: ModelSpec) -> nn.Module:
         tie_word_embeddings=spec.tie_embeddings,
         use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
         bos_token_id=None, eos_token_id=None,  # the defaults lie outside tiny vocabularies
-        attn_implementation="sdpa",
+        attn_implementation=hf_attention(attention),
     )
     return LlamaForCausalLM(config)
 
 
 def count_params(spec: ModelSpec) -> ParamCount:
-    h, f, d = spec.hidden, spec.ffn, spec.head_dim
-    attention = linear(h, spec.n_heads * d, False) + 2 * linear(h, spec.kv_heads * d, False) \
-        + linear(spec.n_heads * d, h, False)
+    h, f = spec.hidden, spec.ffn
+    attention = grouped_query_attention_params(spec)
     block = h + attention + h + 3 * linear(h, f, False)  # two RMSNorms, SwiGLU gate/up/down
     embedding = spec.vocab_size * h
     # The LM head is a V x h matmul either way: untied it has its own parameters; tied it has

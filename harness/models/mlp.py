@@ -26,7 +26,8 @@ class MLPBlock(nn.Module):
 BLOCK_TYPE = MLPBlock
 
 
-def build_module(spec: ModelSpec) -> nn.Module:
+def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
+    # No attention to implement: CellSpec refuses anything but the default for mlp.
     blocks = [MLPBlock(spec.hidden, spec.ffn) for _ in range(spec.n_layers)]
     return nn.Sequential(*blocks, nn.LayerNorm(spec.hidden), nn.Linear(spec.hidden, spec.num_classes))
 

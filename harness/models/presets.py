@@ -10,6 +10,10 @@ _SPECS = [
     # Tiny: for tests and CPU smoke runs.
     ModelSpec(name="gpt2-tiny", family="gpt2", **_TINY_TEXT),
     ModelSpec(name="llama-tiny", family="llama", n_kv_heads=2, **_TINY_TEXT),  # GQA
+    ModelSpec(name="llama-tiny-mha", family="llama", n_kv_heads=4, **_TINY_TEXT),  # a k/v head per query head
+    ModelSpec(name="llama-tiny-mqa", family="llama", n_kv_heads=1, **_TINY_TEXT),  # one k/v head for all
+    ModelSpec(name="moe-tiny", family="moe", n_kv_heads=2, n_experts=4, top_k=2, ffn_hidden=64,
+              **_TINY_TEXT),
     ModelSpec(name="bert-tiny", family="bert", **_TINY_TEXT),
     ModelSpec(name="vit-tiny", family="vit", n_layers=2, hidden=64, n_heads=4,
               image_size=32, patch_size=8, num_classes=10),
@@ -23,6 +27,10 @@ _SPECS = [
               ffn_hidden=8192, seq_len=2048, vocab_size=128256, tie_embeddings=True),  # Llama-3.2-1B
     ModelSpec(name="llama3-8b", family="llama", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
               ffn_hidden=14336, seq_len=8192, vocab_size=128256),
+    # Mixtral-8x7B-v0.1's sizes (46.7B parameters, 12.9B active); its context is 32768 tokens,
+    # planned here at 4096 per sample. Planning only (meta device): never built for real in tests.
+    ModelSpec(name="mixtral-8x7b", family="moe", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
+              ffn_hidden=14336, seq_len=4096, vocab_size=32000, n_experts=8, top_k=2),
     ModelSpec(name="bert-base", family="bert", n_layers=12, hidden=768, n_heads=12,
               seq_len=512, vocab_size=30522),
     ModelSpec(name="vit-base", family="vit", n_layers=12, hidden=768, n_heads=12,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-Family = Literal["gpt2", "llama", "bert", "vit", "mlp"]
+Family = Literal["gpt2", "llama", "bert", "vit", "mlp", "moe"]
 
 # Size fields each family needs; any other optional size field must stay None, so a spec
 # never carries a number that silently does nothing.
@@ -15,6 +15,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "bert": ("n_heads", "seq_len", "vocab_size"),
     "vit": ("n_heads", "image_size", "patch_size", "num_classes"),
     "mlp": ("num_classes",),
+    "moe": ("n_heads", "seq_len", "vocab_size", "n_experts", "top_k"),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
     "gpt2": ("ffn_hidden",),
@@ -22,9 +23,10 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "bert": ("ffn_hidden",),
     "vit": ("ffn_hidden",),
     "mlp": ("ffn_hidden",),
+    "moe": ("ffn_hidden", "n_kv_heads"),
 }
 _SIZES = ("n_heads", "n_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
-          "image_size", "patch_size", "num_classes")
+          "image_size", "patch_size", "num_classes", "n_experts", "top_k")
 
 VIT_CHANNELS = 3  # RGB images
 
@@ -42,13 +44,15 @@ class ModelSpec:
     n_layers: int
     hidden: int
     n_heads: int | None = None  # every family but mlp
-    n_kv_heads: int | None = None  # llama only (grouped-query attention); None = n_heads
-    ffn_hidden: int | None = None  # None = 4 * hidden; llama: its 8/3 * hidden rule
+    n_kv_heads: int | None = None  # llama, moe (grouped-query attention); None = n_heads
+    ffn_hidden: int | None = None  # None = 4 * hidden; llama, moe: the 8/3 * hidden rule (moe: per expert)
     seq_len: int | None = None  # gpt2, llama, bert
     vocab_size: int | None = None  # gpt2, llama, bert
     image_size: int | None = None  # vit
     patch_size: int | None = None  # vit
     num_classes: int | None = None  # vit, mlp
+    n_experts: int | None = None  # moe: experts per layer
+    top_k: int | None = None  # moe: experts each token is routed to
     tie_embeddings: bool = False  # llama only (Llama-3.2-1B ties); gpt2 and bert always tie
 
     def __post_init__(self) -> None:
@@ -77,6 +81,9 @@ class ModelSpec:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
         if self.family == "vit" and self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
+        if self.top_k is not None and self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be at most n_experts={self.n_experts}:"
+                             f" a token is routed to top_k distinct experts")
 
     @property
     def head_dim(self) -> int:
@@ -91,7 +98,7 @@ class ModelSpec:
         """The resolved MLP width."""
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        if self.family == "llama":
+        if self.family in ("llama", "moe"):
             # Llama's SwiGLU rule: 2/3 of 4*hidden, rounded up to a multiple of 256.
             return -(-(8 * self.hidden // 3) // 256) * 256
         return 4 * self.hidden

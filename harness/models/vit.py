@@ -7,14 +7,14 @@ from torch import nn
 from transformers import ViTConfig, ViTForImageClassification
 from transformers.models.vit.modeling_vit import ViTLayer
 
-from .common import ParamCount, hf_loss, linear
+from .common import ParamCount, hf_attention, hf_loss, linear
 from .spec import VIT_CHANNELS, ModelSpec
 
 BLOCK_TYPE = ViTLayer
 loss = hf_loss
 
 
-def build_module(spec: ModelSpec) -> nn.Module:
+def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     config = ViTConfig(
         hidden_size=spec.hidden, num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
         intermediate_size=spec.ffn, image_size=spec.image_size, patch_size=spec.patch_size,
@@ -23,7 +23,7 @@ def build_module(spec: ModelSpec) -> nn.Module:
         problem_type="single_label_classification",
         # Dropout draws from each rank's RNG, which would break equality with the 1-process run.
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa",
+        attn_implementation=hf_attention(attention),
     )
     return ViTForImageClassification(config)
 

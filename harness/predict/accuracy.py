@@ -55,12 +55,15 @@ def _comparison(predicted_total: float, measured_total: float | None, predicted:
 def compare(predicted: dict, metrics: dict) -> dict:
     """Ratios of a measured cell: {target: {ratio, within_target, off} | None}.
 
-    None where a side is missing (no trace for this strategy, no state snapshot)."""
+    None where a side is missing (no trace for this strategy, no analytic model for it
+    (``{"unavailable": reason}``), no state snapshot)."""
     a, traced = predicted["analytic"], predicted["traced"]
     out: dict[str, dict | None] = dict.fromkeys(TARGETS)
     if "peak_bytes" in traced:
         out["traced_peak"] = _comparison(traced["peak_bytes"], metrics["peak_mem_bytes"],
                                          traced["breakdown_bytes"], metrics["mem_breakdown_bytes"])
+    if "unavailable" in a:
+        return out
     held = metrics.get("at_optimizer_step_bytes")
     if held:
         states = a["model_states_bytes"]
@@ -104,4 +107,7 @@ def report(records: list[dict]) -> tuple[str, bool]:
                      f" worst {worst['ratio']:.3f} ({worst_record['cell_id']})")
         for r, c in missed:
             lines.append(f"  MISS {r['cell_id']}: ratio {c['ratio']:.3f}; furthest off: {c['off']}")
+    for r in measured:
+        if "unavailable" in r["predicted"]["analytic"]:
+            lines.append(f"skipped (analytic) {r['cell_id']}: {r['predicted']['analytic']['unavailable']}")
     return "\n".join(lines), all_met

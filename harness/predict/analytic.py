@@ -86,7 +86,9 @@ def _check_stage(stage: int) -> None:
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, ffn: int | None = None,
                                mlp: str = "gelu", value_bytes: int = 2, dropout: bool = True,
                                fused_attention: bool = False, checkpointing: str = "none",
-                               tensor_parallel: int = 1, sequence_parallel: bool = False) -> float:
+                               tensor_parallel: int = 1, sequence_parallel: bool = False,
+                               kv_heads: int | None = None, experts_per_token: int = 1,
+                               router_experts: int = 0) -> float:
     """Activation bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
@@ -109,7 +111,13 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         the kept Q, K, V, leaving 34sbh with dropout;
       - ``tensor_parallel=t`` divides the terms computed inside the TP region (24sbh and
         the score terms) by t; ``sequence_parallel`` also the LayerNorm and dropout terms
-        (the remaining 10sbh), giving the table's 34sbh/t.
+        (the remaining 10sbh), giving the table's 34sbh/t;
+      - ``kv_heads`` (grouped-query attention, Ainslie et al. 2023; multi-query, Shazeer
+        2019): K and V are kv_heads/heads as wide as Q, so their terms (2sbh of the paper's
+        Q, K and V 6sbh at 2 bytes) scale by kv_heads/heads;
+      - ``experts_per_token=k`` (a mixture of experts routing every token to k experts, no
+        token dropped: Mixtral, Jiang et al. 2024) keeps the MLP terms k times, and
+        ``router_experts=E`` adds the router's fp32 logits, 4·s·b·E.
     With every default (GPT, 16-bit, dropout, unfused, no recompute, t = 1) this is exactly
     the paper's s·b·h·(34 + 5·a·s/h).
     Korthikanti's "selective" is not the harness's selective policy (which saves every
@@ -124,9 +132,10 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     sbh = s * b * h
     if checkpointing == "full":
         return v * sbh / (t if sequence_parallel else 1)
+    kv_share = (kv_heads or a) / a
     # Inside the tensor-parallel region (divided by t).
-    qk = 2 * v * sbh  # Q and K, the inputs of the score matmul
-    value_in = v * sbh  # V
+    qk = v * sbh * (1 + kv_share)  # Q and K, the inputs of the score matmul
+    value_in = v * sbh * kv_share  # V
     proj_in = v * sbh  # input of the output projection
     if fused_attention:
         scores = 4.0 * a * s * b  # the kernel's fp32 log-sum-exp per row, no s×s matrix
@@ -134,11 +143,12 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         scores = 0.0  # the attention core is recomputed from Q, K, V
     else:  # softmax output; with dropout also its mask and output
         scores = (v + (1 + v if dropout else 0)) * a * s * s * b
-    mlp_kept = (2 if mlp == "gelu" else 4) * v * s * b * f
+    mlp_kept = (2 if mlp == "gelu" else 4) * v * s * b * f * experts_per_token
     inside = qk + value_in + proj_in + scores + mlp_kept
     # Outside it (divided by t only with sequence parallelism): the inputs of the QKV and
     # the first MLP matmul, the two LayerNorm inputs, the two dropout masks.
-    outside = v * sbh + v * sbh + 2 * v * sbh + 2 * mask * sbh
+    # The router (replicated, like the LayerNorms) keeps its fp32 logits.
+    outside = v * sbh + v * sbh + 2 * v * sbh + 2 * mask * sbh + 4.0 * s * b * router_experts
     return inside / t + outside / (t if sequence_parallel else 1)
 
 
@@ -210,6 +220,116 @@ def model_flops_per_step(batch: int, layers: int, seq: int, hidden: int, vocab: 
     of s/(6h)."""
     attention = seq / (3 * hidden) if selective_recompute else seq / (6 * hidden)
     return 72 * batch * layers * seq * hidden**2 * (1 + attention + vocab / (12 * hidden * layers))
+
+
+# --- tensor parallelism ---------------------------------------------------------------------
+
+def tp_model_states(sharded: float, replicated: float, tp: int, *, data_parallel: int = 1, param_bytes: float = 4,
+                    grad_bytes: float = 4, optimizer_bytes: float = 8) -> ModelStates:
+    """Model-state bytes per rank under tensor parallelism (Shoeybi et al. 2019, Megatron-LM
+    §3): the column- and row-parallel linear layers' ``sharded`` parameters are split over the
+    ``tp`` ranks of a group, the rest (LayerNorms, row-parallel biases, embeddings unless
+    vocabulary-parallel) is ``replicated`` on each; every state follows its parameter.
+    ``data_parallel=N_d`` then shards each rank's part over N_d ranks, as FSDP / ZeRO-3 does
+    (2-D TP × FSDP, torchtitan): (sharded/t + replicated)·(2 + 2 + K)/N_d in ZeRO's terms.
+    Defaults: fp32 AdamW, 4 + 4 + 8 bytes per parameter."""
+    if tp < 1 or data_parallel < 1:
+        raise ValueError(f"tp={tp}, data_parallel={data_parallel}: both must be at least 1")
+    local = (sharded / tp + replicated) / data_parallel
+    return ModelStates(params=local * param_bytes, grads=local * grad_bytes, optimizer=local * optimizer_bytes)
+
+
+def tp_all_reduce_bytes(batch: int, seq: int, hidden: int, layers: int, *, value_bytes: float = 4) -> float:
+    """Bytes all-reduced per rank per forward + backward under Megatron tensor parallelism
+    (Shoeybi et al. 2019, §3, Fig. 4): each transformer block has two all-reduces in forward
+    (the g operator after the attention's row-parallel output projection and after the MLP's
+    row-parallel second linear) and two in backward (the f operator before the column-parallel
+    QKV and first MLP linear), each of the b·s·h activation: 4·L·b·s·h values."""
+    return 4 * layers * batch * seq * hidden * value_bytes
+
+
+# --- pipeline parallelism ---------------------------------------------------------------------
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def pipeline_bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The share of a pipeline step each rank idles, (p−1)/(v·m + p−1).
+
+    GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush; Narayanan et al. 2021, §2.2.1) idle
+    (p−1)·(t_f + t_b) in a step of m·(t_f + t_b) work: bubble ÷ ideal = (p−1)/m, a fraction
+    (p−1)/(m+p−1) of the step. The interleaved schedule with v model chunks per rank
+    (Narayanan et al. 2021, §2.2.2) divides the bubble by v: (p−1)/(v·m) of the ideal time,
+    (p−1)/(v·m + p−1) of the step."""
+    if min(stages, microbatches, virtual_stages) < 1:
+        raise ValueError(f"stages={stages}, microbatches={microbatches}, virtual_stages={virtual_stages}:"
+                         " each must be at least 1")
+    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
+
+
+def pipeline_first_stage_layer_activations(schedule: str, layers: int, stages: int, microbatches: int,
+                                           virtual_stages: int = 1) -> float:
+    """Activations the first stage holds at its peak, in units of one layer's activations for
+    one micro-batch (multiply by ``activation_bytes_per_layer``).
+
+    - gpipe: every micro-batch's forward runs before any backward: m·L/p (Huang et al. 2019);
+    - 1f1b: at most p micro-batches in flight on the first stage: min(p, m)·L/p, i.e. L layers'
+      worth whatever p (Narayanan et al. 2021 §2.2.1; Korthikanti et al. 2022 §4.2.3);
+    - interleaved_1f1b: Megatron's schedule runs (p−1)·2 + (v−1)·p warm-up chunk forwards on
+      rank 0, and one more in steady state, each chunk L/(p·v) layers: with m ≥ p that is
+      L·(1 + (p−1)/(p·v)), Korthikanti et al. 2022 §4.2.3's interleaving factor."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    p, m, v = stages, microbatches, virtual_stages
+    if schedule == "gpipe":
+        return m * layers / p
+    if schedule == "1f1b":
+        return min(p, m) * layers / p
+    in_flight_chunks = min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+    return in_flight_chunks * layers / (p * v)
+
+
+def pipeline_stage_layers(layers: int, stages: int) -> list[int]:
+    """Consecutive blocks per stage (GPipe, Huang et al. 2019), as evenly as they go; the
+    remainder goes to the middle stages first, then the first, then the last (the first also
+    embeds, the last also runs the LM head), as harness/strategies/pipeline.py splits."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"stages={stages}: between 1 and the {layers} layers")
+    base, extra = divmod(layers, stages)
+    preference = [*range(1, stages - 1), 0, stages - 1][:extra]
+    return [base + (i in preference) for i in range(stages)]
+
+
+def pipeline_stage_params(block: int, layers: int, stages: int, *, first: int, last: int) -> list[int]:
+    """Parameters each pipeline stage holds: its blocks (``pipeline_stage_layers``), the
+    embeddings (``first``) on the first stage, the final norm and LM head (``last``) on the
+    last. Each stage's optimizer steps its own, so its model states follow from these."""
+    params = [n * block for n in pipeline_stage_layers(layers, stages)]
+    params[0] += first
+    params[-1] += last
+    return params
+
+
+def pipeline_p2p_bytes(batch: int, seq: int, hidden: int, microbatches: int, *, neighbours: int,
+                       value_bytes: float = 4) -> float:
+    """Bytes a stage sends (and as many it receives) per step: each micro-batch's b·s·h
+    activation forward and its gradient backward, over each of its ``neighbours`` (1 for the
+    first and last stage, 2 between) (Huang et al. 2019; Narayanan et al. 2021 §3)."""
+    return microbatches * batch * seq * hidden * value_bytes * neighbours
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+
+def moe_params(*, shared: int, expert: int, n_experts: int, top_k: int, layers: int) -> tuple[int, int]:
+    """(total, active) parameters of a mixture of experts: every expert is held and trained,
+    a token passes through top_k of them per layer (Shazeer et al. 2017; Fedus et al. 2022,
+    Switch Transformers; Mixtral, Jiang et al. 2024: 46.7B total, 12.9B active).
+    ``shared``: every parameter outside the experts (attention, norms, routers, embeddings,
+    head); ``expert``: one expert's parameters. Model states (ZeRO's 16Ψ) scale with the
+    total, training FLOPs (6·N per token) with the active count."""
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k={top_k}: between 1 and n_experts={n_experts}")
+    return shared + layers * n_experts * expert, shared + layers * top_k * expert
 
 
 # --- one cell -----------------------------------------------------------------------------------
@@ -288,21 +408,35 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     }
 
 
+def attention_is_fused(cell: CellSpec) -> bool:
+    """SDPA and flash kernels keep no s×s score matrix; eager attention keeps the softmax
+    output for its backward (Korthikanti's 5·a·s²·b term; Dao et al. 2022, FlashAttention)."""
+    return cell.attention != "eager"
+
+
 def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     """Korthikanti's per-layer activations × layers for one micro-batch, plus the logits.
 
     Text and ViT transformers only (the MLP model has no attention: 0). The models here run
-    without dropout and with SDPA (fused) attention; activations are fp32 under fp32 and, under
-    autocast, mostly 16-bit. The logits term is the fp32 s·b·V output of the LM head that the
-    loss keeps (HF upcasts logits to fp32), which Korthikanti leaves out.
+    without dropout; activations are fp32 under fp32 and, under autocast, mostly 16-bit. The
+    logits term is the fp32 s·b·V output of the LM head that the loss keeps (HF upcasts
+    logits to fp32), which Korthikanti leaves out.
+    The attention follows ``cell.attention``: fused (sdpa, flash) keeps no scores and takes
+    grouped K and V as they are; eager keeps the softmax output, and transformers expands
+    grouped K and V to every head (repeat_kv) before its score matmuls, so it keeps them full
+    width. A tensor-parallel cell divides the TP region's terms by its degree (no sequence
+    parallelism); a mixture of experts keeps each token's expert MLP terms top_k times.
     """
     if spec.family == "mlp":
         return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
-    value_bytes = _LOW[cell.strategy.precision]
+    fused = attention_is_fused(cell)
+    moe = spec.family == "moe"
     per_layer = activation_bytes_per_layer(
         spec.tokens_per_sample, cell.micro_batch, spec.hidden, spec.n_heads, ffn=spec.ffn,
-        mlp="swiglu" if spec.family == "llama" else "gelu", value_bytes=value_bytes, dropout=False,
-        fused_attention=True, checkpointing=cell.strategy.checkpointing)
+        mlp="swiglu" if spec.family in ("llama", "moe") else "gelu", value_bytes=_LOW[cell.strategy.precision],
+        dropout=False, fused_attention=fused, checkpointing=cell.strategy.checkpointing,
+        tensor_parallel=tensor_parallel_degree(cell), kv_heads=spec.kv_heads if fused else spec.n_heads,
+        experts_per_token=spec.top_k if moe else 1, router_experts=spec.n_experts if moe else 0)
     logits_width = spec.vocab_size or spec.num_classes
     return {
         "per_layer": per_layer,
@@ -420,18 +554,202 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
             "recompute": recompute}
 
 
+# --- which cells the analytic model describes ---------------------------------------------------
+
+# The data-parallel and sharded strategies of ZeRO and FSDP (the functions above).
+DATA_PARALLEL_STRATEGIES = frozenset({
+    "single", "ddp", "zero1", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid", "fsdp1_full", "fsdp1_grad_op",
+    "fsdp1_no_shard", "fsdp1_hybrid", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3",
+    "fairscale_oss", "fairscale_sdp", "fairscale_fsdp"})
+TENSOR_PARALLEL_STRATEGIES = frozenset({"tp", "tp_fsdp"})
+# The interleaved schedule (two chunks per rank in harness/strategies/pipeline.py) holds a
+# different share of its chunks' activations per rank: not modelled per cell yet.
+PIPELINE_SCHEDULE = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b"}
+# Families whose blocks this module counts (attention, MLP or experts, norms).
+TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe")
+# The residual stream that crosses a pipeline boundary stays fp32 under torch autocast.
+_BOUNDARY_BYTES = 4
+
+
+def tensor_parallel_degree(cell: CellSpec) -> int:
+    """Ranks a tensor-parallel group splits each layer over: every rank for tp, the inner
+    mesh dimension for tp_fsdp, 1 otherwise."""
+    s = cell.strategy
+    if s.name == "tp":
+        return cell.world_size
+    return s.tp_degree if s.name == "tp_fsdp" else 1
+
+
+def tp_sharded_numel(spec: ModelSpec) -> int | None:
+    """Parameters of the blocks' column- and row-parallel linear layers (Megatron §3): the
+    attention's Q, K, V (column, their biases split with them) and output projection (row,
+    its bias replicated), the MLP's first linear(s) (column) and second (row). None for the
+    families whose blocks are not a plain attention + MLP pair (mixture of experts: experts
+    are split by expert parallelism, not this)."""
+    h, f, d = spec.hidden, spec.ffn, spec.head_dim
+    if spec.family == "gpt2":
+        per_block = (h * 3 * h + 3 * h) + h * h + (h * f + f) + f * h
+    elif spec.family == "llama":
+        per_block = h * (spec.n_heads + 2 * spec.kv_heads) * d + spec.n_heads * d * h + 3 * h * f
+    else:
+        return None
+    return spec.n_layers * per_block
+
+
+def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
+    """Why the analytic model has no prediction for this cell, or None. A strategy or family
+    it does not describe gets none rather than another strategy's formula."""
+    name, family = cell.strategy.name, spec.family
+    if family not in TRANSFORMER_FAMILIES + ("mlp",):
+        return f"family {family}: no activation or parameter formula for it in harness/predict/analytic.py"
+    if name in DATA_PARALLEL_STRATEGIES:
+        return None
+    if name in TENSOR_PARALLEL_STRATEGIES:
+        if tp_sharded_numel(spec) is None:
+            return f"{name} on family {family}: which of its parameters are split is not modelled (gpt2, llama only)"
+        if cell.strategy.optimizer != "adamw":
+            return f"{name} with optimizer={cell.strategy.optimizer}: the state formula needs the split shapes"
+        return None
+    if name in PIPELINE_SCHEDULE:
+        if family not in ("gpt2", "llama"):
+            return f"{name} on family {family}: the stage split is modelled for gpt2 and llama only"
+        if cell.world_size > spec.n_layers:
+            return f"{name}: {cell.world_size} stages for {spec.n_layers} layers"
+        return None
+    return f"strategy {name}: no analytic model for it in harness/predict/analytic.py"
+
+
+# --- tensor-parallel and pipeline cells -----------------------------------------------------------
+
+def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
+    """tp: Megatron's split with fp32 parameters, gradients and AdamW moments (torch
+    autocast keeps fp32 parameters: no master copy); tp_fsdp: the same, then sharded over
+    the data-parallel dimension (FSDP2 holds ZeRO-3's layout at the optimizer step)."""
+    sharded = tp_sharded_numel(spec)
+    dp = cell.strategy.data_parallel_size(cell.world_size) if cell.strategy.name == "tp_fsdp" else 1
+    states = tp_model_states(sharded, layout.numel - sharded, tensor_parallel_degree(cell), data_parallel=dp)
+    step_counters = 4 * len(layout.shapes)  # one fp32 step per tensor, split or not
+    return {"params": states.params, "grads": states.grads, "optimizer": states.optimizer + step_counters,
+            "buffers": 0.0}
+
+
+def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
+    """Megatron's four all-reduces per block (``tp_all_reduce_bytes``) of the row-parallel
+    outputs, in the compute dtype, per micro-step; tp_fsdp adds FSDP's gathers (forward and
+    backward) and reduce-scatter of each rank's tensor-parallel part."""
+    s = cell.strategy
+    out = {"all_reduce": s.accumulation * tp_all_reduce_bytes(
+        cell.micro_batch, spec.tokens_per_sample, spec.hidden, spec.n_layers, value_bytes=_LOW[s.precision])}
+    if s.name == "tp_fsdp":
+        sharded = tp_sharded_numel(spec)
+        local = sharded / s.tp_degree + layout.numel - sharded
+        out["all_gather"] = 2 * _LOW[s.precision] * local * s.accumulation
+        out["reduce_scatter"] = 4 * local
+    return out
+
+
+def _embedding_numel(spec: ModelSpec) -> int:
+    return spec.vocab_size * spec.hidden + (spec.seq_len * spec.hidden if spec.family == "gpt2" else 0)
+
+
+def _low_precision_copies(cell: CellSpec, local_params: float) -> float:
+    """torch autocast caches a 16-bit copy of every weight it casts for the forward."""
+    return 2.0 * local_params if cell.strategy.precision != "fp32" else 0.0
+
+
+def _recompute(cell: CellSpec, spec: ModelSpec) -> float:
+    """With full checkpointing one block's activations exist again during its backward."""
+    if cell.strategy.checkpointing != "full":
+        return 0.0
+    unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none"))
+    return activation_bytes(unchecked, spec)["per_layer"]
+
+
+def _pipeline_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
+    """Each stage's model states (fp32 AdamW), activations at its peak and transfers.
+
+    The embeddings sit on the first stage, the final norm and a V×h LM head on the last (a
+    tied head is a copy there: the last stage computes the logits). In flight at a stage's
+    peak: every micro-batch under GPipe, p − i on stage i under 1F1B
+    (``pipeline_first_stage_layer_activations`` for i = 0); the last stage also keeps the
+    logits of those micro-batches. A tied table's two copies (first and last stage) send each
+    other their gradients once a step (harness/strategies/pipeline.py)."""
+    s, p = cell.strategy, cell.world_size
+    m, schedule = s.pp_microbatches, PIPELINE_SCHEDULE[s.name]
+    first = _embedding_numel(spec)
+    tied = spec.family == "gpt2" or spec.tie_embeddings
+    last = layout.root_numel - first + (spec.vocab_size * spec.hidden if tied else 0)
+    params = pipeline_stage_params(layout.block_numel, spec.n_layers, p, first=first, last=last)
+    acts = activation_bytes(cell, spec)
+    stages = []
+    for i, (layers, n_params) in enumerate(zip(pipeline_stage_layers(spec.n_layers, p), params)):
+        in_flight = m if schedule == "gpipe" else min(p - i, m)
+        held = in_flight * layers * acts["per_layer"] + (in_flight * acts["logits"] if i == p - 1 else 0.0)
+        p2p = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, m,
+                                 neighbours=(i > 0) + (i < p - 1), value_bytes=_BOUNDARY_BYTES)
+        if tied and i in (0, p - 1) and p > 1:  # the two copies of the table swap their fp32 gradients
+            p2p += 4.0 * spec.vocab_size * spec.hidden
+        stages.append({
+            "states": {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params,
+                       "buffers": 0.0},
+            "activations": held,
+            "transient": {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, n_params),
+                          "recompute": _recompute(cell, spec)},
+            "comm": {"send": p2p, "recv": p2p} if p > 1 else {}})
+    return stages
+
+
+def _stage_peak(stage: dict) -> float:
+    return sum(stage["states"].values()) + stage["activations"] + sum(stage["transient"].values())
+
+
+def _model_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """States, activations, transients and communication per rank of a tensor-parallel or
+    pipeline cell; for a pipeline, of the stage whose peak is highest."""
+    if cell.strategy.name in TENSOR_PARALLEL_STRATEGIES:
+        states = _tp_states(cell, spec, layout)
+        transient = {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, states["params"] / 4),
+                     "recompute": _recompute(cell, spec)}
+        if cell.strategy.name == "tp_fsdp":  # FSDP2 casts itself; it gathers as fsdp_full does
+            t = tensor_parallel_degree(cell)
+            block = layout.block_numel - tp_sharded_numel(spec) / spec.n_layers * (1 - 1 / t)
+            transient["gathered"] = _LOW[cell.strategy.precision] * (layout.root_numel + 2 * block)
+            transient["autocast_copies"] = 0.0
+        return {"states": states, "activations": activation_bytes(cell, spec), "transient": transient,
+                "comm": _tp_comm(cell, spec, layout), "extra": {}}
+    stages = _pipeline_stages(cell, spec, layout)
+    peak = max(stages, key=_stage_peak)
+    s = cell.strategy
+    return {"states": peak["states"],
+            # The last stage's logits are inside its held total.
+            "activations": {"per_layer": activation_bytes(cell, spec)["per_layer"], "layers": peak["activations"],
+                            "logits": 0.0},
+            "transient": peak["transient"], "comm": peak["comm"],
+            "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.pp_microbatches),
+                      "per_stage_peak_bytes": [_stage_peak(st) for st in stages]}}
+
+
 def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> dict:
     """The analytic prediction for one cell, per rank; the record's ``predicted.analytic``.
 
     ``spec`` replaces the cell's preset (``harness plan`` with another sequence length);
-    ``nodes`` shapes the HSDP mesh (replicate across nodes)."""
+    ``nodes`` shapes the HSDP mesh (replicate across nodes). A cell the model does not
+    describe (``unavailable_reason``) gets ``{"unavailable": reason}``."""
     spec = spec or models.get_preset(cell.model)
+    why = unavailable_reason(cell, spec)
+    if why:
+        return {"unavailable": why}
     layout = models.param_layout(spec)
-    states = model_states_at_step(cell, layout, nodes)
-    acts = activation_bytes(cell, spec)
-    comm = comm_bytes_per_step(cell, layout, nodes)
+    extra = {}
+    if cell.strategy.name in DATA_PARALLEL_STRATEGIES:
+        states = model_states_at_step(cell, layout, nodes)
+        acts = activation_bytes(cell, spec)
+        comm = comm_bytes_per_step(cell, layout, nodes)
+        transient = transient_bytes(cell, layout, spec)
+    else:
+        parts = _model_parallel_parts(cell, spec, layout)
+        states, acts, comm, transient, extra = (parts[k] for k in ("states", "activations", "comm", "transient", "extra"))
     offloaded = offloaded_bytes(cell, states)
-    transient = transient_bytes(cell, layout, spec)
     model_state_bytes = sum(states.values())
     return {
         "model_states_bytes": states,
@@ -448,4 +766,5 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> di
         "comm_volume_per_step": comm_volume(comm),
         "flops_per_token": models.flops_per_sample(spec) / spec.tokens_per_sample,
         "n_params": layout.numel,
+        **extra,
     }

@@ -34,7 +34,8 @@ real peers:
   peers) and rebuilds its buckets before the second forward by broadcasting rank 0's order
   in int32 tensors it fills in C++: the rebuild is run at that point with those index
   tensors real (the rebuilt buckets are fake).
-- DeviceMesh keeps its ranks in a tensor it reads: meshes are built outside fake mode.
+- DeviceMesh keeps its ranks in a tensor it reads: meshes are built outside fake mode, and
+  so is the mesh FSDP2 joins from the dp and tp dimensions of a tensor-parallel model.
 - Data-dependent Python scalars (``.item()``, ``bool(t)``) that fake mode cannot know read as
   0: GradScaler's found-inf count (the step is taken), Adafactor's parameter RMS (a step-size
   factor), the rejection loop of trunc_normal_ in ViT's init (one draw). Constants fake mode
@@ -95,6 +96,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -252,6 +254,8 @@ def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
     """Each patch stands for a step that needs real data or peers; see the module docstring."""
     patches = [
         unittest.mock.patch.object(distributed, "mesh", _outside_fake_mode(distributed.mesh)),
+        # FSDP2 over a tensor-parallel model joins the dp and tp sub-meshes into a new mesh.
+        unittest.mock.patch.object(DeviceMesh, "_concatenate", staticmethod(_outside_fake_mode(DeviceMesh._concatenate))),
         unittest.mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes", _no_op),
         unittest.mock.patch("transformers.masking_utils.find_packed_sequence_indices", _no_op),
     ]

@@ -251,6 +251,37 @@ def cell_loss_figure(record: dict, reference: dict | None, path: Path) -> bool:
     return True
 
 
+def timeline_series(events: list[list]) -> pd.DataFrame:
+    """A memory timeline's events ([seconds, category, signed bytes], measure/memory.py) as the
+    bytes held per category after each event: one row per event, one column per category."""
+    frame = pd.DataFrame(events, columns=["t", "category", "bytes"])
+    held = (frame.pivot_table(index=frame.index, columns="category", values="bytes", fill_value=0)
+            .reindex(columns=list(MEM_CATEGORIES), fill_value=0).cumsum())
+    held.insert(0, "t", frame["t"])
+    return held
+
+
+def memory_timeline_figure(timeline: dict, path: Path) -> bool:
+    """One rank's memory over the memory-tracked step, stacked by category; False when the
+    timeline has no events."""
+    events = timeline.get("events") or []
+    if not events:
+        return False
+    held = timeline_series(events)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    fig.subplots_adjust(left=0.1, right=0.78, bottom=0.16, top=0.92)
+    colors = sns.color_palette("colorblind", len(MEM_CATEGORIES))
+    ax.stackplot(held["t"] * 1e3, *[held[c] / MIB for c in MEM_CATEGORIES], labels=MEM_CATEGORIES,
+                 colors=colors, step="post")
+    ax.set_xlabel("ms into the memory-tracked step")
+    ax.set_ylabel("MiB held")
+    ax.set_title(f"rank {timeline.get('rank')}: memory over the step ({timeline.get('tracker')})"
+                 + (", truncated" if timeline.get("truncated") else ""), fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    _save(fig, path, tight=False)
+    return True
+
+
 def history(cell_id: str, points: list[tuple[str, dict]], path: Path) -> str:
     """One cell's peak memory and step time over runs (``points``: run id, metrics; oldest first)."""
     labels = [run_id for run_id, _ in points]

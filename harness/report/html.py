@@ -86,6 +86,11 @@ def _trials_cell(r: dict) -> tuple[str, str]:
             _num(t["spread"]))
 
 
+def _growth_note(growth: int | None) -> str:
+    """A leak, beside the peak: held memory grew over the timed steps (measure/summary.py)."""
+    return f" (leak: +{growth:,} B)" if growth is not None and growth > 0 else ""
+
+
 def _row(r: dict) -> dict:
     m = r.get("metrics") or {}
     strategy = (r.get("strategy") or {}).get("name") or "?"
@@ -103,7 +108,7 @@ def _row(r: dict) -> dict:
         "world_size": r.get("world_size"),
         "zero_idea": r.get("zero_idea"),
         "cols": [  # (display, sort key)
-            (_mib(m.get("peak_mem_bytes")), _num(m.get("peak_mem_bytes"))),
+            (_mib(m.get("peak_mem_bytes")) + _growth_note(m.get("memory_growth_bytes")), _num(m.get("peak_mem_bytes"))),
             (_fmt(m.get("step_time_s"), 1000, 2) + (f" ± {_fmt(m.get('step_time_iqr_s'), 1000, 2)}"
                                                     if m.get("step_time_iqr_s") is not None else ""),
              _num(m.get("step_time_s"))),
@@ -215,7 +220,23 @@ def _environment(info: dict) -> dict:
         "git_commit": git.get("commit"),
         "git_dirty": git.get("dirty"),
         "env": env.get("env") or {},
+        "bandwidth": env.get("bandwidth"),
     }
+
+
+def _memory_timeline_svg(record: dict, run_dir: Path, fig_dir: Path, page_stem: str) -> str | None:
+    """The cell's memory-over-time chart from its peak rank's timeline JSON (run with
+    --memory-snapshot); None when there is none. The CUDA pickle beside it is never read."""
+    ranks = [p for p in record.get("per_rank") or [] if p.get("memory_timeline")]
+    if not ranks:
+        return None
+    peak_rank = max(ranks, key=lambda p: p.get("peak_mem_bytes") or 0)
+    try:
+        timeline = json.loads((run_dir / peak_rank["memory_timeline"]).read_text())
+    except (OSError, ValueError):
+        return None
+    name = f"memory-{page_stem}.svg"
+    return f"../figures/cells/{name}" if figures.memory_timeline_figure(timeline, fig_dir / "cells" / name) else None
 
 
 def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None = None) -> Path:
@@ -254,6 +275,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
             run_id=run_id, r=record, row=row, ref=ref if ref is not record else None,
             ref_page=(f"{cell_page_name(ref['cell_id'])}" if ref is not None and ref is not record else None),
             loss_svg=loss_svg, command=reproduce_command(record, info),
+            memory_svg=_memory_timeline_svg(record, run_dir, fig_dir, Path(row["page"]).stem),
             cell_json=json.dumps(record.get("cell") or {}, indent=2, sort_keys=True),
             engine_json=[(p.get("rank"), json.dumps(p.get("engine"), indent=2, sort_keys=True))
                          for p in record.get("per_rank") or [] if p.get("engine")],

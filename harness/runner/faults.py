@@ -14,6 +14,8 @@ Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` 
   ShardedDataParallel zeroes gradients the torch 2 default way (set to None), which it
   silently mishandles; the equivalence gate must fail the cell (tests/test_fairscale.py).
   Honoured by harness/strategies/fairscale.py; ignored by other strategies.
+- ``leak``: every rank keeps a 1 MiB tensor from each timed step (worker.py
+  LEAK_BYTES_PER_STEP); the record's memory_growth_bytes must show it (tests/test_gpu_path.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from harness.distributed import DistEnv
 
 ENV_VAR = "SHARDBENCH_FAULT"
 GRADS_SET_TO_NONE = "grads_set_to_none"
-FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE)
+LEAK = "leak"
+FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE, LEAK)
 
 
 class InjectedFault(RuntimeError):

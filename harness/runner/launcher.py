@@ -1,5 +1,8 @@
 """Run a batch of cells of one world size under torchrun and report each as it ends.
 
+Also the run's collective bandwidth sweep (``run_bandwidth_sweep``): one short torchrun of
+harness.measure.bandwidth before the cells.
+
 One torchrun serves many cells (a launch costs ~5.5 s on the reference CPU host, a tiny cell
 ~1 s). If the workers die or stop making progress, the cell that was running is recorded as
 ``failed`` / ``timeout`` with the tail of the log, torchrun and every worker it started are
@@ -42,6 +45,8 @@ class LaunchOptions:
     device_name: str | None = None
     # --mem-cap-gib: a rank whose memory exceeds it records `oom` (worker.py says how).
     mem_cap_bytes: int | None = None
+    # --memory-snapshot: the run's folder for every cell's memory timeline (worker.py).
+    memory_snapshot_dir: Path | None = None
 
     def timeout(self, cell: CellSpec) -> timeouts.CellTimeout:
         return timeouts.for_cell(cell, self.cell_timeout_s, self.device_type, self.device_name)
@@ -199,6 +204,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
         "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
         "--expect-nnodes", str(nodes_of(world_size, options.nodes)),
         *(["--mem-cap-bytes", str(options.mem_cap_bytes)] if options.mem_cap_bytes else []),
+        *(["--memory-snapshot-dir", str(options.memory_snapshot_dir)] if options.memory_snapshot_dir else []),
     ]
     # One OpenMP thread per rank unless the user chose otherwise: torchrun does this only
     # for several ranks, which would give the one-process reference more cores than each
@@ -258,3 +264,27 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
                                per_rank=[], wall_s=wall))
         return left[1:]
     return left
+
+
+def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float) -> dict:
+    """The collective bandwidth sweep (harness/measure/bandwidth.py) over ``world_size`` ranks
+    of this node: its JSON, or {"error": why} when it could not run (one rank has nothing to
+    communicate with; a launch that failed or outlived ``timeout_s``, with its log's tail).
+    A sweep that fails costs the run its bandwidth table, never its cells."""
+    if world_size < 2:
+        return {"error": f"a bandwidth sweep needs at least 2 ranks; this run has {world_size}"}
+    workdir.mkdir(parents=True, exist_ok=True)
+    out, log_file = workdir / "bandwidth.json", workdir / "log.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(world_size),
+           "-m", "harness.measure.bandwidth", "--out", str(out)]
+    launch = _Launch(cmd, log_file, {"OMP_NUM_THREADS": "1", **os.environ})
+    try:
+        launch.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the bandwidth sweep took more than {timeout_s:.0f} s; log tail:\n{_tail(log_file)}"}
+    finally:
+        launch.kill()
+    if launch.proc.returncode != 0 or not out.exists():
+        return {"error": f"the bandwidth sweep exited with status {launch.proc.returncode}; log tail:\n"
+                         f"{_tail(log_file)}"}
+    return json.loads(out.read_text())

@@ -94,6 +94,9 @@ class MatrixRun:
 
     def run(self) -> dict[str, dict]:
         todo = [(c, t) for c, t in self.planned if (c.cell_id, t) not in self.by_trial]
+        no_peak = flops.no_peak_warning(self.device_type, self.device_name)
+        if no_peak:
+            self.progress(no_peak)
         if self._resumed_from:
             self.progress(f"shardbench: resuming: {self.recorded_count()} recorded and kept, {len(todo)} to run")
         runnable = list({c.cell_id: c for c, _ in todo if not self._unsupported[c.cell_id]}.values())
@@ -139,7 +142,8 @@ class MatrixRun:
                                  metrics=reached, **common)
         else:
             rank0 = outcome.per_rank[0]
-            peak = flops.peak_flops(self.device_name, cell.strategy.precision)
+            peak = flops.peak_flops(self.device_name, flops.compute_precision(
+                cell.strategy.precision, rank0.get("float32_matmul_precision")))
             is_reference = cell.reference().cell_id == cell.cell_id
             metrics = summary.summarize(cell, outcome.per_rank, peak)
             record = make_record(

@@ -14,12 +14,16 @@ from harness.measure import environment
 from harness.report import history, html
 from harness.results.store import RunStore, new_run_id
 from harness.runner import resume
-from harness.runner.launcher import LaunchOptions
+from harness.runner.launcher import LaunchOptions, run_bandwidth_sweep
 from harness.runner.nodes import NodeSpec
 from harness.runner.matrix import MatrixRun, human_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SELECTED = pytest.StashKey[list]()
+# The bandwidth sweep is seconds on either device; a launch that takes longer is stuck.
+BANDWIDTH_TIMEOUT_S = 300.0
+# --memory-snapshot: the run folder's sub-folder of memory timelines (runner/worker.py).
+MEMORY_SNAPSHOT_DIR = "memory"
 _RUN = pytest.StashKey["MatrixRun"]()
 
 
@@ -63,6 +67,13 @@ def start(config: pytest.Config) -> MatrixRun:
         repeat = config.getoption("repeat") or 1
         mem_cap_bytes = config.getoption("mem_cap_bytes")
         suite = config.getoption("suite")
+        ranks_per_node = world_size(config.getoption("gpus"))
+        environment_info = environment.collect(REPO_ROOT)
+        # This node's ranks only: the one launch that needs no other node to take part.
+        environment_info["bandwidth"] = {
+            "scope": f"{ranks_per_node} rank(s) of one node",
+            **run_bandwidth_sweep(ranks_per_node, store.path / "launches" / "bandwidth", BANDWIDTH_TIMEOUT_S),
+        }
         store.write_run_info({
             "run_id": store.run_id,
             "suite": suite,
@@ -76,7 +87,7 @@ def start(config: pytest.Config) -> MatrixRun:
             "mem_cap_bytes": mem_cap_bytes,
             "nodes": node_spec(config).to_dict(),
             "device": {"type": device_type, "name": device_name},
-            "environment": environment.collect(REPO_ROOT),
+            "environment": environment_info,
         })
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
@@ -89,7 +100,9 @@ def start(config: pytest.Config) -> MatrixRun:
     progress(f"shardbench: {len(cells)} cells selected" + (f", {repeat} trials each in rounds" if repeat > 1 else "")
              + f"; results in {store.path}")
     options = LaunchOptions(cell_timeout_s=config.getoption("cell_timeout"), nodes=node_spec(config),
-                            device_type=device_type, device_name=device_name, mem_cap_bytes=mem_cap_bytes)
+                            device_type=device_type, device_name=device_name, mem_cap_bytes=mem_cap_bytes,
+                            memory_snapshot_dir=(store.path / MEMORY_SNAPSHOT_DIR
+                                                 if config.getoption("memory_snapshot", False) else None))
     run = MatrixRun(cells, store, options,
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
                     recorded=recorded)

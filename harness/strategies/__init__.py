@@ -8,6 +8,7 @@ should not pay.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 from harness.config import CellSpec
@@ -29,6 +30,13 @@ _MODULES = {
     "fairscale_oss": "fairscale",
     "fairscale_sdp": "fairscale",
     "fairscale_fsdp": "fairscale",
+    "tp": "tensor_parallel",
+    "tp_fsdp": "tensor_parallel",
+    "pp_gpipe": "pipeline",
+    "pp_1f1b": "pipeline",
+    "pp_interleaved_1f1b": "pipeline",
+    "megatron": "megatron",
+    "cp": "context_parallel",
 }
 
 
@@ -70,10 +78,25 @@ def incompatibility(cell: CellSpec) -> str | None:
     return None
 
 
+def _cell_option_problem(cell: CellSpec, device_type: str) -> str | None:
+    """The hardware limits of a cell's model-structure and allocator options, any strategy."""
+    if cell.attention == "flash" and (device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+        have = "a CUDA device without the flash-attn package" if device_type == "cuda" else f"a {device_type} device"
+        return (f"attention=flash: transformers' flash_attention_2 needs a CUDA device and the flash-attn"
+                f" package; this host has {have} (attention=sdpa uses torch's fused kernels)")
+    if cell.expandable_segments and device_type != "cuda":
+        return (f"expandable_segments: a setting of the CUDA caching allocator; this host computes on"
+                f" {device_type}, which has none")
+    return None
+
+
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     """Why this machine cannot run the cell (recorded as an ``unsupported`` result), or None."""
     from harness.features import optimizers  # the optimizer's own hardware limit, any strategy
 
+    why = _cell_option_problem(cell, device_type)
+    if why:
+        return why
     why = optimizers.unsupported_reason(cell.strategy.optimizer, device_type)
     if why:
         return f"optimizer={cell.strategy.optimizer}: {why}"

@@ -78,6 +78,16 @@ class Prepared:
     # Engine-specific measurements for the record's per-rank ``engine`` entry (DeepSpeed's
     # comms_logger and memory estimators), read after the last step.
     engine_report: Callable[[], dict] = _nothing_to_report
+    # Which share of each step's samples this rank takes: the index of its data-parallel
+    # group (None: its rank). Ranks that split the model rather than the batch (tensor and
+    # pipeline parallel) share an index; how many groups there are is the cell's
+    # ``strategy.data_parallel_size``.
+    data_rank: int | None = None
+    # Pipelines run forward and backward of a micro-step in their schedule: given the
+    # micro-step's batch, it returns the loss on the ranks that compute one (``holds_loss``)
+    # and None on the others. None: the worker's own forward and backward.
+    forward_backward: Callable[[dict], torch.Tensor | None] | None = None
+    holds_loss: bool = True
 
     @property
     def owns_optimizer_step(self) -> bool:

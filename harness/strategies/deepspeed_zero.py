@@ -67,6 +67,7 @@ _OPTIMIZERS = frozenset(optimizers.NAMES) - {"adafactor"}
 CAPABILITIES = Capabilities(
     precisions=ALL_PRECISIONS,
     offload=frozenset({"none", "optimizer", "params", "optimizer_params"}),
+    min_world_size=1,  # ZeRO-3 with its offload fits one large model on one GPU
     optimizers=_OPTIMIZERS,
     notes={"adafactor": _ADAFACTOR_NOTE},
 )

@@ -31,6 +31,8 @@ _NO_DTENSOR_8BIT = (
 CAPABILITIES = dataclasses.replace(
     FSDP_CAPABILITIES,
     optimizers=frozenset({"adamw"}),
+    # One rank is a real configuration (one GPU: the device check); FSDP1's share the rest.
+    min_world_size=1,
     notes={
         **FSDP_CAPABILITIES.notes,
         "adam8bit": _NO_DTENSOR_8BIT,
@@ -52,7 +54,7 @@ def _mesh(cell: CellSpec, env: DistEnv):
     return distributed.mesh(env.device.type, (env.world_size,), ("shard",))
 
 
-def _mixed_precision(precision: str) -> MixedPrecisionPolicy:
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     if precision == "fp32":
         return MixedPrecisionPolicy()
     # Compute in low precision, reduce gradients in fp32 (the usual recipe: bf16 sums of
@@ -61,7 +63,7 @@ def _mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 
 @contextmanager
-def _no_gradient_sync(model: FSDPModule):
+def no_gradient_sync(model: FSDPModule):
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -76,7 +78,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     shard_kwargs = {
         "mesh": _mesh(cell, env),
         "reshard_after_forward": s.name != "fsdp_grad_op",
-        "mp_policy": _mixed_precision(s.precision),
+        "mp_policy": mixed_precision_policy(s.precision),
         "offload_policy": offload.fsdp2_policy(s.offload, env.device),
     }
     for module in model.modules():
@@ -86,7 +88,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     return Prepared(
         model=model,
         optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr),
-        no_sync=lambda: _no_gradient_sync(model),
+        no_sync=lambda: no_gradient_sync(model),
         use_autocast=False,
         fsdp2=True,
     )

@@ -1,0 +1,117 @@
+"""Collective bandwidth of the run's own process group, swept over message sizes the way
+nccl-tests measures it, once per run (its own short torchrun launch before the cells,
+harness/runner/launcher.py ``run_bandwidth_sweep``); stored with the run's environment.
+
+For each collective and size: ``WARMUP_ITERS`` untimed calls, then ``ITERS`` calls back to
+back between two device synchronisations (nccl-tests' -w 5 -n 20); the time of one call is
+that span ÷ ITERS, and the slowest rank's time is the one reported (the job waits for it).
+The size S is nccl-tests' too: the all-reduce buffer; all-gather's whole output (each rank
+sends S/n); reduce-scatter's whole input (each rank keeps S/n). algbw = S / t and
+busbw = algbw × factor (2(n−1)/n for all-reduce, (n−1)/n for the other two: comm.busbw_factor),
+the number to hold against the link's bandwidth.
+
+On gloo the ranks share the host's memory bus and cores: the numbers describe that
+process group, not a network.
+
+Run as ``python -m torch.distributed.run ... -m harness.measure.bandwidth --out FILE``:
+rank 0 writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness.distributed import DistEnv, init_from_torchrun
+from harness.measure.comm import busbw_factor
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+WARMUP_ITERS = 5
+ITERS = 20
+# 1 KiB .. 64 MiB on CUDA (×4 steps); 1 KiB .. 1 MiB on CPU, where gloo at 64 MiB takes
+# seconds per call and the sweep would cost more than the cells it describes.
+CUDA_SIZES = tuple(2**k for k in range(10, 27, 2))
+CPU_SIZES = tuple(2**k for k in range(10, 21, 2))
+ELEMENT = torch.float32
+
+
+def message_sizes(device_type: str) -> tuple[int, ...]:
+    return CUDA_SIZES if device_type == "cuda" else CPU_SIZES
+
+
+def _collective(op: str, nbytes: int, world_size: int, device: torch.device) -> tuple[Callable[[], None], int]:
+    """A call of ``op`` on buffers of nccl-tests' size ``nbytes`` (rounded down so every
+    rank's part holds whole elements), and the size actually used."""
+    per_rank = max(1, nbytes // (ELEMENT.itemsize * world_size))
+    whole = torch.ones(per_rank * world_size, dtype=ELEMENT, device=device)
+    part = torch.ones(per_rank, dtype=ELEMENT, device=device)
+    size = whole.numel() * ELEMENT.itemsize
+    if op == "all_reduce":
+        return (lambda: dist.all_reduce(whole)), size
+    if op == "all_gather":
+        return (lambda: dist.all_gather_into_tensor(whole, part)), size
+    if op == "reduce_scatter":
+        return (lambda: dist.reduce_scatter_tensor(part, whole)), size
+    raise ValueError(f"op={op!r}: choose one of {', '.join(OPS)}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_per_call(call: Callable[[], None], env: DistEnv) -> float:
+    """Seconds per call on the slowest rank, after the warm-up (module docstring)."""
+    for _ in range(WARMUP_ITERS):
+        call()
+    _sync(env.device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(ITERS):
+        call()
+    _sync(env.device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / ITERS], dtype=torch.float64, device=env.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def sweep(env: DistEnv, sizes: tuple[int, ...]) -> list[dict]:
+    """One row per (collective, size): bytes, time per call, algbw and busbw in GB/s."""
+    rows = []
+    for op in OPS:
+        factor = busbw_factor(op, env.world_size)
+        for nbytes in sizes:
+            call, size = _collective(op, nbytes, env.world_size, env.device)
+            seconds = time_per_call(call, env)
+            algbw = size / seconds / 1e9
+            rows.append({"op": op, "bytes": size, "time_s": seconds, "algbw_gbps": algbw,
+                         "busbw_gbps": algbw * factor})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
+    args = parser.parse_args()
+    env = init_from_torchrun()
+    rows = sweep(env, message_sizes(env.device.type))
+    if env.rank == 0:
+        args.out.write_text(json.dumps({
+            "world_size": env.world_size,
+            "backend": dist.get_backend(),
+            "device_type": env.device.type,
+            "warmup_iters": WARMUP_ITERS,
+            "iters": ITERS,
+            "rows": rows,
+        }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""A sparse mixture-of-experts decoder (Mixtral, Jiang et al. 2024) through transformers'
+MixtralForCausalLM: Llama's attention, and in place of its MLP a router that sends every token
+to the top_k of n_experts SwiGLU experts."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_attention, hf_loss, linear
+from .spec import ModelSpec
+
+BLOCK_TYPE = MixtralDecoderLayer
+make_batch = causal_lm_batch
+loss = hf_loss
+
+
+def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
+    config = MixtralConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.seq_len,
+        num_local_experts=spec.n_experts, num_experts_per_tok=spec.top_k,
+        # The loss is the plain LM loss, without the load-balancing auxiliary loss: that loss
+        # multiplies the batch's fraction of tokens per expert by its mean router probability,
+        # which is not a mean over samples, so the loss of a global batch would no longer be
+        # the mean of its per-rank slices' losses, the premise of the equivalence check. The
+        # router still learns, through the routing weights that scale the experts' outputs.
+        output_router_logits=False,
+        router_jitter_noise=0.0,  # noise draws from each rank's RNG, as dropout would
+        # HF's default, named so that a change of default cannot change the benchmark:
+        # all experts' 3-D weights in one grouped matmul rather than a loop over experts.
+        experts_implementation="grouped_mm",
+        use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
+        bos_token_id=None, eos_token_id=None,  # the defaults lie outside tiny vocabularies
+        attn_implementation=hf_attention(attention),
+    )
+    return MixtralForCausalLM(config)
+
+
+def _experts(spec: ModelSpec, n: int) -> int:
+    """Parameters of n SwiGLU experts (gate, up, down; no biases)."""
+    return n * 3 * linear(spec.hidden, spec.ffn, False)
+
+
+def count_params(spec: ModelSpec) -> ParamCount:
+    h = spec.hidden
+    attention = grouped_query_attention_params(spec)
+    router = linear(h, spec.n_experts, False)
+    block = h + attention + h + router + _experts(spec, spec.n_experts)  # two RMSNorms
+    embedding = spec.vocab_size * h
+    head = spec.vocab_size * h  # untied, as in Mixtral
+    # Each token runs through top_k experts; the other n_experts - top_k hold no FLOPs for it.
+    inactive = spec.n_layers * _experts(spec, spec.n_experts - spec.top_k)
+    return ParamCount(embedding + spec.n_layers * block + h + head, embedding, inactive=inactive)

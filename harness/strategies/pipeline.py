@@ -1,0 +1,247 @@
+"""Pipeline parallelism with torch.distributed.pipelining: the model cut into stages, each
+rank holding its stages and passing activations (forward) and their gradients (backward) to
+its neighbours, one micro-batch at a time.
+
+- pp_gpipe: ScheduleGPipe, one stage per rank; every micro-batch's forward, then every
+  backward (all micro-batches' activations in flight at the peak).
+- pp_1f1b: Schedule1F1B, one stage per rank; after a warm-up of (stages - rank) forwards it
+  alternates one forward and one backward, so a rank holds at most that many micro-batches.
+- pp_interleaved_1f1b: ScheduleInterleaved1F1B, two stages per rank (virtual stages = 2 ×
+  world; stage i on rank i mod world), which shortens the bubble.
+
+The split is written by hand for the causal LMs (gpt2, llama): the tracer (``pipeline()``) is
+fragile on HF models. The first stage embeds the tokens, the blocks are split as evenly as
+possible, the last stage applies the final norm and the LM head and computes HF's causal-LM
+loss. Every stage builds its own causal mask (transformers' ``create_causal_mask``, as the
+HF model does for the cell's attention implementation) and llama's stages their own rotary
+position embeddings: only the hidden states travel between stages.
+
+Every rank takes the whole global batch (pp_microbatches × micro_batch rows); the schedule
+cuts it into micro-batches. The loss of a micro-batch is its mean over its predicted tokens
+and the schedule divides the gradients by the number of micro-batches (``scale_grads``), so
+the gradients are those of the mean loss over the whole batch: the reference's.
+
+Tied embeddings (gpt2 always; llama where ``tie_embeddings``): the token table is used by
+the first stage (lookup) and the last (LM head), which live on different ranks (rank 0 and
+rank world-1). Each rank keeps its own copy of the one weight and gets the gradient of its
+own use only; after the schedule's backward the two ranks exchange these gradients
+(send/recv) and both add them, so both copies get the whole gradient the reference's tied
+weight gets and take the same AdamW update: the copies stay equal and the run trains the
+reference's model (Megatron-LM's embedding group does the same). The cost is one V × h
+gradient sent each way per step and a second copy of the table (with its AdamW state) on
+the last rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.masking_utils import create_causal_mask
+
+from harness.config import CellSpec
+from harness.distributed import DistEnv
+from harness.features import optimizers
+from harness.strategies.base import ALL_CHECKPOINTING, Capabilities, Prepared
+
+CAPABILITIES = Capabilities(
+    precisions=frozenset({"fp32", "bf16"}),
+    checkpointing=ALL_CHECKPOINTING,
+    accumulation=False,  # a pipeline accumulates over its own micro-batches (pp_microbatches)
+    min_world_size=2,
+    notes={"fp16": "fp16 needs a GradScaler whose scale and overflow checks span every stage (all"
+                   " ranks must skip the same steps); not wired for pipelines: use bf16"},
+)
+
+_SCHEDULES = {"pp_gpipe": ScheduleGPipe, "pp_1f1b": Schedule1F1B, "pp_interleaved_1f1b": ScheduleInterleaved1F1B}
+_STAGES_PER_RANK = {"pp_gpipe": 1, "pp_1f1b": 1, "pp_interleaved_1f1b": 2}
+_FAMILIES = ("gpt2", "llama")
+
+
+def n_stages(strategy: str, world_size: int) -> int:
+    return _STAGES_PER_RANK[strategy] * world_size
+
+
+def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
+    """The block indices of each stage: counts differ by at most one. The stages that take
+    an extra block are the middle ones first, then the first: the first stage also embeds,
+    the last also runs the LM head (a V × h matmul) and the loss."""
+    base, extra = divmod(n_blocks, n_stages)
+    preference = [*range(1, n_stages - 1), 0, n_stages - 1][:extra]
+    counts = [base + (i in preference) for i in range(n_stages)]
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def combination_problem(cell: CellSpec) -> str | None:
+    from harness.models.presets import PRESETS
+
+    spec = PRESETS[cell.model]
+    name, world = cell.strategy.name, cell.world_size
+    if spec.family not in _FAMILIES:
+        return (f"model={cell.model}: the pipeline split is written for the causal LMs"
+                f" ({', '.join(_FAMILIES)}), not family {spec.family}")
+    stages = n_stages(name, world)
+    empty = [i for i, blocks in enumerate(stage_blocks(spec.n_layers, stages)) if not blocks and 0 < i < stages - 1]
+    if empty:
+        return (f"model={cell.model} at world_size={world}: {spec.n_layers} blocks cannot fill {stages} stages"
+                f" (stages {empty} would hold nothing); use a deeper model or fewer ranks")
+    n_micro = cell.strategy.pp_microbatches
+    if name == "pp_1f1b" and n_micro < stages:
+        return f"pp_microbatches={n_micro}: Schedule1F1B needs at least one micro-batch per stage ({stages})"
+    rounds = max(1, n_micro // world)
+    if name == "pp_interleaved_1f1b" and n_micro % rounds:
+        return (f"pp_microbatches={n_micro} at world_size={world}: ScheduleInterleaved1F1B needs a multiple of"
+                f" its rounds (max(1, pp_microbatches // world_size) = {rounds})")
+    return None
+
+
+class _Stage(nn.Module):
+    """One stage of a causal LM: the embedding if first, some blocks, the head if last.
+
+    It takes token ids (first stage) or hidden states and returns hidden states or, on the
+    last stage, logits. The family subclasses say how to embed, what else a block needs and
+    how to apply the head."""
+
+    def __init__(self, config, blocks: list[nn.Module], first: bool, last: bool):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(blocks)
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x) if self.first else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        extra = self.block_kwargs(hidden, positions)
+        for block in self.blocks:
+            hidden = block(hidden, attention_mask=mask, position_ids=positions, **extra)
+        return self.head(hidden) if self.last else hidden
+
+    def block_kwargs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        return {}
+
+
+class _GPT2Stage(_Stage):
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+        body = model.transformer
+        super().__init__(model.config, [body.h[i] for i in blocks], first, last)
+        if first:
+            self.wte, self.wpe, self.drop = body.wte, body.wpe, body.drop
+        if last:
+            self.ln_f, self.lm_head = body.ln_f, model.lm_head
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+class _LlamaStage(_Stage):
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+        body = model.model
+        super().__init__(model.config, [body.layers[i] for i in blocks], first, last)
+        self.rotary_emb = body.rotary_emb  # no parameters: every stage computes its own
+        if first:
+            self.embed_tokens = body.embed_tokens
+        if last:
+            self.norm, self.lm_head = body.norm, model.lm_head
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def block_kwargs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        return {"position_embeddings": self.rotary_emb(hidden, position_ids=positions)}
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+_STAGE_CLASSES = {"GPT2LMHeadModel": _GPT2Stage, "LlamaForCausalLM": _LlamaStage}
+
+
+def build_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """Stage ``stage`` of ``n_stages`` of ``model`` (its modules, not copies: checkpoint
+    wrappers applied to the blocks stay)."""
+    cls = _STAGE_CLASSES[type(model).__name__]
+    blocks = stage_blocks(model.config.num_hidden_layers, n_stages)[stage]
+    return cls(model, blocks, first=stage == 0, last=stage == n_stages - 1)
+
+
+def _ties_embeddings(model: nn.Module) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+class PipelineStep:
+    """One optimizer step's forward and backward of this rank's stages, through the schedule.
+
+    A plain callable, not a module: the memory tracker's module tracking assumes that
+    backward runs after a module's forward has returned, and the schedule runs backwards
+    inside the step."""
+
+    def __init__(self, stages: dict[int, nn.Module], n_stages: int, cell: CellSpec, env: DistEnv,
+                 vocab_size: int, tied_weight: nn.Parameter | None):
+        self.holds_first = 0 in stages
+        self.holds_last = n_stages - 1 in stages
+        pipeline_stages = [PipelineStage(module, index, n_stages, env.device) for index, module in stages.items()]
+        name = cell.strategy.name
+        # Single-stage schedules take their stage, multi-stage ones the list of them.
+        self.schedule = _SCHEDULES[name](
+            pipeline_stages if _STAGES_PER_RANK[name] > 1 else pipeline_stages[0],
+            n_microbatches=cell.strategy.pp_microbatches,
+            # HF's causal-LM loss: labels shifted by one, mean over the micro-batch's predicted
+            # tokens; the schedule divides the gradients by the micro-batches (scale_grads).
+            loss_fn=functools.partial(ForCausalLMLoss, vocab_size=vocab_size),
+            scale_grads=True,
+        )
+        # Only the ranks of the first and the last stage hold the tied weight (module docstring).
+        self.tied_weight = tied_weight if self.holds_first or self.holds_last else None
+        self.tie_peer = env.world_size - 1 if self.holds_first else 0
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*((batch["input_ids"],) if self.holds_first else ()),
+                           target=batch["labels"] if self.holds_last else None,
+                           losses=losses if self.holds_last else None, return_outputs=False)
+        if self.tied_weight is not None:
+            _add_peer_gradient(self.tied_weight, self.tie_peer)
+        if not self.holds_last:
+            return None
+        # The mean of equal micro-batches' means: the whole batch's mean loss.
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+def _add_peer_gradient(weight: nn.Parameter, peer: int) -> None:
+    """Exchange ``weight``'s gradient with ``peer`` and add the peer's: both ranks end with
+    the same sum (addition commutes), the gradient of the one tied weight."""
+    received = torch.empty_like(weight.grad)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, weight.grad, peer),
+                                    dist.P2POp(dist.irecv, received, peer)])
+    for work in works:
+        work.wait()
+    weight.grad += received
+
+
+def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    stages_total = n_stages(cell.strategy.name, env.world_size)
+    # Stage i runs on rank i mod world (the schedules' "loop" placement).
+    mine = {i: build_stage(model, i, stages_total).to(env.device)
+            for i in range(env.rank, stages_total, env.world_size)}
+    tied = model.get_input_embeddings().weight if _ties_embeddings(model) else None
+    step = PipelineStep(mine, stages_total, cell, env, model.config.vocab_size, tied)
+    held = nn.ModuleList(mine.values())
+    return Prepared(
+        model=held,
+        optimizer=optimizers.make(held.parameters(), cell.strategy.optimizer, cell.lr),
+        memory_module=held,
+        data_rank=0,  # every rank takes the whole batch: the model is split, not the batch
+        forward_backward=step,
+        holds_loss=step.holds_last,
+    )

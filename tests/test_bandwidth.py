@@ -1,0 +1,56 @@
+"""The collective bandwidth sweep: for real on 2 gloo ranks (CPU sizes, 1 KiB .. 1 MiB), its
+nccl-tests arithmetic, and its table in the report's environment."""
+
+import pytest
+import torch
+
+from harness.measure import bandwidth
+from harness.measure.comm import busbw_factor
+from harness.report import html
+from harness.runner.launcher import run_bandwidth_sweep
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    return run_bandwidth_sweep(2, tmp_path_factory.mktemp("bandwidth"), timeout_s=240)
+
+
+def test_sweep_on_two_gloo_ranks_covers_every_collective_and_size(swept):
+    assert "error" not in swept, swept.get("error")
+    assert (swept["world_size"], swept["backend"], swept["device_type"]) == (2, "gloo", "cpu")
+    measured = [(row["op"], row["bytes"]) for row in swept["rows"]]
+    assert measured == [(op, size) for op in bandwidth.OPS for size in bandwidth.CPU_SIZES]
+    assert all(row["time_s"] > 0 for row in swept["rows"])
+
+
+def test_bandwidths_follow_nccl_tests(swept):
+    for row in swept["rows"]:
+        algbw = row["bytes"] / row["time_s"] / 1e9
+        assert row["algbw_gbps"] == pytest.approx(algbw)
+        assert row["busbw_gbps"] == pytest.approx(algbw * busbw_factor(row["op"], 2))
+    # With 2 ranks all-reduce moves as much per rank as it holds; the other two half of it.
+    by_op = {row["op"]: row for row in swept["rows"] if row["bytes"] == 2**20}
+    assert by_op["all_reduce"]["busbw_gbps"] == pytest.approx(by_op["all_reduce"]["algbw_gbps"])
+    assert by_op["all_gather"]["busbw_gbps"] == pytest.approx(by_op["all_gather"]["algbw_gbps"] / 2)
+
+
+def test_one_rank_has_no_sweep_and_says_why(tmp_path):
+    assert run_bandwidth_sweep(1, tmp_path, timeout_s=10) == {
+        "error": "a bandwidth sweep needs at least 2 ranks; this run has 1"}
+    assert not (tmp_path / "log.txt").exists()  # nothing was launched
+
+
+def test_sizes_are_whole_elements_per_rank():
+    for nbytes, world_size, expected in ((1024, 2, 1024), (1000, 3, 996), (2**26, 8, 2**26)):
+        _, size = bandwidth._collective("all_gather", nbytes, world_size, device=torch.device("cpu"))
+        assert size == expected
+
+
+def test_report_shows_the_sweep_or_why_there_is_none(swept):
+    template = html.ENV.get_template("_env.html.j2")
+    info = {"environment": {"bandwidth": {"scope": "2 rank(s) of one node", **swept}}}
+    page = template.render(env=html._environment(info))
+    assert page.count("<td class=\"l\">reduce_scatter</td>") == len(bandwidth.CPU_SIZES)
+    assert "1,048,576" in page and "2 rank(s) of one node" in page
+    none = template.render(env=html._environment({"environment": {"bandwidth": {"error": "needs 2 ranks"}}}))
+    assert "No sweep: needs 2 ranks" in none

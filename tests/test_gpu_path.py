@@ -1,0 +1,253 @@
+"""The GPU path's measurements: CUDA allocator numbers and NVML, expandable segments, the
+memory timeline (--memory-snapshot), the leak check and MFU. CUDA calls are faked where the
+code only reads them; the CPU measurements run for real, one of them on 2 gloo ranks."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from harness.config import CellSpec, StrategySpec
+from harness.measure import flops, memory, summary
+from harness.predict import traced
+from harness.report import figures, html
+from harness.results.store import RunStore, load_records
+from harness.runner import faults, worker
+from harness.runner.launcher import LaunchOptions, run_batch
+from harness.runner.matrix import MatrixRun
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    return model, torch.optim.AdamW(model.parameters(), fused=True)
+
+
+def _step(model, opt):
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# --- live bytes (the leak check's measure) -------------------------------------------------
+
+def test_cpu_live_bytes_see_a_kept_tensor_once_and_not_a_freed_one():
+    before = memory.live_bytes(torch.device("cpu"))
+    kept = [torch.ones(2**20, dtype=torch.uint8)]
+    kept.append(kept[0][:10])  # a view shares its storage: counted once
+    held = memory.live_bytes(torch.device("cpu"))
+    del kept
+    after = memory.live_bytes(torch.device("cpu"))
+    assert held - before == 2**20
+    assert after == before
+
+
+def test_cuda_live_bytes_are_the_allocators_count(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12345 if device == torch.device("cuda", 1) else -1)
+    assert memory.live_bytes(torch.device("cuda", 1)) == 12345
+
+
+def test_growth_needs_two_measurements():
+    assert worker.growth([100, 4196]) == 4096
+    assert worker.growth([100]) is None
+
+
+def test_growth_is_the_most_any_rank_grew_and_the_report_flags_it():
+    ranks = [{"rank": 0, "memory_growth_bytes": -16640}, {"rank": 1, "memory_growth_bytes": 2**20}]
+    assert summary.memory_growth(ranks) == 2**20
+    assert summary.memory_growth([{"rank": 0, "memory_growth_bytes": None}]) is None
+    leaking = html._row({"cell_id": "c", "status": "ok", "metrics": {"peak_mem_bytes": 2**20, "memory_growth_bytes": 2**20}})
+    assert "leak: +1,048,576 B" in leaking["cols"][0][0]
+    freed = html._row({"cell_id": "c", "status": "ok", "metrics": {"peak_mem_bytes": 2**20, "memory_growth_bytes": -5}})
+    assert "leak" not in freed["cols"][0][0]
+
+
+# --- CUDA allocator numbers and NVML (faked device) -----------------------------------------
+
+class _FakeCuda:
+    def __init__(self, monkeypatch, nvml):
+        for name in ("synchronize", "reset_peak_memory_stats", "reset_accumulated_memory_stats"):
+            monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 1, "num_ooms": 0})
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2048)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 600)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1024)
+        monkeypatch.setattr(torch.cuda, "device_memory_used", nvml)
+
+
+def _cuda_step(monkeypatch, nvml):
+    model, opt = _model_and_optimizer()
+    for _ in range(3):
+        _step(model, opt)
+    _FakeCuda(monkeypatch, nvml)
+    with memory.track_step_memory(model, opt, fsdp2=False, device=torch.device("cuda", 0)) as probe:
+        _step(model, opt)
+    return probe.result().cuda
+
+
+def test_cuda_numbers_hold_allocated_reserved_and_nvml(monkeypatch):
+    cuda = _cuda_step(monkeypatch, lambda device=None: 3 * 2**30)
+    assert cuda == {"max_allocated": 1000, "max_reserved": 2048, "fragmentation": 1048, "alloc_retries": 1,
+                    "num_ooms": 0, "allocated": 600, "reserved": 1024, "nvml_used": 3 * 2**30, "nvml_reason": ""}
+
+
+def test_without_nvidia_ml_py_nvml_is_none_with_the_reason(monkeypatch):
+    def no_pynvml(device=None):
+        raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed or it can't be imported.")
+
+    cuda = _cuda_step(monkeypatch, no_pynvml)
+    assert cuda["nvml_used"] is None and "nvidia-ml-py" in cuda["nvml_reason"]
+    assert cuda["max_allocated"] == 1000  # the rest is measured all the same
+
+
+def test_expandable_segments_are_on_for_the_cell_only_and_off_after(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: calls.append(s))
+    with worker.expandable_segments(True, torch.device("cuda", 0)):
+        calls.append("cell")
+    # The cache is emptied before the setting changes each way: a segment keeps its kind.
+    assert calls == ["synchronize", "empty_cache", "expandable_segments:True", "cell",
+                     "synchronize", "empty_cache", "expandable_segments:False"]
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        with worker.expandable_segments(True, torch.device("cuda", 0)):
+            raise RuntimeError("the cell failed")
+    assert calls[-1] == "expandable_segments:False"  # a failed cell does not leave it on
+    calls.clear()
+    with worker.expandable_segments(False, torch.device("cuda", 0)):
+        pass
+    assert calls == []
+
+
+def test_expandable_segments_in_use_reads_the_devices_segments(monkeypatch):
+    segments = [{"device": 0, "is_expandable": False}, {"device": 1, "is_expandable": True}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert worker.expandable_segments_in_use(torch.device("cuda", 1))
+    assert not worker.expandable_segments_in_use(torch.device("cuda", 0))
+
+
+# --- memory timeline -----------------------------------------------------------------------
+
+def test_timeline_running_sum_reaches_the_trackers_peak():
+    model, opt = _model_and_optimizer()
+    for _ in range(3):
+        _step(model, opt)
+    with memory.track_step_memory(model, opt, fsdp2=False, device=torch.device("cpu"), timeline=True) as probe:
+        _step(model, opt)
+    mem = probe.result()
+    held = figures.timeline_series(mem.timeline)
+    totals = held[list(figures.MEM_CATEGORIES)].sum(axis=1)
+    # The tracker samples its peak after each op; the timeline also sees what lives between.
+    assert totals.max() >= mem.peak_bytes
+    params = sum(p.nbytes for p in model.parameters())
+    state = sum(t.nbytes for s in opt.state.values() for t in s.values())
+    assert held["params"].iloc[-1] == params and held["grads"].iloc[-1] == 0  # zero_grad: set to None
+    assert totals.iloc[-1] == params + state
+    assert list(held["t"]) == sorted(held["t"])
+    assert not mem.timeline_truncated
+
+
+def test_no_timeline_unless_asked():
+    model, opt = _model_and_optimizer()
+    with memory.track_step_memory(model, opt, fsdp2=False, device=torch.device("cpu")) as probe:
+        _step(model, opt)
+    assert probe.result().timeline is None
+
+
+# --- MFU -------------------------------------------------------------------------------------
+
+def test_fp32_takes_the_tf32_peak_only_with_tf32_matmuls():
+    assert flops.compute_precision("fp32", "highest") == "fp32"
+    assert flops.compute_precision("fp32", "high") == "tf32"
+    assert flops.compute_precision("bf16", "high") == "bf16"
+    assert flops.peak_flops("NVIDIA H200", "tf32") == 494.5e12
+    assert flops.peak_flops("NVIDIA H200", "bf16") == 989e12  # formulas.md: H200 SXM 989 dense
+    assert flops.peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+
+
+def test_unknown_device_gets_one_warning_naming_it_and_no_mfu():
+    assert flops.peak_flops("NVIDIA GeForce RTX 4090", "bf16") is None
+    assert "NVIDIA GeForce RTX 4090" in flops.no_peak_warning("cuda", "NVIDIA GeForce RTX 4090")
+    assert flops.no_peak_warning("cuda", "NVIDIA H200") is None
+
+
+def _gpt2(strategy="ddp"):
+    return CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy))
+
+
+def _per_rank(step_s):
+    return {"rank": 0, "peak_mem_bytes": 1, "mem_breakdown_bytes": dict.fromkeys(memory.BREAKDOWN_KEYS, 0),
+            "rss_peak_bytes": None, "step_times_s": [step_s] * 3, "flops_per_sample": 1e12,
+            "tokens_per_sample": 128, "comm_by_op": {}}
+
+
+def test_mfu_over_one_is_flagged_and_the_report_says_suspect():
+    cell = _gpt2().reference()
+    fast = summary.summarize(cell, [_per_rank(1e-3)], peak_flops_per_rank=1e12)
+    assert fast["mfu"] > 1 and fast["mfu_suspect"]
+    slow = summary.summarize(cell, [_per_rank(1e3)], peak_flops_per_rank=1e12)
+    assert not slow["mfu_suspect"]
+    row = html._row({"cell_id": cell.cell_id, "status": "ok", "metrics": fast})
+    assert any("(suspect)" in display for display, _ in row["cols"])
+
+
+# --- on 2 gloo ranks -------------------------------------------------------------------------
+
+@pytest.fixture
+def untraced(monkeypatch):
+    """No FakeTensorMode trace before the cells: the predictions are not what these test."""
+    monkeypatch.setattr(traced, "trace_cells", lambda cells: {})
+
+
+def _run(cells, tmp_path, snapshot=True):
+    store = RunStore(tmp_path / "results", "run")
+    lines = []
+    options = LaunchOptions(memory_snapshot_dir=store.path / "memory" if snapshot else None)
+    records = MatrixRun(cells, store, options, device_type="cpu", device_name=None, progress=lines.append).run()
+    return store.path, records, lines
+
+
+def test_memory_snapshot_timeline_leak_check_and_report_on_gloo(tmp_path, untraced):
+    cell = _gpt2()
+    run_dir, records, lines = _run([cell], tmp_path)
+    record = records[cell.cell_id]
+    assert record["status"] == "ok", record["reason"]
+    # The one warning of the run: no known peak for this device, so no MFU.
+    assert sum("no peak FLOP/s known" in line for line in lines) == 1 and record["metrics"]["mfu"] is None
+    assert record["metrics"]["memory_growth_bytes"] <= 0  # DDP on gloo keeps nothing from step to step
+    for p in record["per_rank"]:
+        assert p["live_bytes_measure"] == "python_tensor_bytes" and p["memory_growth_steps"] == cell.timed_steps - 1
+        assert p["memory_snapshot"] is None and "only on CUDA" in p["memory_snapshot_reason"]
+        assert p["expandable_segments"] is None
+        timeline = json.loads((run_dir / p["memory_timeline"]).read_text())
+        assert timeline["rank"] == p["rank"] and timeline["cell_id"] == cell.cell_id
+        totals = figures.timeline_series(timeline["events"])[list(figures.MEM_CATEGORIES)].sum(axis=1)
+        assert totals.max() >= p["peak_mem_bytes"] > 0
+    page = html.write_run_report(run_dir, tmp_path / "report")
+    cell_pages = list((page.parent / "cells").glob("gpt2-tiny_ddp*.html"))
+    text = cell_pages[0].read_text()
+    assert "memory over the memory-tracked step" in text and "Held memory grew" not in text
+    assert list((page.parent / "figures" / "cells").glob("memory-gpt2-tiny_ddp*.svg"))
+
+
+@pytest.mark.skipif("leak" not in faults.FAULTS, reason="harness/runner/faults.py has no 'leak' fault yet")
+def test_an_injected_leak_is_flagged(tmp_path, monkeypatch):
+    leaking, clean = _gpt2(), _gpt2("zero1")
+    monkeypatch.setenv(faults.ENV_VAR, f"{leaking.cell_id}=leak")
+    outcomes = {}
+    run_batch([leaking, clean], LaunchOptions(), tmp_path, lambda o: outcomes.update({o.cell.cell_id: o}))
+    kept = worker.LEAK_BYTES_PER_STEP * (leaking.timed_steps - 1)
+    assert summary.memory_growth(outcomes[leaking.cell_id].per_rank) == kept  # exactly what was kept
+    assert summary.memory_growth(outcomes[clean.cell_id].per_rank) <= 0  # same launch, no fault
+
+
+def test_a_host_without_nvml_records_no_driver_and_why():
+    from harness.measure import environment
+
+    version, reason = environment.nvidia_driver()
+    assert version is None and ("nvidia-ml-py" in reason or reason.startswith("NVML: "))

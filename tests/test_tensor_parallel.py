@@ -1,0 +1,181 @@
+"""Tensor parallelism (tp, tp_fsdp): what the plans split, what is refused, and real runs
+through the runner (gloo ranks under torchrun) that must train the reference's model."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from harness import distributed, models, strategies
+from harness.config import CellSpec, StrategySpec
+from harness.distributed import DistEnv
+from harness.results.store import RunStore
+from harness.runner.launcher import LaunchOptions
+from harness.runner.matrix import MatrixRun
+from harness.strategies import tensor_parallel
+
+STEPS = 6  # the fewest a cell accepts: 2 warm-up, 2 probes, 2 timed
+
+
+def tp_cell(model: str, name: str = "tp", world_size: int = 2, micro_batch: int = 2, **options) -> CellSpec:
+    return CellSpec(model=model, strategy=StrategySpec(name=name, **options), world_size=world_size,
+                    micro_batch=micro_batch, steps=STEPS)
+
+
+# --- the plans, in one process --------------------------------------------------------------
+
+def test_fused_qkv_is_reordered_so_each_rank_chunk_holds_its_own_heads_of_q_k_v():
+    hidden, degree = 4, 2
+    c_attn = nn.Linear(hidden, 3 * hidden)
+    with torch.no_grad():  # row i holds i everywhere: rows 0-3 are q, 4-7 k, 8-11 v
+        c_attn.weight.copy_(torch.arange(3 * hidden).float()[:, None].expand(-1, hidden))
+        c_attn.bias.copy_(torch.arange(3 * hidden).float())
+    tensor_parallel._rank_major_qkv(c_attn, degree)
+    rank_chunks = c_attn.bias.detach().chunk(degree)  # what ColwiseParallel's Shard(0) gives each rank
+    assert rank_chunks[0].tolist() == [0, 1, 4, 5, 8, 9]  # q, k, v of heads 0..n/2
+    assert rank_chunks[1].tolist() == [2, 3, 6, 7, 10, 11]
+    assert torch.equal(c_attn.weight[:, 0], c_attn.bias)
+
+
+@pytest.fixture
+def fake_world_of_two():
+    """This process as rank 0 of a fake 2-rank group: collectives do nothing, so shapes are
+    real and values are not. Torn down so later tests (traces) find no process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    distributed.mesh.cache_clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield DistEnv(rank=0, world_size=2, nnodes=1, device=torch.device("cpu"), backend="gloo")
+    finally:
+        distributed.mesh.cache_clear()
+        dist.destroy_process_group()
+
+
+def _local_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if isinstance(p, DTensor)}
+
+
+def _prepared(model_name: str, env: DistEnv):
+    built = models.build(models.get_preset(model_name))
+    cell = tp_cell(model_name)
+    return built, tensor_parallel.prepare(built.module, built.block_type, cell, env)
+
+
+def test_gpt2_plan_splits_the_block_matmuls_and_leaves_the_rest_whole(fake_world_of_two):
+    built, prep = _prepared("gpt2-tiny", fake_world_of_two)  # hidden 64, 4 heads, MLP 256
+    shapes = _local_shapes(prep.model)
+    assert shapes["transformer.h.0.attn.c_attn.weight"] == (96, 64)  # colwise: 3*64/2 output features
+    assert shapes["transformer.h.0.attn.c_attn.bias"] == (96,)
+    assert shapes["transformer.h.0.attn.c_proj.weight"] == (64, 32)  # rowwise: 64/2 input features
+    assert shapes["transformer.h.0.attn.c_proj.bias"] == (64,)  # added once, after the all-reduce
+    assert shapes["transformer.h.1.mlp.c_fc.weight"] == (128, 64)
+    assert shapes["transformer.h.1.mlp.c_proj.weight"] == (64, 128)
+    assert len(shapes) == 2 * 8  # the 8 tensors of 4 matmuls per block, nothing outside the blocks
+    attn = prep.model.transformer.h[0].attn
+    assert (attn.num_heads, attn.split_size) == (2, 32)  # this rank's heads and q/k/v width
+    batch = built.make_batch(torch.Generator().manual_seed(0), 2)
+    logits = prep.model(input_ids=batch["input_ids"]).logits  # heads viewed from the local shards
+    assert logits.shape == (2, 32, 512)
+
+
+def test_llama_plan_splits_grouped_query_attention_by_whole_kv_heads(fake_world_of_two):
+    _, prep = _prepared("llama-tiny", fake_world_of_two)  # 4 heads, 2 kv heads of 16, MLP 256
+    shapes = _local_shapes(prep.model)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 64)  # 2 of 4 heads
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (16, 64)  # 1 of 2 kv heads
+    assert shapes["model.layers.0.self_attn.v_proj.weight"] == (16, 64)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
+    assert shapes["model.layers.1.mlp.gate_proj.weight"] == (128, 64)
+    assert shapes["model.layers.1.mlp.down_proj.weight"] == (64, 128)
+    assert len(shapes) == 2 * 7
+    # Split and replicated parameters in separate groups: foreach/fused AdamW take one kind per call.
+    groups = [{isinstance(p, DTensor) for p in g["params"]} for g in prep.optimizer.param_groups]
+    assert groups == [{True}, {False}]
+
+
+# --- refused cells --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cell, message", [
+    (tp_cell("bert-tiny"), "tp with model=bert-tiny: no tensor-parallel plan for the bert family"),
+    (tp_cell("gpt2-tiny", world_size=3),
+     "tp with model=gpt2-tiny: n_heads=4 does not split over tensor-parallel degree 3"),
+    (tp_cell("llama-tiny", world_size=4),
+     "tp with model=llama-tiny: n_kv_heads=2 does not split over tensor-parallel degree 4"),
+    (tp_cell("gpt2-tiny", "tp_fsdp", world_size=6, tp_degree=3),
+     "tp_fsdp with model=gpt2-tiny: n_heads=4 does not split"),
+    (tp_cell("gpt2-tiny", "tp_fsdp", world_size=4, precision="fp16"), "fp16 with FSDP needs a sharded GradScaler"),
+    (tp_cell("gpt2-tiny", precision="fp16"), "got mixed torch.Tensor and DTensor"),
+    (tp_cell("gpt2-tiny", optimizer="adafactor"), "tp with optimizer=adafactor"),
+])
+def test_cells_without_a_plan_or_an_even_split_are_refused_with_the_reason(cell, message):
+    assert message in strategies.incompatibility(cell)
+
+
+def test_tiny_models_at_their_tested_degrees_are_accepted():
+    for cell in (tp_cell("gpt2-tiny"), tp_cell("llama-tiny", precision="bf16", checkpointing="full"),
+                 tp_cell("gpt2-tiny", "tp_fsdp", world_size=4)):
+        assert strategies.incompatibility(cell) is None
+
+
+# --- real runs ------------------------------------------------------------------------------
+
+GPT2_TP, LLAMA_TP = tp_cell("gpt2-tiny"), tp_cell("llama-tiny")
+# One sample per data-parallel group: a global batch of 2, so it shares GPT2_TP's reference.
+GPT2_TP_FSDP = tp_cell("gpt2-tiny", "tp_fsdp", world_size=4, micro_batch=1)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict[str, dict]:
+    """One matrix run (traced first, as every run is) of both tp cells at 2 ranks and tp_fsdp
+    at 4, with their references."""
+    store = RunStore(Path(tmp_path_factory.mktemp("tp")) / "results", "run")
+    return MatrixRun([GPT2_TP, LLAMA_TP, GPT2_TP_FSDP], store, LaunchOptions(), device_type="cpu",
+                     device_name=None, progress=print).run()
+
+
+@pytest.mark.parametrize("cell", [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP], ids=lambda c: c.cell_id)
+def test_a_tensor_parallel_cell_trains_the_reference_model(records, cell):
+    record = records[cell.cell_id]
+    assert record["status"] == "ok", record["reason"]
+    assert record["equivalence"]["passed"], record["equivalence"]
+
+
+def _split_numel(model_name: str) -> int:
+    """Elements of the tensors the plans split (every block matmul's weight, and the bias of
+    the column-parallel ones), counted on an unsplit build."""
+    column = {"c_attn", "c_fc", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    row = {"c_proj", "o_proj", "down_proj"}
+    total = 0
+    for name, p in models.build(models.get_preset(model_name)).module.named_parameters():
+        layer, kind = name.split(".")[-2:]
+        if layer in column or (layer in row and kind == "weight"):
+            total += p.numel()
+    return total
+
+
+@pytest.mark.parametrize("cell", [GPT2_TP, LLAMA_TP], ids=lambda c: c.cell_id)
+def test_each_tp_rank_holds_half_the_split_weights_and_all_of_the_rest(records, cell):
+    record = records[cell.cell_id]
+    every_param = 4 * record["model"]["n_params"]  # fp32
+    assert records[cell.reference().cell_id]["metrics"]["mem_breakdown_bytes"]["params"] == every_param
+    split = 4 * _split_numel(cell.model)
+    for rank in record["per_rank"]:  # the tracker counts each DTensor's local shard
+        assert rank["mem_breakdown_bytes"]["params"] == split // 2 + (every_param - split)
+
+
+def test_tp_communicates_two_all_reduces_per_block_each_way(records):
+    record = records[GPT2_TP.cell_id]
+    comm = record["metrics"]["comm_by_op"]
+    # Forward: each row-parallel output; backward: the input gradient of attention and MLP.
+    assert set(comm) == {"all_reduce"} and comm["all_reduce"]["count"] == 4 * 2
+    activation_bytes = 4 * GPT2_TP.micro_batch * 32 * 64  # fp32 (batch, seq, hidden)
+    assert comm["all_reduce"]["bytes"] == 8 * activation_bytes
+
+
+def test_the_trace_predicts_a_tp_cell_peak_to_the_byte(records):
+    record = records[GPT2_TP.cell_id]
+    assert record["predicted"]["traced"]["peak_bytes"] == record["per_rank"][0]["peak_mem_bytes"]

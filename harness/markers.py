@@ -54,7 +54,7 @@ STRATEGY_FAMILIES = {
     "pp_gpipe": ("pp",),
     "pp_1f1b": ("pp",),
     "pp_interleaved_1f1b": ("pp",),
-    "megatron": ("tp", "pp"),
+    "megatron": ("tp",),  # tensor parallel only so far (pipeline degree 1)
     "cp": (),
 }
 
@@ -69,7 +69,7 @@ CATALOGUE: dict[str, str] = {
     "zero2": "ZeRO stage 2 in any engine (optimizer state and gradients sharded)",
     "zero3": "ZeRO stage 3 in any engine (optimizer state, gradients and parameters sharded)",
     "tp": "tensor parallel, alone or in a mesh (strategies tp, tp_fsdp, megatron)",
-    "pp": "any pipeline-parallel strategy (GPipe, 1F1B, interleaved 1F1B; Megatron's pipeline)",
+    "pp": "any pipeline-parallel strategy (GPipe, 1F1B, interleaved 1F1B)",
     **{f"attn_{a}": f"attention implementation {a}" for a in get_args(Attention)},
     "mha": "multi-head attention (as many key/value heads as query heads)",
     "gqa": "grouped-query attention (fewer key/value heads than query heads, more than one)",

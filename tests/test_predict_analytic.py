@@ -190,7 +190,11 @@ def test_tp_model_states_split_only_the_sharded_layers():
 
 def test_tp_all_reduces_four_activations_per_block():
     # 2 forward + 2 backward all-reduces per block of b·s·h values: 4·L·b·s·h·bytes.
-    assert analytic.tp_all_reduce_bytes(2, 32, 64, 2, value_bytes=4) == 4 * 2 * (2 * 32 * 64) * 4
+    assert analytic.tp_all_reduce_bytes(2, 32, 64, 2) == 4 * 2 * (2 * 32 * 64) * 4
+    # What gpt2-tiny tp measures at 2 ranks (tests/test_tensor_parallel.py): bf16 autocast
+    # (2-byte forward, 4-byte backward) 98,304 B; full checkpointing in fp32 163,840 B.
+    assert analytic.tp_all_reduce_bytes(2, 32, 64, 2, forward_bytes=2) == 98_304
+    assert analytic.tp_all_reduce_bytes(2, 32, 64, 2, recomputed_per_block=1) == 163_840
 
 
 def test_tp_cell_prediction_by_hand():

@@ -126,14 +126,16 @@ def test_tiny_models_at_their_tested_degrees_are_accepted():
 GPT2_TP, LLAMA_TP = tp_cell("gpt2-tiny"), tp_cell("llama-tiny")
 # One sample per data-parallel group: a global batch of 2, so it shares GPT2_TP's reference.
 GPT2_TP_FSDP = tp_cell("gpt2-tiny", "tp_fsdp", world_size=4, micro_batch=1)
+# The all-reduce widths and the recompute's extra all-reduce (analytic._tp_comm).
+GPT2_TP_BF16, GPT2_TP_CKPT = tp_cell("gpt2-tiny", precision="bf16"), tp_cell("gpt2-tiny", checkpointing="full")
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> dict[str, dict]:
-    """One matrix run (traced first, as every run is) of both tp cells at 2 ranks and tp_fsdp
+    """One matrix run (traced first, as every run is) of the tp cells at 2 ranks and tp_fsdp
     at 4, with their references."""
     store = RunStore(Path(tmp_path_factory.mktemp("tp")) / "results", "run")
-    return MatrixRun([GPT2_TP, LLAMA_TP, GPT2_TP_FSDP], store, LaunchOptions(), device_type="cpu",
+    return MatrixRun([GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, GPT2_TP_BF16, GPT2_TP_CKPT], store, LaunchOptions(), device_type="cpu",
                      device_name=None, progress=print).run()
 
 
@@ -179,3 +181,14 @@ def test_tp_communicates_two_all_reduces_per_block_each_way(records):
 def test_the_trace_predicts_a_tp_cell_peak_to_the_byte(records):
     record = records[GPT2_TP.cell_id]
     assert record["predicted"]["traced"]["peak_bytes"] == record["per_rank"][0]["peak_mem_bytes"]
+
+
+@pytest.mark.parametrize("cell, expected", [(GPT2_TP_BF16, 98_304), (GPT2_TP_CKPT, 163_840)],
+                         ids=["bf16", "ckpt_full"])
+def test_tp_all_reduce_bytes_follow_autocast_widths_and_the_recompute(records, cell, expected):
+    # bf16: forward all-reduces in bf16, backward ones fp32 (the blocks' inputs stay fp32 under
+    # autocast); full checkpointing: the recompute repeats the attention's forward all-reduce.
+    record = records[cell.cell_id]
+    assert record["status"] == "ok" and record["equivalence"]["passed"], record["reason"]
+    assert record["metrics"]["comm_by_op"]["all_reduce"]["bytes"] == expected
+    assert record["predicted"]["analytic"]["comm_bytes_per_step"] == expected

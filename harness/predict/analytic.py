@@ -239,13 +239,19 @@ def tp_model_states(sharded: float, replicated: float, tp: int, *, data_parallel
     return ModelStates(params=local * param_bytes, grads=local * grad_bytes, optimizer=local * optimizer_bytes)
 
 
-def tp_all_reduce_bytes(batch: int, seq: int, hidden: int, layers: int, *, value_bytes: float = 4) -> float:
+def tp_all_reduce_bytes(batch: int, seq: int, hidden: int, layers: int, *, forward_bytes: float = 4,
+                        backward_bytes: float = 4, recomputed_per_block: int = 0) -> float:
     """Bytes all-reduced per rank per forward + backward under Megatron tensor parallelism
     (Shoeybi et al. 2019, §3, Fig. 4): each transformer block has two all-reduces in forward
     (the g operator after the attention's row-parallel output projection and after the MLP's
     row-parallel second linear) and two in backward (the f operator before the column-parallel
-    QKV and first MLP linear), each of the b·s·h activation: 4·L·b·s·h values."""
-    return 4 * layers * batch * seq * hidden * value_bytes
+    QKV and first MLP linear), each of the b·s·h activation: 4·L·b·s·h values.
+
+    The two directions can differ in width (under autocast the forward's are in the compute
+    dtype, the backward's in the dtype of the block's input), and a recomputed forward
+    repeats the all-reduces it reaches (``recomputed_per_block``)."""
+    values = layers * batch * seq * hidden
+    return values * ((2 + recomputed_per_block) * forward_bytes + 2 * backward_bytes)
 
 
 # --- pipeline parallelism ---------------------------------------------------------------------
@@ -634,12 +640,21 @@ def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str
 
 
 def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
-    """Megatron's four all-reduces per block (``tp_all_reduce_bytes``) of the row-parallel
-    outputs, in the compute dtype, per micro-step; tp_fsdp adds FSDP's gathers (forward and
+    """Megatron's four all-reduces per block (``tp_all_reduce_bytes``) per micro-step, each
+    direction in the width noted below; tp_fsdp adds FSDP's gathers (forward and
     backward) and reduce-scatter of each rank's tensor-parallel part."""
     s = cell.strategy
+    # tp computes under autocast: the blocks' inputs (norm outputs) stay fp32, so their
+    # gradients, the backward all-reduces, are fp32 (tests/test_tensor_parallel.py: gpt2-tiny
+    # bf16 98,304 B = 4 × 2-byte forward + 4 × 4-byte backward values of b·s·h); tp_fsdp casts
+    # the parameters (FSDP's policy), so there both directions are taken in the compute dtype
+    # (not measured yet). A checkpointed block's recompute stops at its last saved tensor and
+    # repeats one forward all-reduce, the attention's (tests/test_tensor_parallel.py: full
+    # checkpointing, fp32, 163,840 B = 131,072 + 2 blocks × b·s·h × 4 B).
     out = {"all_reduce": s.accumulation * tp_all_reduce_bytes(
-        cell.micro_batch, spec.tokens_per_sample, spec.hidden, spec.n_layers, value_bytes=_LOW[s.precision])}
+        cell.micro_batch, spec.tokens_per_sample, spec.hidden, spec.n_layers, forward_bytes=_LOW[s.precision],
+        backward_bytes=4 if s.name == "tp" else _LOW[s.precision],
+        recomputed_per_block=int(s.checkpointing != "none"))}
     if s.name == "tp_fsdp":
         sharded = tp_sharded_numel(spec)
         local = sharded / s.tp_degree + layout.numel - sharded

@@ -25,7 +25,11 @@ CUDA the allocator's own snapshot beside it (``rank<r>.pickle``, for pytorch.org
 A cell with ``expandable_segments`` runs with the CUDA caching allocator's expandable
 segments on (``expandable_segments:True``, set at run time: the allocator reads it whenever
 it creates a segment, so the cache is emptied first and again after the cell, which sets it
-back to False); the record says whether the step's segments really were expandable.
+back to False); the record says whether the step's segments really were expandable. Every
+other cell runs without them, whatever PYTORCH_CUDA_ALLOC_CONF says: the worker switches them
+off as it starts, so two records with one cell id never ran different allocators. (The
+setter is torch's private ``_accelerator_setAllocatorSettings``, which the deprecated
+``torch.cuda.memory._set_allocator_settings`` forwards to in 2.13.)
 
 A memory cap (``--mem-cap-bytes``, from ``--mem-cap-gib``) makes each rank behave as if its
 device had that much memory. On CUDA the caching allocator enforces it
@@ -407,6 +411,8 @@ def main() -> None:
     faulthandler.enable()
 
     env = init_from_torchrun()
+    if env.is_cuda:  # the cells' expandable_segments option decides (module docstring)
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
     if args.mem_cap_bytes and env.is_cuda:
         total = torch.cuda.get_device_properties(env.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_bytes / total), env.device)

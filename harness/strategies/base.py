@@ -83,9 +83,11 @@ class Prepared:
     # pipeline parallel) share an index; how many groups there are is the cell's
     # ``strategy.data_parallel_size``.
     data_rank: int | None = None
-    # Pipelines run forward and backward of a micro-step in their schedule: given the
-    # micro-step's batch, it returns the loss on the ranks that compute one (``holds_loss``)
-    # and None on the others. None: the worker's own forward and backward.
+    # Strategies that run forward and backward of a micro-step themselves (a pipeline's
+    # schedule, context parallel's sharded sequence): given the micro-step's batch, it
+    # backpropagates that micro-step's loss already divided by the accumulation count (as the
+    # worker's own path does) and returns it on the ranks that compute one (``holds_loss``),
+    # None on the others. None: the worker's own forward and backward.
     forward_backward: Callable[[dict], torch.Tensor | None] | None = None
     holds_loss: bool = True
 

@@ -112,12 +112,19 @@ def combination_problem(cell: CellSpec) -> str | None:
 
 
 @functools.cache
-def _initialize_model_parallel(world_size: int, seed: int) -> None:
-    """Megatron's process groups, once per worker process (re-creating groups inside a
-    long-lived worker hangs), and its CUDA RNG tracker, which its attention forks."""
-    from megatron.core import parallel_state, tensor_parallel
+def _initialize_model_parallel(world_size: int) -> None:
+    """Megatron's process groups, once per worker process: re-creating them inside a
+    long-lived worker hangs, and a second call refuses ("already initialized")."""
+    from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, pipeline_model_parallel_size=1)
+
+
+def _seed_rng_tracker(seed: int) -> None:
+    """Megatron's CUDA RNG tracker, which its attention forks: reset to the cell's seed for
+    every cell (each call replaces the tracker's states)."""
+    from megatron.core import tensor_parallel
+
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -306,7 +313,8 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     spec = get_preset(cell.model)
-    _initialize_model_parallel(env.world_size, cell.seed)
+    _initialize_model_parallel(env.world_size)
+    _seed_rng_tracker(cell.seed)
     config = transformer_config(spec, model.config, env.world_size, cell.strategy.checkpointing)
     gpt = build_gpt_model(spec, model.config, config)
     copy_hf_weights(model, gpt, spec, parallel_state.get_tensor_model_parallel_rank(), env.world_size)

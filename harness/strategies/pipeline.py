@@ -51,7 +51,6 @@ from harness.strategies.base import ALL_CHECKPOINTING, Capabilities, Prepared
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
     checkpointing=ALL_CHECKPOINTING,
-    accumulation=False,  # a pipeline accumulates over its own micro-batches (pp_microbatches)
     min_world_size=2,
     notes={"fp16": "fp16 needs a GradScaler whose scale and overflow checks span every stage (all"
                    " ranks must skip the same steps); not wired for pipelines: use bf16"},

@@ -103,31 +103,34 @@ def _resolve_nodes(args: argparse.Namespace) -> None:
         raise UsageError(str(error)) from None
 
 
-def _node_args(nodes, with_rank: bool = True) -> list[str]:
+def _node_args(nodes) -> list[str]:
     if not nodes.multi:
         return []
-    out = ["--nnodes", str(nodes.nnodes), "--master-addr", nodes.master_addr, "--master-port", str(nodes.master_port)]
-    return out + (["--node-rank", str(nodes.node_rank)] if with_rank else [])
+    return ["--nnodes", str(nodes.nnodes), "--master-addr", nodes.master_addr, "--master-port", str(nodes.master_port),
+            "--node-rank", str(nodes.node_rank)]
 
 
-def _run_follower(args: argparse.Namespace, extra: list[str]) -> int:
-    """A node of rank > 0: the same selection as node 0 (pytest's own collection), its ranks
-    of every launch that spans the nodes, nothing under results/ (runner/nodes.py)."""
+def _run_follower(args: argparse.Namespace) -> int:
+    """A node of rank > 0: its ranks of the launches node 0 serves (its selection, or what its
+    resumed run still lacks), nothing under results/ (runner/nodes.py)."""
     from harness.distributed import device_type
+    from harness.results.provenance import harness_code_hash
+    from harness.results.store import new_run_id
     from harness.runner import nodes
     from harness.runner.launcher import LaunchOptions
-    from harness.results.store import new_run_id
 
-    collector = _Collector()
-    code = pytest.main(_pytest_args(args) + _node_args(args.nodes, with_rank=False)
-                       + ["--collect-only", "-p", "no:terminal", *extra], plugins=[collector])
-    if code not in (0, 5):
-        print(f"shardbench: error: collecting {SUITES_DIR} failed (pytest exit {int(code)})", file=sys.stderr)
-        return int(code)
+    wait_s = max(nodes.PLAN_WAIT_S, args.cell_timeout or 0)
+    print(f"shardbench: node {args.nodes.node_rank}: waiting for node 0's plan at {args.nodes.master_addr}:"
+          f"{args.nodes.plan_port} (up to {wait_s:.0f} s)", flush=True)
+    try:
+        rounds = nodes.fetch_plan(args.nodes, harness_code_hash(), wait_s)
+    except ValueError as error:
+        print(f"shardbench: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     launch_dir = (args.out or REPO_ROOT).resolve() / "node-launches" / f"node{args.nodes.node_rank}-{new_run_id()}"
     options = LaunchOptions(cell_timeout_s=args.cell_timeout, nodes=args.nodes, device_type=device_type(),
                             device_name=_device_name(), mem_cap_bytes=args.mem_cap_bytes)
-    return nodes.run_follower(collector.cells, options, launch_dir, device_type(), repeat=args.repeat or 1)
+    return nodes.run_follower(rounds, options, launch_dir)
 
 
 def _resume_selection(args: argparse.Namespace) -> None:
@@ -140,24 +143,22 @@ def _resume_selection(args: argparse.Namespace) -> None:
     try:
         run_dir = resolve_run((args.out or REPO_ROOT) / "results", args.resume)
         original = resume.original_selection(run_dir)
-        if original["nnodes"] > 1 or args.nnodes not in (None, 1):
-            raise ValueError(f"cannot resume {run_dir.name}: resuming a run over several nodes is not"
-                             " supported yet (the followers hold no results to resume from); start a new run")
         asked = {key: value for key, value in (("suite", args.suite), ("marker_expression", args.markexpr),
                                                ("keyword_expression", args.keyword), ("device", args.device),
                                                ("repeat", args.repeat))
                  if value is not None}
+        asked["nnodes"] = args.nodes.nnodes
         if args.mem_cap_gib is not None:
             asked["mem_cap_bytes"] = int(args.mem_cap_gib * 2**30)
         if args.gpus is not None:
-            asked["world_size"] = world_size(args.gpus)
+            asked["world_size"] = world_size(args.gpus, args.nodes.nnodes)
         resume.check_same_selection(run_dir, original, asked)
     except ValueError as error:
         raise UsageError(str(error)) from None
     args.resume = run_dir
     args.suite, args.markexpr, args.keyword = (original["suite"], original["marker_expression"],
                                                original["keyword_expression"])
-    args.gpus = original["world_size"]
+    args.gpus = original["world_size"] // original["nnodes"]
     if original["mem_cap_bytes"] is not None:
         args.mem_cap_gib = original["mem_cap_bytes"] / 2**30
     if args.device is None and original["device"] in DEVICES:
@@ -169,13 +170,13 @@ def _resume_selection(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from harness.runner import resume
 
-    if args.resume is not None:
+    _resolve_nodes(args)
+    if args.resume is not None and args.nodes.is_leader:  # the other nodes follow node 0's plan
         _resume_selection(args)
-    elif args.retry_failed:
+    elif args.retry_failed and args.resume is None:
         raise UsageError("--retry-failed: only with --resume RUN_ID")
     args.suite = "default" if args.suite is None else args.suite
     args.markexpr, args.keyword = args.markexpr or "", args.keyword or ""
-    _resolve_nodes(args)
     _check_selection(args)
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
@@ -186,7 +187,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.repeat is not None and args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat}: must be 1 or more trials per cell")
     if not args.nodes.is_leader:
-        return _run_follower(args, extra)
+        return _run_follower(args)
     pytest_args = _pytest_args(args) + _node_args(args.nodes) + ["-rfEs", *extra]
     if args.cell_timeout is not None:
         pytest_args += ["--cell-timeout", str(args.cell_timeout)]

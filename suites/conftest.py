@@ -71,7 +71,8 @@ def pytest_configure(config: pytest.Config) -> None:
             resume.check_same_selection(resume_dir, resume.original_selection(resume_dir), {
                 "suite": config.getoption("suite"), "marker_expression": config.getoption("markexpr") or "",
                 "keyword_expression": config.getoption("keyword") or "",
-                "world_size": run_session.world_size(config.getoption("gpus")),
+                "world_size": run_session.world_size(config.getoption("gpus"), config.getoption("nnodes")),
+                "nnodes": config.getoption("nnodes"),
                 **({} if repeat is None else {"repeat": repeat})})
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None

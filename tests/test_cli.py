@@ -57,7 +57,7 @@ SUITE_FILES = {
         (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "--node-rank 2: must be in [0, 2)"),
         (["run", "--nnodes", "2", "--node-rank", "0"], "--master-addr is required"),
         (["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "70000"],
-         "--master-port 70000: must be in 1-65535"),
+         "--master-port 70000: must be in 1-65534"),
         (["run", "--resume", "no-such-run"], "no run at"),
         (["run", "--retry-failed"], "--retry-failed: only with --resume RUN_ID"),
         (["reproduce", "no-such-run", "gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0"], "no run at"),

@@ -1,7 +1,8 @@
 """Several nodes on one machine: two node launchers on 127.0.0.1 with one rank each against
 one node with two ranks (same cells ok, same losses bitwise, same peak memory but for frees
-on gloo's threads), node 1 writing nothing under results/, and a world of one refused with
-the reason in the record."""
+on gloo's threads), node 1 running node 0's plan and writing nothing under results/, the two
+resuming a run that lost a record, a world of one refused with the reason in the record, and
+a follower refusing node 0's plan when their harness code differs."""
 
 from __future__ import annotations
 
@@ -29,16 +30,40 @@ CELLS = {"gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0", "gpt2-tiny/fsdp_full/fp32
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose successor is free too (node 0 serves its plan there)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
 
 
 def _harness_run(args: list[str], log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "harness", "run", *SELECT, *args], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, "-m", "harness", "run", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
+
+
+def _two_nodes(multi: list[str], tmp_path: Path, node0_args: list[str], node1_args: list[str], name: str):
+    """Node 1 first (it waits for node 0's plan, then at each rendezvous), then node 0."""
+    node1 = _harness_run([*multi, "--node-rank", "1", "--out", str(tmp_path / "n1"), *node1_args],
+                         tmp_path / f"{name}-n1.log")
+    node0 = _harness_run([*multi, "--node-rank", "0", "--out", str(tmp_path / "n0"), *node0_args],
+                         tmp_path / f"{name}-n0.log")
+    return node0, node1
+
+
+def _finish(processes, tmp_path: Path, name: str) -> dict[str, str]:
+    codes = [p.wait(timeout=300) for p in processes]
+    logs = {node: (tmp_path / f"{name}-{node}.log").read_text() for node in ("n0", "n1")}
+    assert codes == [0, 0], logs
+    return logs
 
 
 def _records(run_dir: Path) -> dict[str, dict]:
@@ -48,9 +73,8 @@ def _records(run_dir: Path) -> dict[str, dict]:
 def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
     port = _free_port()
     multi = ["--gpus", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    # Node 1 first: it waits at the rendezvous while node 0 traces and runs the reference.
-    node1 = _harness_run([*multi, "--node-rank", "1", "--out", str(tmp_path / "n1")], tmp_path / "n1.log")
-    node0 = _harness_run([*multi, "--node-rank", "0", "--out", str(tmp_path / "n0")], tmp_path / "n0.log")
+    # Node 1 is given no selection: it runs what node 0's plan says.
+    started = _two_nodes(multi, tmp_path, SELECT, ["--device", "cpu"], "run")
     # Meanwhile, here: the same cells on one node of two ranks (no trace or report: not compared).
     monkeypatch.setenv("SHARDBENCH_DEVICE", "cpu")
     monkeypatch.setattr(traced, "trace_cells", lambda cells: {})
@@ -58,9 +82,7 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
     one_store = RunStore(tmp_path / "one", "one")
     MatrixRun(smoke, one_store, LaunchOptions(cell_timeout_s=120), device_type="cpu", device_name=None,
               progress=print).run()
-    codes = [p.wait(timeout=300) for p in (node0, node1)]
-    logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("n0", "n1")}
-    assert codes == [0, 0], logs
+    logs = _finish(started, tmp_path, "run")
 
     (n0_run,) = [p for p in (tmp_path / "n0" / "results").iterdir() if not p.is_symlink()]
     two_nodes, one_node = _records(n0_run), _records(one_store.path)
@@ -82,6 +104,19 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
     assert list((tmp_path / "n1" / "node-launches").glob("node1-*/ws2/launch-001/log.txt"))
     assert "2 ok, 0 not ok" in logs["n1"], logs["n1"]
     assert '"nnodes": 2' in (n0_run / "run.json").read_text()
+
+    # A run that lost a cell (as if killed before it was recorded): both nodes resume it, and
+    # only that cell runs again, on both nodes.
+    lost = "gpt2-tiny/fsdp_full/fp32/ckpt_none/mb2/ws2/seed0"
+    lines = (n0_run / "cells.jsonl").read_text().splitlines(keepends=True)
+    (n0_run / "cells.jsonl").write_text("".join(line for line in lines if lost not in line))
+    resume = ["--resume", n0_run.name]
+    logs = _finish(_two_nodes(multi, tmp_path, resume, resume, "resume"), tmp_path, "resume")
+    assert "1 cell runs that span the nodes" in logs["n1"] and "1 ok, 0 not ok" in logs["n1"], logs["n1"]
+    resumed = _records(n0_run)
+    assert sorted(resumed) == sorted(two_nodes)
+    assert resumed[lost]["status"] == "ok" and resumed[lost]["equivalence"]["passed"]
+    assert resumed[lost]["losses"] == two_nodes[lost]["losses"]  # bitwise: the same cell, run again
 
 
 def test_a_world_of_one_is_refused_with_the_reason_recorded(tmp_path, monkeypatch):
@@ -148,3 +183,22 @@ def test_node_options_are_checked_before_anything_launches(argv, message, capsys
     assert cli_main(["run", "--suite", "smoke", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_follower_takes_node_0s_plan_and_refuses_other_code():
+    spec = nodes.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    cells = [CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name), micro_batch=2, world_size=2)
+             for name in ("ddp", "fsdp_full")]
+    served = nodes.serve_plan(spec, [cells, cells[1:]], code_hash="abc")
+    assert nodes.fetch_plan(spec, "abc", wait_s=10) == [cells, cells[1:]]
+    with pytest.raises(ValueError, match="node 0 runs harness code abc, this node xyz"):
+        nodes.fetch_plan(spec, "xyz", wait_s=10)
+    with pytest.raises(ValueError, match="cannot serve the run plan on port"):
+        nodes.serve_plan(spec, [], code_hash="abc")  # the port is taken (by `served`)
+    del served
+
+
+def test_a_follower_without_node_0_gives_up_with_the_reason():
+    spec = nodes.NodeSpec(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=_free_port())
+    with pytest.raises(ValueError, match=r"no run plan from node 0 at 127\.0\.0\.1:\d+ within 2 s"):
+        nodes.fetch_plan(spec, "abc", wait_s=2)

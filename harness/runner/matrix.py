@@ -92,8 +92,17 @@ class MatrixRun:
         """"N of M cells" with a record ("cell trials" with repeat > 1)."""
         return f"{len(self.by_trial)} of {len(self.planned)} {'cells' if self.repeat == 1 else 'cell trials'}"
 
+    def _todo(self) -> list[tuple[CellSpec, int]]:
+        return [(c, t) for c, t in self.planned if (c.cell_id, t) not in self.by_trial]
+
+    def launch_rounds(self) -> list[list[CellSpec]]:
+        """Per trial, the cells ``run`` will launch, in launch order (what node 0 serves to
+        the other nodes: runner/nodes.py)."""
+        todo = self._todo()
+        return [[c for c, t in todo if t == trial and not self._unsupported[c.cell_id]] for trial in range(self.repeat)]
+
     def run(self) -> dict[str, dict]:
-        todo = [(c, t) for c, t in self.planned if (c.cell_id, t) not in self.by_trial]
+        todo = self._todo()
         no_peak = flops.no_peak_warning(self.device_type, self.device_name)
         if no_peak:
             self.progress(no_peak)

@@ -1,17 +1,27 @@
 """Several nodes: where this launcher stands in the job, read from the command line or from
-SLURM, and what a launcher on a node other than node 0 does.
+SLURM, how node 0 tells the others what to run, and what a launcher on a node other than
+node 0 does.
 
-One ``python -m harness run`` per node. Every node runs the same selection; the cells whose
-world size spans the nodes go through torchrun's c10d rendezvous at ``master_addr:port``
-(node 0's torchrun hosts the store); the single-process references run on node 0 only.
-Node 0 is the run: it traces, runs the references, judges equivalence and writes results/
-and reports/. A node of rank R > 0 is a follower: it runs its ranks of the same launches,
-prints a line per cell, writes its launch logs under ``<out>/node-launches/`` (never under
-results/), and exits 0 when every cell it took part in ended ok (1 otherwise).
+One ``python -m harness run`` per node. The cells whose world size spans the nodes go through
+torchrun's c10d rendezvous at ``master_addr:port`` (node 0's torchrun hosts the store); the
+single-process references run on node 0 only. Node 0 is the run: it selects, traces, runs the
+references, judges equivalence and writes results/ and reports/. A node of rank R > 0 is a
+follower: it runs its ranks of the launches node 0 publishes, prints a line per cell, writes
+its launch logs under ``<out>/node-launches/`` (never under results/), and exits 0 when every
+cell it took part in ended ok (1 otherwise).
+
+The plan: node 0 decides which launches span the nodes (its selection, less what a resumed
+run already recorded, less what is unsupported on its device) and serves that list, with its
+harness code hash, from a TCPStore on ``master_port + 1`` for as long as it runs. A follower
+reads the plan instead of selecting for itself, so a resumed run (whose records only node 0
+holds) and a node started with other options run exactly node 0's launches; a follower whose
+harness code differs from node 0's refuses to start.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import re
 import shutil
@@ -23,6 +33,12 @@ from itertools import groupby
 from pathlib import Path
 
 DEFAULT_MASTER_PORT = 29500
+# Node 0 serves the plan one port above the rendezvous (which its torchrun binds per launch).
+PLAN_PORT_OFFSET = 1
+PLAN_KEY = "shardbench/plan"
+# How long a follower waits for node 0's plan unless --cell-timeout says more: node 0 may be
+# started later by hand, or still be setting up (environment record, bandwidth sweep).
+PLAN_WAIT_S = 1800.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +59,9 @@ class NodeSpec:
         if self.nnodes > 1 and not self.master_addr:
             raise ValueError(f"--nnodes {self.nnodes}: --master-addr is required (node 0's address, the same on"
                              " every node)")
-        if not 1 <= self.master_port <= 65535:
-            raise ValueError(f"--master-port {self.master_port}: must be in 1-65535")
+        if not 1 <= self.master_port <= 65535 - PLAN_PORT_OFFSET:
+            raise ValueError(f"--master-port {self.master_port}: must be in 1-{65535 - PLAN_PORT_OFFSET}"
+                             f" (node 0 also listens on the port above it)")
 
     @property
     def multi(self) -> bool:
@@ -53,6 +70,10 @@ class NodeSpec:
     @property
     def is_leader(self) -> bool:
         return self.node_rank == 0
+
+    @property
+    def plan_port(self) -> int:
+        return self.master_port + PLAN_PORT_OFFSET
 
     def to_dict(self) -> dict:
         return {"nnodes": self.nnodes, "node_rank": self.node_rank, "master_addr": self.master_addr,
@@ -121,22 +142,54 @@ def slurm_ranks_per_node(environ: Mapping[str, str] = os.environ) -> int | None:
     return _int(value, "SLURM_GPUS_ON_NODE") if value else None
 
 
-def run_follower(cells: list, options, launch_dir: Path, device_type: str,
-                 progress: Callable[[str], None] = print, repeat: int = 1) -> int:
-    """A node of rank > 0: its ranks of every launch that spans the nodes, in the order node 0
-    runs them (MatrixRun's: ``repeat`` rounds of references first, then by world size,
-    unsupported cells left out). Nothing under results/; returns 0 when every cell ended ok,
-    else 1."""
-    from harness import strategies
-    from harness.runner.launcher import run_batch
-    from harness.runner.matrix import human_duration, launch_dir_name, with_references
+def serve_plan(nodes: NodeSpec, rounds: list[list], code_hash: str):
+    """Node 0: serve the launches that span the nodes (``rounds``: per trial, the cells in the
+    order node 0 runs them) until the returned store is dropped. ValueError (one line) when
+    the port is taken."""
+    from torch.distributed import DistError, TCPStore
 
-    runnable = [c for c in with_references(cells)
-                if c.world_size > 1 and not strategies.unsupported_reason(c, device_type)]
-    total = len(runnable) * repeat
-    progress(f"shardbench: node {options.nodes.node_rank} of {options.nodes.nnodes}: {len(runnable)} cells span"
-             f" the nodes{f', {repeat} trials each' if repeat > 1 else ''}; node 0 writes the results;"
-             f" launch logs in {launch_dir}")
+    try:
+        store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=True, wait_for_workers=False)
+    except DistError as error:
+        raise ValueError(f"node 0 cannot serve the run plan on port {nodes.plan_port} (--master-port + 1):"
+                         f" {str(error).splitlines()[0]}") from None
+    store.set(PLAN_KEY, json.dumps({"code_hash": code_hash,
+                                    "rounds": [[c.to_dict() for c in cells] for cells in rounds]}))
+    return store
+
+
+def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> list[list]:
+    """A follower: node 0's rounds of cells, waiting up to ``wait_s`` for node 0 to serve
+    them. ValueError (one line) when node 0 never does or runs other harness code."""
+    from torch.distributed import DistError, TCPStore
+
+    from harness.config import CellSpec
+
+    try:
+        store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=False,
+                         timeout=datetime.timedelta(seconds=wait_s))
+        plan = json.loads(store.get(PLAN_KEY))
+    except DistError as error:
+        raise ValueError(f"no run plan from node 0 at {nodes.master_addr}:{nodes.plan_port} within {wait_s:.0f} s"
+                         f" (is node 0 started with the same --master-addr/--master-port?):"
+                         f" {str(error).splitlines()[0]}") from None
+    if plan["code_hash"] != code_hash:
+        raise ValueError(f"node 0 runs harness code {plan['code_hash']}, this node {code_hash}: check out the same"
+                         " shardbench commit on every node")
+    return [[CellSpec.from_dict(d) for d in cells] for cells in plan["rounds"]]
+
+
+def run_follower(rounds: list[list], options, launch_dir: Path, progress: Callable[[str], None] = print) -> int:
+    """A node of rank > 0: its ranks of node 0's launches (``rounds``, from ``fetch_plan``),
+    launched as node 0 launches them (one torchrun per world size and trial, named alike: the
+    name is part of the rendezvous id). Nothing under results/; returns 0 when every cell
+    ended ok, else 1."""
+    from harness.runner.launcher import run_batch
+    from harness.runner.matrix import human_duration, launch_dir_name
+
+    total = sum(map(len, rounds))
+    progress(f"shardbench: node {options.nodes.node_rank} of {options.nodes.nnodes}: node 0's plan has {total}"
+             f" cell runs that span the nodes; node 0 writes the results; launch logs in {launch_dir}")
     statuses: list[str] = []
     started = time.monotonic()
 
@@ -145,8 +198,8 @@ def run_follower(cells: list, options, launch_dir: Path, device_type: str,
         first = outcome.reason.splitlines()[0][:100] if outcome.reason else ""
         progress(f"[{len(statuses):>3}/{total}] {outcome.status:<11} {outcome.cell.cell_id:<58} {first}")
 
-    for trial in range(repeat):
-        for world_size, group in groupby(runnable, key=lambda c: c.world_size):
+    for trial, cells in enumerate(rounds):
+        for world_size, group in groupby(cells, key=lambda c: c.world_size):
             run_batch(list(group), options, launch_dir / launch_dir_name(world_size, trial), on_outcome)
     bad = sum(s not in ("ok", "oom") for s in statuses)
     progress(f"shardbench: node {options.nodes.node_rank}: {len(statuses) - bad} ok, {bad} not ok"

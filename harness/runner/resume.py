@@ -44,10 +44,13 @@ def original_selection(run_dir: Path) -> dict:
 def check_same_selection(run_dir: Path, original: dict, asked: dict) -> None:
     """ValueError (one line) naming the first option that differs from the original run's
     (``asked`` holds only the options the user gave, by run.json key)."""
-    for key, option in (*SELECTION, ("device", "--device"), ("repeat", "--repeat"), ("mem_cap_bytes", "--mem-cap-gib")):
+    for key, option in (*SELECTION, ("device", "--device"), ("repeat", "--repeat"), ("mem_cap_bytes", "--mem-cap-gib"),
+                        ("nnodes", "--nnodes")):
         if key in asked and asked[key] != original.get(key):
+            # A node count cannot be left out: every node must be started again.
+            fix = "start as many nodes again" if key == "nnodes" else f"resume without {option}"
             raise ValueError(f"cannot resume {run_dir.name} with {option} {asked[key]!r}: it ran with"
-                             f" {option} {original.get(key)!r}; resume without {option}, or start a new run")
+                             f" {option} {original.get(key)!r}; {fix}, or start a new run")
 
 
 def kept_records(records: list[dict], *, retry_failed: bool) -> dict[tuple[str, int], dict]:

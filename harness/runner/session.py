@@ -12,10 +12,11 @@ import torch
 from harness import distributed, suite_files
 from harness.measure import environment
 from harness.report import history, html
+from harness.results import provenance
 from harness.results.store import RunStore, new_run_id
 from harness.runner import resume
-from harness.runner.launcher import LaunchOptions, run_bandwidth_sweep
-from harness.runner.nodes import NodeSpec
+from harness.runner.launcher import LaunchOptions, nodes_of, run_bandwidth_sweep
+from harness.runner.nodes import NodeSpec, serve_plan
 from harness.runner.matrix import MatrixRun, human_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -107,8 +108,21 @@ def start(config: pytest.Config) -> MatrixRun:
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
                     recorded=recorded)
     config.stash[_RUN] = run
+    plan = _serve_plan(options.nodes, run)  # held while the run runs: the other nodes read it at their start
     run.run()
+    del plan
     return run
+
+
+def _serve_plan(nodes: NodeSpec, run: MatrixRun):
+    """Several nodes: serve the launches that span them (runner/nodes.py); None on one node."""
+    if not nodes.multi:
+        return None
+    spanning = [[c for c in cells if nodes_of(c.world_size, nodes) > 1] for cells in run.launch_rounds()]
+    try:
+        return serve_plan(nodes, spanning, provenance.harness_code_hash())
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
 
 
 def trials_columns(trials: dict) -> str:

@@ -54,12 +54,14 @@ STRATEGY_NAMES = (
     "pp_interleaved_1f1b",
     "megatron",
     "cp",
+    "deepspeed_autoep",
 )
 PIPELINE_STRATEGIES = frozenset({"pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"})
 # Every rank of these takes the same samples: the model (or the sequence) is split, not the batch.
-NO_DATA_PARALLEL = PIPELINE_STRATEGIES | {"tp", "megatron", "cp"}
+NO_DATA_PARALLEL = PIPELINE_STRATEGIES | {"tp", "cp"}
 # The defaults the options below resolve to where they apply.
-DEFAULT_TP_DEGREE = 2  # tp_fsdp: the inner (tensor-parallel) dimension of its 2-D mesh
+DEFAULT_TP_DEGREE = 2  # tp_fsdp: the inner (tensor-parallel) dimension of its 2-D mesh; megatron's TP
+DEFAULT_PP_DEGREE = 1  # megatron: no pipeline unless asked
 DEFAULT_PP_MICROBATCHES = 4  # pipelines: micro-batches per optimizer step
 
 
@@ -98,11 +100,14 @@ class StrategySpec:
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
     # shown to catch that pitfall; suites never select it.
     hsdp_mesh: HsdpMesh = "explicit"
-    # tp_fsdp: ranks per tensor-parallel group (the mesh is data-parallel × tensor-parallel).
-    # None resolves to DEFAULT_TP_DEGREE there; "tp" uses every rank.
+    # tp_fsdp, megatron: ranks per tensor-parallel group (the mesh is data-parallel ×
+    # [pipeline ×] tensor-parallel). None resolves to DEFAULT_TP_DEGREE there; "tp" uses every rank.
     tp_degree: int | None = None
-    # Pipelines: the micro-batches one optimizer step is cut into (each of cell.micro_batch
-    # samples); None resolves to DEFAULT_PP_MICROBATCHES there.
+    # megatron: pipeline stages; the data-parallel size is world_size / (tp_degree × pp_degree).
+    # None resolves to DEFAULT_PP_DEGREE there.
+    pp_degree: int | None = None
+    # Pipelines (and megatron with pp_degree > 1): the micro-batches one optimizer step is cut
+    # into (each of cell.micro_batch samples); None resolves to DEFAULT_PP_MICROBATCHES there.
     pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
@@ -120,9 +125,12 @@ class StrategySpec:
             raise ValueError(f"powersgd_rank={self.powersgd_rank}: applies to compression=powersgd only")
         if self.hsdp_mesh != "explicit" and self.name != "fsdp1_hybrid":
             raise ValueError(f"hsdp_mesh={self.hsdp_mesh!r}: applies to strategy=fsdp1_hybrid only")
-        self._resolve("tp_degree", DEFAULT_TP_DEGREE, self.name == "tp_fsdp", "strategy=tp_fsdp")
-        self._resolve("pp_microbatches", DEFAULT_PP_MICROBATCHES, self.is_pipeline,
-                      f"the pipeline strategies ({', '.join(sorted(PIPELINE_STRATEGIES))})")
+        self._resolve("tp_degree", DEFAULT_TP_DEGREE, self.name in ("tp_fsdp", "megatron"),
+                      "strategies tp_fsdp and megatron")
+        self._resolve("pp_degree", DEFAULT_PP_DEGREE, self.name == "megatron", "strategy=megatron")
+        self._resolve("pp_microbatches", DEFAULT_PP_MICROBATCHES, self.pipelined,
+                      f"the pipeline strategies ({', '.join(sorted(PIPELINE_STRATEGIES))}) and megatron with"
+                      " pp_degree > 1")
 
     def _resolve(self, option: str, default: int, applies: bool, where: str) -> None:
         """An option that applies to some strategies only: None becomes ``default`` where it
@@ -141,12 +149,19 @@ class StrategySpec:
     def is_pipeline(self) -> bool:
         return self.name in PIPELINE_STRATEGIES
 
+    @property
+    def pipelined(self) -> bool:
+        """A pipeline schedule cuts each step into pp_microbatches micro-batches."""
+        return self.is_pipeline or (self.name == "megatron" and self.pp_degree > 1)
+
     def data_parallel_size(self, world_size: int) -> int:
         """How many groups of ranks take different samples (the rest of the mesh splits the model)."""
         if self.name in NO_DATA_PARALLEL:
             return 1
         if self.name == "tp_fsdp":
             return world_size // self.tp_degree
+        if self.name == "megatron":
+            return world_size // (self.tp_degree * self.pp_degree)
         return world_size
 
 
@@ -206,9 +221,24 @@ class CellSpec:
             raise ValueError(f"world_size={self.world_size} with tp_fsdp tp_degree={s.tp_degree}: the world size must"
                              f" be a multiple of tp_degree with at least 2 data-parallel groups"
                              f" ({2 * s.tp_degree}, {3 * s.tp_degree}, ...)")
-        if s.is_pipeline and s.accumulation != 1:
+        if s.name == "deepspeed_autoep" and (PRESETS[self.model].n_experts or 0) % self.world_size:
+            raise ValueError(f"world_size={self.world_size} with deepspeed_autoep: model {self.model}'s"
+                             f" {PRESETS[self.model].n_experts} experts per layer must divide evenly over the ranks")
+        if s.name == "megatron":
+            self._check_megatron_layout(PRESETS[self.model].n_layers)
+        if s.pipelined and s.accumulation != 1:
             raise ValueError(f"accumulation={s.accumulation} with {s.name}: a pipeline accumulates over its own"
                              " micro-batches; set pp_microbatches instead")
+
+    def _check_megatron_layout(self, n_layers: int) -> None:
+        """world_size = tp_degree × pp_degree × data-parallel size (at least 1), and a layer
+        or more per pipeline stage."""
+        tp, pp = self.strategy.tp_degree, self.strategy.pp_degree
+        if self.world_size % (tp * pp):
+            raise ValueError(f"world_size={self.world_size} with megatron tp_degree={tp} × pp_degree={pp}: the world"
+                             f" size must be a multiple of tp_degree × pp_degree ({tp * pp}, {2 * tp * pp}, ...)")
+        if pp > n_layers:
+            raise ValueError(f"pp_degree={pp} with model {self.model}: more pipeline stages than its {n_layers} layers")
 
     @property
     def min_steps(self) -> int:
@@ -224,7 +254,7 @@ class CellSpec:
         """Samples per optimizer step, over all data-parallel ranks and micro-steps."""
         s = self.strategy
         return (self.micro_batch * s.data_parallel_size(self.world_size) * s.accumulation
-                * (s.pp_microbatches if s.is_pipeline else 1))
+                * (s.pp_microbatches if s.pipelined else 1))
 
     @property
     def cell_id(self) -> str:
@@ -243,7 +273,9 @@ class CellSpec:
             parts.append(f"mesh_{s.hsdp_mesh}")
         if s.name == "tp_fsdp":
             parts.append(f"tp{s.tp_degree}")
-        if s.is_pipeline:
+        if s.name == "megatron":
+            parts += [f"tp{s.tp_degree}", f"pp{s.pp_degree}"]
+        if s.pipelined:
             parts.append(f"pmb{s.pp_microbatches}")
         if self.attention != "sdpa":
             parts.append(f"attn_{self.attention}")

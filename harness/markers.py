@@ -54,8 +54,9 @@ STRATEGY_FAMILIES = {
     "pp_gpipe": ("pp",),
     "pp_1f1b": ("pp",),
     "pp_interleaved_1f1b": ("pp",),
-    "megatron": ("tp",),  # tensor parallel only so far (pipeline degree 1)
+    "megatron": (),  # its layout's: tp and / or pp (_layout_families)
     "cp": (),
+    "deepspeed_autoep": ("ep", "deepspeed"),
 }
 
 CATALOGUE: dict[str, str] = {
@@ -68,8 +69,9 @@ CATALOGUE: dict[str, str] = {
     "zero1": "ZeRO stage 1 in any engine (torch ZeroRedundancyOptimizer, DeepSpeed, FairScale OSS)",
     "zero2": "ZeRO stage 2 in any engine (optimizer state and gradients sharded)",
     "zero3": "ZeRO stage 3 in any engine (optimizer state, gradients and parameters sharded)",
-    "tp": "tensor parallel, alone or in a mesh (strategies tp, tp_fsdp, megatron)",
-    "pp": "any pipeline-parallel strategy (GPipe, 1F1B, interleaved 1F1B)",
+    "tp": "tensor parallel, alone or in a mesh (strategies tp, tp_fsdp, megatron with tp_degree > 1)",
+    "pp": "any pipeline-parallel strategy (GPipe, 1F1B, interleaved 1F1B, megatron with pp_degree > 1)",
+    "ep": "expert parallel (a mixture-of-experts model's experts split over the ranks)",
     **{f"attn_{a}": f"attention implementation {a}" for a in get_args(Attention)},
     "mha": "multi-head attention (as many key/value heads as query heads)",
     "gqa": "grouped-query attention (fewer key/value heads than query heads, more than one)",
@@ -103,6 +105,7 @@ def markers_of(cell: CellSpec) -> list[str]:
     marks = [
         s.name,
         *STRATEGY_FAMILIES[s.name],
+        *_layout_families(s),
         *([ZERO_IDEA[s.name]] if s.name in ZERO_IDEA else []),
         s.precision,
         f"ckpt_{s.checkpointing}",
@@ -119,6 +122,14 @@ def markers_of(cell: CellSpec) -> list[str]:
     if unknown:
         raise ValueError(f"cell {cell.cell_id} has unregistered markers {unknown}")
     return list(dict.fromkeys(marks))  # de-duplicated, order kept (zero1 is its own idea)
+
+
+def _layout_families(strategy) -> list[str]:
+    """Megatron's family markers follow its layout: tp where it splits the layers, pp where it
+    pipelines them."""
+    if strategy.name != "megatron":
+        return []
+    return [family for family, degree in (("tp", strategy.tp_degree), ("pp", strategy.pp_degree)) if degree > 1]
 
 
 def _attention_heads(spec) -> str:

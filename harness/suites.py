@@ -129,11 +129,19 @@ def model_parallel(world_size: int) -> list[CellSpec]:
     candidates += [
         _cell("gpt2-tiny", "pp_1f1b", world_size),  # the tied head across the first and last stage
         _cell("llama-tiny", "pp_1f1b", world_size, precision="bf16"),
-        # Megatron's local layers compute attention unfused: gated against eager attention.
-        suite_cell("gpt2-tiny", StrategySpec(name="megatron"), world_size, attention="eager"),
+        *_megatron(world_size),
         _cell("llama-tiny", "cp", world_size),
     ]
     return [c for cell in candidates if strategies.incompatibility(cell) is None for c in _with_reference(cell)]
+
+
+def _megatron(world_size: int) -> list[CellSpec]:
+    """Megatron's GPTModel in the layouts this world size forms: tensor parallel over 2 ranks
+    (the rest data parallel), and a two-stage pipeline (tensor parallel over 2 ranks from 4 ranks
+    on). Its local layers compute attention unfused: gated against eager attention."""
+    layouts = [dict(tp_degree=2, pp_degree=1), dict(tp_degree=max(1, min(2, world_size // 2)), pp_degree=2)]
+    return [suite_cell("gpt2-tiny", StrategySpec(name="megatron", **layout), world_size, attention="eager")
+            for layout in layouts if world_size % (layout["tp_degree"] * layout["pp_degree"]) == 0]
 
 
 def model_structure(world_size: int) -> list[CellSpec]:
@@ -145,8 +153,19 @@ def model_structure(world_size: int) -> list[CellSpec]:
     cells += [suite_cell("llama-tiny", StrategySpec(name=s), world_size, attention="eager") for s in ("single", "ddp")]
     for model in ("llama-tiny-mha", "llama-tiny-mqa", "moe-tiny"):
         cells += [_cell(model, s, world_size) for s in ("single", "ddp", "fsdp_full")]
+    cells += _expert_parallel(world_size)
     cells += [suite_cell("gpt2-tiny", StrategySpec(name="ddp"), world_size, expandable_segments=True)]
     return cells
+
+
+def _expert_parallel(world_size: int) -> list[CellSpec]:
+    """moe-tiny's experts split over the ranks (gated against its whole-batch ``single``
+    cell), with and without checkpointing; none where its experts do not divide evenly."""
+    from harness.models.presets import get_preset  # pulls in transformers: import on use
+
+    if get_preset("moe-tiny").n_experts % world_size:
+        return []
+    return [_cell("moe-tiny", "deepspeed_autoep", world_size, checkpointing=c) for c in ("none", "full")]
 
 
 def full(world_size: int) -> list[CellSpec]:

@@ -21,7 +21,7 @@ def cell(**kw) -> CellSpec:
         ({"name": "ddp", "powersgd_rank": -1}, "powersgd_rank=-1"),
         ({"name": "ddp", "powersgd_rank": 4}, "powersgd_rank=4: applies to compression=powersgd only"),
         ({"name": "fsdp1_full", "hsdp_mesh": "fsdp_default"}, "applies to strategy=fsdp1_hybrid only"),
-        ({"name": "tp", "tp_degree": 2}, "tp_degree=2: applies to strategy=tp_fsdp only"),
+        ({"name": "tp", "tp_degree": 2}, "tp_degree=2: applies to strategies tp_fsdp and megatron only"),
         ({"name": "tp_fsdp", "tp_degree": 0}, "tp_degree=0: must be a positive integer"),
         ({"name": "ddp", "pp_microbatches": 4}, "pp_microbatches=4: applies to the pipeline strategies"),
         ({"name": "pp_1f1b", "pp_microbatches": -1}, "pp_microbatches=-1: must be a positive integer"),

@@ -37,6 +37,7 @@ _MODULES = {
     "pp_interleaved_1f1b": "pipeline",
     "megatron": "megatron",
     "cp": "context_parallel",
+    "deepspeed_autoep": "expert_parallel",
 }
 
 

@@ -241,6 +241,34 @@ def _delta(after: dict, before: dict) -> dict[str, dict]:
     return out
 
 
+class EngineSteps:
+    """The engine's backward and step as the worker calls them, and comms_logger's totals at
+    each optimizer-step boundary, from which the step the worker counts is read."""
+
+    def __init__(self, engine, cell: CellSpec):
+        self.engine = engine
+        self.accumulation = cell.strategy.accumulation
+        self.comm_step = cell.warmup + 1  # the step the worker counts with harness.measure.comm
+        self._micro_steps = 0
+        self._snapshots = [_comms_snapshot()]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def after_micro_step(self) -> None:
+        self.engine.step()
+        self._micro_steps += 1
+        if self._micro_steps % self.accumulation == 0:
+            self._snapshots.append(_comms_snapshot())
+
+    def comms_by_step(self) -> list[dict[str, dict]]:
+        return [_delta(b, a) for a, b in zip(self._snapshots, self._snapshots[1:])]
+
+    def comms_of_counted_step(self) -> dict[str, dict]:
+        per_step = self.comms_by_step()
+        return per_step[self.comm_step] if self.comm_step < len(per_step) else {}
+
+
 def as_harness_ops(ds_ops: dict[str, dict], world_size: int) -> dict[str, dict]:
     """comms_logger's per-record counts/bytes in the harness's op kinds and byte convention."""
     out: dict[str, dict] = {}
@@ -265,24 +293,10 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     # memory tracker can register; the wrappers themselves are refused by it.
     inner = getattr(optimizer, "optimizer", optimizer)
 
-    accumulation = cell.strategy.accumulation
-    micro_steps = 0
-    snapshots = [_comms_snapshot()]  # totals at each optimizer-step boundary
-
-    def backward(loss: torch.Tensor) -> None:
-        engine.backward(loss, scale_wrt_gas=False)
-
-    def after_micro_step() -> None:
-        nonlocal micro_steps
-        engine.step()
-        micro_steps += 1
-        if micro_steps % accumulation == 0:
-            snapshots.append(_comms_snapshot())
+    steps = EngineSteps(engine, cell)
 
     def engine_report() -> dict:
-        per_step = [_delta(b, a) for a, b in zip(snapshots, snapshots[1:])]
-        comm_step = cell.warmup + 1  # the step the worker counts with harness.measure.comm
-        ds_ops = per_step[comm_step] if comm_step < len(per_step) else {}
+        ds_ops = steps.comms_of_counted_step()
         return {
             "name": "deepspeed",
             "version": deepspeed.__version__,
@@ -291,10 +305,10 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
             "optimizer": type(inner).__name__,
             "optimizer_wrapper": type(optimizer).__name__,
             "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
-            "comms_logger_step": comm_step,
+            "comms_logger_step": steps.comm_step,
             "comms_logger_by_op": ds_ops,
             "comms_logger_by_op_harness_kinds": as_harness_ops(ds_ops, env.world_size),
-            "comms_logger_by_step": per_step,
+            "comms_logger_by_step": steps.comms_by_step(),
             "memory_estimates": estimates,
         }
 
@@ -311,8 +325,8 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         model=engine,
         optimizer=optimizer,
         use_autocast=False,
-        backward=backward,
-        after_micro_step=after_micro_step,
+        backward=steps.backward,
+        after_micro_step=steps.after_micro_step,
         memory_module=engine.module,
         memory_optimizer=inner,
         memory_held=memory_held,

@@ -1,17 +1,38 @@
-"""Megatron-core: its GPTModel split by its tensor parallelism, wrapped in its
+"""Megatron-core: its GPTModel split by its tensor and pipeline parallelism, wrapped in its
 DistributedDataParallel, stepped by its distributed optimizer (get_megatron_optimizer with
 use_distributed_optimizer).
 
-Parallel layout: tensor parallel over every rank (TP = world size), no pipeline (PP = 1). A
-StrategySpec option for the TP and PP sizes does not exist yet, so the data-parallel size is
-1: Megatron's DDP reduces gradients over a group of one rank and its distributed optimizer
-shards its state over that one rank. They run (their buffers, hooks and copies are measured),
-but shard nothing until TP/PP sizes become options.
+Parallel layout: world_size = tp_degree × pp_degree × data-parallel size (StrategySpec; 2 × 1
+by default, so 4 ranks are 2 data-parallel groups of 2 tensor-parallel ranks).
+``parallel_state.initialize_model_parallel`` lays the ranks out in Megatron's default order
+(tp-cp-ep-dp-pp: the tensor-parallel ranks of a group adjacent, then the data-parallel groups,
+then the pipeline stages). Each rank builds the GPTModel of its pipeline stage: the first
+stage embeds (pre_process), the last applies the final norm, the head and the loss
+(post_process), and each holds n_layers / pp_degree consecutive layers (Megatron splits them
+evenly). With pp_degree > 1 a step is Megatron's own schedule (get_forward_backward_func:
+1F1B without interleaving) over pp_microbatches micro-batches of micro_batch samples, with
+its p2p sends of the activations and their gradients; the loss lives on the last stage
+(``holds_loss``). A tied head (GPT-2 always) is a copy of the word embeddings on the last
+stage, whose gradient Megatron all-reduces with the first stage's over its embedding group
+(finalize_model_grads, which the schedule calls after the last backward). Each data-parallel
+group takes its own share of the samples (``data_rank`` = its data-parallel rank); Megatron's
+DDP averages the gradients over the group (the mean loss of the whole batch, as the
+reference) and its distributed optimizer shards the optimizer state over it.
+
+Process groups: made by initialize_model_parallel for a layout and kept while the worker's
+cells share it; a cell with another (tp, pp) drops them (destroy_model_parallel) and makes the
+new ones. A worker runs a batch of cells at one world size, which can mix layouts (the default
+suite at 4 ranks has tp2×pp1 and tp2×pp2), so refusing a second layout would fail cells that
+can run; Megatron-LM's own unit tests switch layouts the same way in one process
+(Utils.initialize_model_parallel: destroy_model_parallel, then initialize_model_parallel).
+destroy_model_parallel only drops Megatron's references: the old groups' communicators live on
+until the worker exits, and a cell whose layout did not change makes none.
 
 Equivalence: GPTModel is not the HF model, so the harness's HF model is not trained here.
 Instead its weights are copied into a GPTModel of the same sizes (``copy_hf_weights``: each
 tensor-parallel rank takes its slice, in Megatron's layouts: q/k/v interleaved per query
-group, SwiGLU's gate and up halves per rank), and the model computes the same function: GPT-2
+group, SwiGLU's gate and up halves per rank; each pipeline stage takes its layers and its end
+of the model), and the model computes the same function: GPT-2
 as LayerNorm + tanh-GELU + learned positions + tied head, Llama as RMSNorm + SwiGLU + RoPE +
 grouped-query attention. The loss is HF's: the mean next-token cross-entropy over the
 seq_len - 1 predicted positions. So the single reference stays the one-process HF run of the
@@ -21,7 +42,8 @@ layer spec computes attention unfused (DotProductAttention: baddbmm, softmax, bm
 Transformer Engine's spec (fused attention, fused norms) is not wired.
 
 Why not on the CPU (read in megatron-core 0.16.1's source; building GPTModel with
-use_cpu_initialization=True does work there, which is how copy_hf_weights is tested):
+use_cpu_initialization=True does work there, which is how copy_hf_weights and the pipeline
+step are tested, with test-only stand-ins for the pieces below):
 - attention buffers: DotProductAttention.forward takes its score buffer from
   parallel_state.get_global_memory_buffer(), whose GlobalMemoryBuffer.get_tensor allocates on
   torch.cuda.current_device() (core/utils.py), and the causal mask comes from
@@ -35,7 +57,12 @@ use_cpu_initialization=True does work there, which is how copy_hf_weights is tes
 - optimizers: FP32Optimizer and MixedPrecisionOptimizer make their scale / found-inf tensors
   with device='cuda' (core/optimizer/optimizer.py), and DistributedOptimizer raises TypeError
   for a parameter that is not a torch.cuda.{Float,Half,BFloat16}Tensor
-  (core/optimizer/distrib_optimizer.py).
+  (core/optimizer/distrib_optimizer.py);
+- pipelines: the schedule counts tokens in a device="cuda" tensor
+  (forward_backward_pipelining_without_interleaving), the p2p receive buffers are made on
+  torch.cuda.current_device() (core/pipeline_parallel/p2p_communication.py), and with a tied
+  head the last stage's copy of the embeddings is moved with .cuda() before the all-reduce
+  that makes it equal to the first stage's (LanguageModule.setup_embeddings_and_output_layer).
 
 megatron-core is an optional extra: ``pip install megatron-core`` (0.16.1 on Python 3.11;
 0.17 and later need Python 3.12). Its only install-time requirements are torch, numpy and
@@ -80,8 +107,9 @@ CPU_REASON = (
     "megatron-core needs CUDA: its attention takes buffers and the causal mask from"
     " torch.cuda.current_device() / device='cuda' (GlobalMemoryBuffer, get_default_causal_mask), its"
     " forward forks the CUDA RNG tracker (CudaRNGStatesTracker), its DDP allocates gradient buffers on"
-    " torch.cuda.current_device(), and its optimizers make device='cuda' tensors (DistributedOptimizer"
-    " refuses parameters that are not torch.cuda tensors)"
+    " torch.cuda.current_device(), its optimizers make device='cuda' tensors (DistributedOptimizer"
+    " refuses parameters that are not torch.cuda tensors), and its pipeline schedule and p2p buffers"
+    " are made on the CUDA device"
 )
 
 
@@ -94,30 +122,38 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 
 
 def combination_problem(cell: CellSpec) -> str | None:
-    """Cells GPTModel with tensor parallel over every rank cannot express exactly."""
+    """Cells GPTModel in this tensor × pipeline layout cannot express exactly. (CellSpec has
+    checked that the layout fits the world size and the model's depth.)"""
     spec = get_preset(cell.model)
     if spec.family not in FAMILIES:
         return f"model {cell.model}: Megatron's GPTModel is built here for {', '.join(FAMILIES)} only"
     if cell.attention != "eager":
         return (f"attention={cell.attention}: Megatron-core's local layer spec computes attention unfused"
                 " (DotProductAttention), which is HF's eager; set attention='eager'")
-    tp = cell.world_size
+    tp, pp = cell.strategy.tp_degree, cell.strategy.pp_degree
     sizes = {"n_heads": spec.n_heads, "n_kv_heads": spec.kv_heads, "ffn": spec.ffn, "vocab_size": spec.vocab_size}
     for name, size in sizes.items():
         if size % tp:
             # Padding the vocabulary would add logits the reference does not have.
-            return (f"model {cell.model}: {name}={size} is not divisible by the tensor-parallel size"
-                    f" {tp} (= world_size)")
+            return f"model {cell.model}: {name}={size} is not divisible by the tensor-parallel size tp_degree={tp}"
+    if spec.n_layers % pp:
+        return (f"model {cell.model}: its {spec.n_layers} layers do not split evenly into pp_degree={pp} stages"
+                " (Megatron's even split)")
     return None
 
 
-@functools.cache
-def _initialize_model_parallel(world_size: int) -> None:
-    """Megatron's process groups, once per worker process: re-creating them inside a
-    long-lived worker hangs, and a second call refuses ("already initialized")."""
+def use_layout(tp: int, pp: int) -> None:
+    """Megatron's process groups for this (tp, pp) layout: made on the first cell, kept while
+    the layout stays, re-made when it changes (module docstring)."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, pipeline_model_parallel_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size())
+        if current == (tp, pp):
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
 def _seed_rng_tracker(seed: int) -> None:
@@ -128,14 +164,15 @@ def _seed_rng_tracker(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(spec: ModelSpec, hf_config, tp_size: int, checkpointing: str = "none"):
+def transformer_config(spec: ModelSpec, hf_config, tp_size: int, pp_size: int = 1, checkpointing: str = "none"):
     """A TransformerConfig with the HF model's sizes and maths (module docstring)."""
     from megatron.core.transformer import TransformerConfig
 
     common = dict(
         num_layers=spec.n_layers, hidden_size=spec.hidden, num_attention_heads=spec.n_heads,
         num_query_groups=spec.kv_heads, ffn_hidden_size=spec.ffn,
-        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        pipeline_dtype=torch.float32,  # what the stages send each other (fp32 only: CAPABILITIES)
         hidden_dropout=0.0, attention_dropout=0.0,  # the HF models run without dropout
         params_dtype=torch.float32,
         # Built on the CPU, then overwritten from the HF model. The initialisation must run all
@@ -163,6 +200,9 @@ def transformer_config(spec: ModelSpec, hf_config, tp_size: int, checkpointing: 
 
 
 def build_gpt_model(spec: ModelSpec, hf_config, config) -> nn.Module:
+    """This rank's pipeline stage of the GPTModel: the embedding on the first stage, the head
+    and the loss on the last, the stage's share of the layers (parallel_state's stage)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -173,6 +213,8 @@ def build_gpt_model(spec: ModelSpec, hf_config, config) -> nn.Module:
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_len,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=spec.tie_embeddings if llama else True,  # GPT-2 always ties
             position_embedding_type="rope" if llama else "learned_absolute",
             rotary_base=int(hf_config.rope_parameters["rope_theta"]) if llama else 10000,
@@ -190,7 +232,8 @@ def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: i
 
 
 def _gpt2_tensors(hf: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Megatron name, full tensor) for GPT-2. HF's Conv1D stores weights as [in, out]."""
+    """(Megatron name, full tensor) for GPT-2, layers by their index in the whole model. HF's
+    Conv1D stores weights as [in, out]."""
     t = hf.transformer
     yield "embedding.word_embeddings.weight", t.wte.weight
     yield "embedding.position_embeddings.weight", t.wpe.weight
@@ -215,7 +258,8 @@ def _gpt2_tensors(hf: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.T
 
 
 def _llama_tensors(hf: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Megatron name, full tensor) for Llama; linear_fc1 is [gate; up] before the rank split."""
+    """(Megatron name, full tensor) for Llama, layers by their index in the whole model;
+    linear_fc1 is [gate; up] before the rank split."""
     m = hf.model
     yield "embedding.word_embeddings.weight", m.embed_tokens.weight
     for i, layer in enumerate(m.layers):
@@ -229,8 +273,23 @@ def _llama_tensors(hf: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.
         yield p + "mlp.linear_fc1.weight", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         yield p + "mlp.linear_fc2.weight", mlp.down_proj.weight
     yield "decoder.final_layernorm.weight", m.norm.weight
-    if not spec.tie_embeddings:
-        yield "output_layer.weight", hf.lm_head.weight
+
+
+def _stage_name(name: str, gpt: nn.Module, local_layer: dict[int, int]) -> str | None:
+    """The name in this pipeline stage's GPTModel of a whole-model tensor, or None when the
+    tensor belongs to another stage. Layers are numbered per stage from 0 (``local_layer``
+    maps the whole model's index to it); the head's weight is a parameter of the last stage
+    unless it is the embedding's own (tied on a stage that also embeds)."""
+    if name.startswith("embedding."):
+        return name if gpt.pre_process else None
+    if name.startswith("decoder.final_layernorm."):
+        return name if gpt.post_process else None
+    if name == "output_layer.weight":
+        held = gpt.post_process and not (gpt.share_embeddings_and_output_weights and gpt.pre_process)
+        return name if held else None
+    index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+    local = local_layer.get(int(index))
+    return None if local is None else f"decoder.layers.{local}.{rest}"
 
 
 def _rank_slice(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -242,13 +301,21 @@ def _rank_slice(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_size: 
 
 @torch.no_grad()
 def copy_hf_weights(hf: nn.Module, gpt: nn.Module, spec: ModelSpec, tp_rank: int, tp_size: int) -> None:
-    """Overwrite every parameter of ``gpt`` (this tensor-parallel rank's shard) with the HF
-    model's weights; a parameter left unset or a shape that does not fit is an error."""
+    """Overwrite every parameter of ``gpt`` (this pipeline stage's layers and ends, this
+    tensor-parallel rank's shard of them) with the HF model's weights; a parameter left unset
+    or a shape that does not fit is an error."""
     tensors = _gpt2_tensors(hf, spec) if spec.family == "gpt2" else _llama_tensors(hf, spec)
+    # The head: HF's lm_head, which is the embedding table itself where the model ties them.
+    tensors = [*tensors, ("output_layer.weight", hf.get_output_embeddings().weight)]
+    # TransformerLayer.layer_number counts from 1 over the whole model (the stage's offset added).
+    local_layer = {layer.layer_number - 1: j for j, layer in enumerate(gpt.decoder.layers)}
     params = dict(gpt.named_parameters())
     glu = gpt.config.gated_linear_unit
     unset = set(params)
-    for name, full in tensors:
+    for whole_model_name, full in tensors:
+        name = _stage_name(whole_model_name, gpt, local_layer)
+        if name is None:
+            continue
         param = params[name]
         if glu and name.endswith("mlp.linear_fc1.weight"):
             # SwiGLU: each rank holds [its gate rows; its up rows] (MLP.forward chunks in two).
@@ -264,23 +331,71 @@ def copy_hf_weights(hf: nn.Module, gpt: nn.Module, spec: ModelSpec, tp_rank: int
         raise ValueError(f"no HF weight for Megatron parameters {sorted(unset)}")
 
 
+def gpt_inputs(input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """GPTModel's arguments for a causal-LM batch. Megatron's labels are each position's
+    target; HF shifts inside its model. The last position has no next token: its rolled-in
+    target is dropped by ``mean_predicted_loss``, as in HF."""
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    return dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None, labels=labels.roll(-1, dims=1))
+
+
+def mean_predicted_loss(per_token: torch.Tensor) -> torch.Tensor:
+    """HF's causal-LM loss from GPTModel's per-token losses: the mean over the seq_len - 1
+    predicted positions."""
+    return per_token[:, :-1].mean()
+
 
 class MegatronCausalLM(nn.Module):
-    """The worker's loss path for a GPTModel: ``forward(input_ids, labels)`` returns an
-    output whose ``loss`` is HF's causal-LM loss, so ``built.loss`` serves it unchanged."""
+    """The worker's loss path for a GPTModel without a pipeline: ``forward(input_ids, labels)``
+    returns an output whose ``loss`` is HF's causal-LM loss, so ``built.loss`` serves it unchanged."""
 
     def __init__(self, gpt: nn.Module):
         super().__init__()
         self.gpt = gpt
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> CausalLMOutput:
-        batch, seq = input_ids.shape
-        position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        # Megatron's labels are each position's target; HF shifts inside its model. The last
-        # position has no next token (its rolled-in target is dropped below), as in HF.
-        per_token = self.gpt(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                             labels=labels.roll(-1, dims=1))
-        return CausalLMOutput(loss=per_token[:, :-1].mean())
+        return CausalLMOutput(loss=mean_predicted_loss(self.gpt(**gpt_inputs(input_ids, labels))))
+
+
+def forward_step(data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]], model: nn.Module):
+    """Megatron's forward_step_func: one micro-batch through this stage. The last stage's
+    output is the per-token loss, which the schedule hands to the returned loss function."""
+    input_ids, labels = next(data_iterator)
+    return model(**gpt_inputs(input_ids, labels)), _schedule_loss
+
+
+def _schedule_loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = mean_predicted_loss(per_token)
+    # The schedule divides the first in place by the micro-batch count (for the backward):
+    # the reported loss is a copy.
+    return loss, {"loss": loss.detach().clone()}
+
+
+class _PipelineStep:
+    """One optimizer step's forward and backward through Megatron's pipeline schedule: the
+    step's rows cut into pp_microbatches micro-batches of micro_batch samples. Returns the
+    mean loss on the last stage, None on the others."""
+
+    def __init__(self, ddp_model: nn.Module, cell: CellSpec, holds_loss: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.ddp_model, self.holds_loss = ddp_model, holds_loss
+        self.micro_batch, self.n_micro = cell.micro_batch, cell.strategy.pp_microbatches
+        self.schedule = get_forward_backward_func()
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        losses = self.schedule(
+            forward_step_func=forward_step,
+            data_iterator=zip(input_ids.split(self.micro_batch), labels.split(self.micro_batch)),
+            model=[self.ddp_model], num_microbatches=self.n_micro,
+            seq_length=input_ids.shape[1], micro_batch_size=self.micro_batch,
+        )
+        if not self.holds_loss:
+            return None
+        # The mean of equal micro-batches' means: the whole step's mean loss.
+        return torch.stack([loss["loss"] for loss in losses]).mean()
 
 
 def _torch_optimizer(megatron_optimizer) -> torch.optim.Optimizer:
@@ -291,17 +406,22 @@ def _torch_optimizer(megatron_optimizer) -> torch.optim.Optimizer:
 
 class _OptimizerStepper:
     """Megatron's end of an optimizer step, after the last micro-step's backward: finish the
-    gradient reduction, step, zero the DDP gradient buffers (Megatron-LM's train_step order)."""
+    gradient reductions (unless the pipeline schedule has), step, zero the DDP gradient
+    buffers (Megatron-LM's train_step order)."""
 
-    def __init__(self, ddp_model, optimizer, accumulation: int):
+    def __init__(self, ddp_model, optimizer, accumulation: int, finish_grads: bool):
         self.ddp_model, self.optimizer, self.accumulation = ddp_model, optimizer, accumulation
+        self.finish_grads = finish_grads
         self.micro_steps = 0
 
     def after_micro_step(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
         self.micro_steps += 1
         if self.micro_steps % self.accumulation:
             return
-        self.ddp_model.finish_grad_sync()
+        if self.finish_grads:
+            finalize_model_grads([self.ddp_model])
         self.optimizer.step()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -309,25 +429,33 @@ class _OptimizerStepper:
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     spec = get_preset(cell.model)
-    _initialize_model_parallel(env.world_size)
+    tp, pp = cell.strategy.tp_degree, cell.strategy.pp_degree
+    use_layout(tp, pp)
     _seed_rng_tracker(cell.seed)
-    config = transformer_config(spec, model.config, env.world_size, cell.strategy.checkpointing)
+    config = transformer_config(spec, model.config, tp, pp, cell.strategy.checkpointing)
     gpt = build_gpt_model(spec, model.config, config)
-    copy_hf_weights(model, gpt, spec, parallel_state.get_tensor_model_parallel_rank(), env.world_size)
+    copy_hf_weights(model, gpt, spec, parallel_state.get_tensor_model_parallel_rank(), tp)
     gpt = gpt.to(env.device)
     ddp_model = DistributedDataParallel(
         config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), gpt)
+    # What the pipeline schedule calls around and after its backwards (as Megatron-LM sets them):
+    # no reductions until the last micro-batch, then the data-parallel reduction and the tied
+    # embeddings' all-reduce.
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
     # torch.optim.AdamW's defaults, as the reference; {} overrides: weight decay on every
     # parameter (Megatron's default skips biases and norms), and no gradient clipping.
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=cell.lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999,
                         adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=True),
         [ddp_model], config_overrides={})
-    stepper = _OptimizerStepper(ddp_model, optimizer, cell.strategy.accumulation)
+    holds_loss = parallel_state.is_pipeline_last_stage()
+    pipeline = _PipelineStep(ddp_model, cell, holds_loss) if pp > 1 else None
+    stepper = _OptimizerStepper(ddp_model, optimizer, cell.strategy.accumulation, finish_grads=pipeline is None)
     buffers = ddp_model.buffers + ddp_model.expert_parallel_buffers
     return Prepared(
         model=MegatronCausalLM(ddp_model),
@@ -339,5 +467,9 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         memory_module=gpt,
         # The contiguous gradient (and, with the distributed optimizer, parameter) buffers.
         memory_held=lambda: [t for b in buffers for t in (b.grad_data, b.param_data) if t is not None],
-        data_rank=0,  # every rank takes the same samples: the model is split, not the batch
+        # The ranks of a data-parallel group (its tensor-parallel ranks and pipeline stages)
+        # take the same samples.
+        data_rank=parallel_state.get_data_parallel_rank(),
+        forward_backward=pipeline,
+        holds_loss=holds_loss,
     )

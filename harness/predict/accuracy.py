@@ -29,9 +29,18 @@ TARGETS = ("traced_peak", "analytic_model_states", "analytic_comm")
 def prediction(cell: CellSpec, traced: dict | None) -> dict:
     """The record's ``predicted`` entry before any measurement: both predictors."""
     return {
-        "analytic": analytic.predict(cell),
+        "analytic": _analytic(cell),
         "traced": traced if traced is not None else {"unavailable": "not traced in this run"},
     }
+
+
+def _analytic(cell: CellSpec) -> dict:
+    """The analytic prediction; one that raises is recorded as unavailable, with the error,
+    because the measured record it belongs to must still be written."""
+    try:
+        return analytic.predict(cell)
+    except Exception as error:  # noqa: BLE001 - any bug in a formula, for any cell
+        return {"unavailable": f"the analytic model failed: {type(error).__name__}: {error}"}
 
 
 def _furthest(predicted: dict[str, float], measured: dict[str, float]) -> str:

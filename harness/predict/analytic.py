@@ -5,12 +5,24 @@ Two layers:
 - The formulas as published, on plain numbers: ``zero_model_states`` and
   ``zero_comm_elements`` (ZeRO), ``activation_bytes_per_layer`` (Korthikanti et al.),
   ``powersgd_elements`` (Vogels et al.), ``optimizer_state_bytes`` (AdamW, 8-bit block-wise
-  Adam, Adafactor), ``model_flops_per_step`` (Korthikanti App. A). The claims suite and the
-  unit tests check these against the papers' own tables.
+  Adam, Adafactor), ``model_flops_per_step`` (Korthikanti App. A), tensor parallelism
+  (``tp_model_states``, ``tp_all_reduce_bytes``: Shoeybi et al.), pipelines
+  (``pipeline_bubble_fraction``, ``pipeline_*``: Huang et al., Narayanan et al.), Megatron's
+  vocabulary-parallel layers and distributed optimizer (``megatron_*``) and ring attention
+  (``context_parallel_kv_bytes``). The claims suite and the unit tests check these against
+  the papers' own tables or hand-computed cases.
 - ``predict(cell)``: the same formulas applied to one benchmark cell, with what the cell's
   engine does on top of the paper (which tensors it keeps in which precision, DDP's gradient
-  bucket, how many times FSDP gathers the root unit), per rank, in the harness's own
-  categories and byte conventions, so each number can be put beside the measured one.
+  bucket, how many times FSDP gathers the root unit, the order torch's pipeline schedule
+  runs its micro-batches in, the receive buffers its stages keep), per rank, in the
+  harness's own categories and byte conventions, so each number can be put beside the
+  measured one.
+
+What is checked against measurement (``python -m harness accuracy``: model states and
+communication within ±10 %): the data-parallel and sharded strategies, tp / tp_fsdp and the
+three pipeline schedules on 2 gloo ranks. megatron and cp need CUDA: their predictions are
+the formulas applied to the library's code as read (megatron-core 0.16.1, torch 2.13), checked
+on hand-computed cases only (tests/test_predict_analytic.py) until a GPU run measures them.
 
 Ψ = parameter count, N_d = data-parallel (sharding) degree, K = optimizer bytes per parameter.
 """
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from dataclasses import dataclass
 
 from harness import models
@@ -27,6 +40,7 @@ from harness.distributed import DistEnv, hsdp_shape
 from harness.features.optimizers import BITSANDBYTES
 from harness.models import ModelSpec, ParamLayout
 from harness.strategies import deepspeed_zero  # its bucket sizing; DeepSpeed itself is imported on use
+from harness.strategies import pipeline  # its stage split; the schedules come from torch
 
 # zero_model_states defaults to mixed-precision Adam (ZeRO §3.1): fp16 parameters and
 # gradients, K = 12 bytes of optimizer state per parameter (fp32 master weights, momentum,
@@ -296,14 +310,14 @@ def pipeline_first_stage_layer_activations(schedule: str, layers: int, stages: i
 
 
 def pipeline_stage_layers(layers: int, stages: int) -> list[int]:
-    """Consecutive blocks per stage (GPipe, Huang et al. 2019), as evenly as they go; the
-    remainder goes to the middle stages first, then the first, then the last (the first also
-    embeds, the last also runs the LM head), as harness/strategies/pipeline.py splits."""
-    if not 1 <= stages <= layers:
-        raise ValueError(f"stages={stages}: between 1 and the {layers} layers")
-    base, extra = divmod(layers, stages)
-    preference = [*range(1, stages - 1), 0, stages - 1][:extra]
-    return [base + (i in preference) for i in range(stages)]
+    """Consecutive blocks per stage (GPipe, Huang et al. 2019), as evenly as they go, as
+    harness/strategies/pipeline.py splits them (``stage_blocks``): the remainder goes to the
+    middle stages first, then the first, then the last (the first also embeds, the last also
+    runs the LM head), so the first or the last stage may hold no block; a middle one must."""
+    counts = [len(blocks) for blocks in pipeline.stage_blocks(layers, stages)] if stages >= 1 else []
+    if not counts or 0 in counts[1:-1]:
+        raise ValueError(f"stages={stages}: {layers} layers leave a middle stage empty (or no stage at all)")
+    return counts
 
 
 def pipeline_stage_params(block: int, layers: int, stages: int, *, first: int, last: int) -> list[int]:
@@ -322,6 +336,115 @@ def pipeline_p2p_bytes(batch: int, seq: int, hidden: int, microbatches: int, *, 
     activation forward and its gradient backward, over each of its ``neighbours`` (1 for the
     first and last stage, 2 between) (Huang et al. 2019; Narayanan et al. 2021 §3)."""
     return microbatches * batch * seq * hidden * value_bytes * neighbours
+
+
+def interleaved_1f1b_order(rank: int, ranks: int, microbatches: int, virtual_stages: int) -> list[tuple[int, bool]]:
+    """(stage, is_forward) for each computation ``rank`` runs in one step of torch's
+    ScheduleInterleaved1F1B, in order: the schedule's own plan
+    (``_calculate_single_rank_operations``, which reads only these four sizes), not a copy
+    of it. Its rounds (``max(1, m // p)``) make its warm-up differ from Megatron's when p
+    does not divide m."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, microbatches // ranks)  # as ScheduleInterleaved1F1B.__init__ sets them
+    sizes = types.SimpleNamespace(n_local_stages=virtual_stages, pp_group_size=ranks, _n_microbatches=microbatches,
+                                  microbatches_per_round=microbatches // rounds)
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank)
+    return [(a.stage_index, a.computation_type == _ComputationType.FORWARD) for a in actions if a is not None]
+
+
+def pipeline_peak_in_flight(order: list[tuple[int, bool]], bytes_per_microbatch: dict[int, float]) -> float:
+    """The most a rank holds while running ``order``: a forward on a stage keeps that
+    micro-batch's activations (``bytes_per_microbatch[stage]``) until its backward frees them."""
+    in_flight = dict.fromkeys(bytes_per_microbatch, 0)
+    peak = 0.0
+    for stage, forward in order:
+        in_flight[stage] += 1 if forward else -1
+        peak = max(peak, sum(count * bytes_per_microbatch[held] for held, count in in_flight.items()))
+    return peak
+
+
+def pipeline_rank_activations(schedule: str, rank: int, ranks: int, microbatches: int,
+                              bytes_per_microbatch: dict[int, float]) -> float:
+    """Activation bytes ``rank`` holds at its peak, from each of its stages' bytes for one
+    micro-batch: GPipe every micro-batch (Huang et al. 2019); 1F1B p − rank of them
+    (Narayanan et al. 2021 §2.2.1); interleaved 1F1B as torch's schedule orders them
+    (``interleaved_1f1b_order``; ``pipeline_first_stage_layer_activations`` is Megatron's
+    closed form for rank 0)."""
+    if schedule == "gpipe":
+        return microbatches * sum(bytes_per_microbatch.values())
+    if schedule == "1f1b":
+        (stage_bytes,) = bytes_per_microbatch.values()
+        return min(ranks - rank, microbatches) * stage_bytes
+    virtual_stages = len(bytes_per_microbatch)
+    return pipeline_peak_in_flight(interleaved_1f1b_order(rank, ranks, microbatches, virtual_stages),
+                                   bytes_per_microbatch)
+
+
+# --- Megatron-core (GPTModel, its DDP and distributed optimizer) -----------------------------------
+
+def megatron_split_numel(spec: ModelSpec) -> int:
+    """Parameters Megatron's GPTModel splits over its tensor-parallel ranks: the blocks'
+    column- and row-parallel linears (``tp_sharded_numel``) and, vocabulary-parallel, the
+    token table (VocabParallelEmbedding) and an untied output layer (ColumnParallelLinear; a
+    tied one reuses the table). Position embeddings, norms and row-parallel biases are
+    replicated."""
+    tables = 1 if spec.family == "gpt2" or spec.tie_embeddings else 2
+    return tp_sharded_numel(spec) + tables * spec.vocab_size * spec.hidden
+
+
+def megatron_model_states(local_params: float, dp: int) -> ModelStates:
+    """Bytes per rank of fp32 training under Megatron's DDP and distributed optimizer, for
+    the ``local_params`` a rank holds (its tensor-parallel share of its pipeline stage): the
+    fp32 parameter and gradient buffers are whole on every data-parallel rank, the
+    optimizer's two Adam moments are sharded over the dp ranks, and the fp32 parameters
+    serve as the main copy (no master weights): ZeRO-1, 4 + 4 + 8/N_d bytes per parameter
+    (Rajbhandari et al. §5)."""
+    return zero_model_states(local_params, dp, 1, **FP32_ADAM)
+
+
+def megatron_tp_all_reduce_bytes(batch: int, seq: int, hidden: int, layers: int, tp: int, *, embeds: bool = True,
+                                 head: bool = True, value_bytes: float = 4, recomputed_per_block: int = 0) -> float:
+    """Bytes a rank all-reduces over its tensor-parallel group per forward + backward of one
+    micro-batch through its ``layers`` (no sequence parallelism): the blocks' four
+    all-reduces of b·s·h (``tp_all_reduce_bytes``); on the stage that ``embeds``, the
+    vocabulary-parallel embedding's forward all-reduce (b·s·h); on the one with the ``head``,
+    the output layer's backward all-reduce of its input gradient (b·s·h) and the
+    vocabulary-parallel cross entropy's three fp32 all-reduces of b·s values (the max logit,
+    the target's logit, the sum of exponentials), which Megatron issues even at tp = 1 (the
+    others it skips there). Megatron's full recompute reruns a whole layer
+    (``recomputed_per_block=2``)."""
+    activation = batch * seq * hidden * value_bytes
+    split = tp_all_reduce_bytes(batch, seq, hidden, layers, forward_bytes=value_bytes, backward_bytes=value_bytes,
+                                recomputed_per_block=recomputed_per_block) + activation * (embeds + head)
+    return (split if tp > 1 else 0.0) + (3 * batch * seq * 4 if head else 0.0)
+
+
+def megatron_optimizer_comm_bytes(local_params: float) -> dict[str, float]:
+    """The distributed optimizer's traffic per step over the data-parallel group: DDP
+    reduce-scatters the fp32 gradient buffer (grad_reduce_in_fp32) and, after the step,
+    all-gathers the updated fp32 parameter buffer; in the harness's convention each counts
+    the whole buffer, 4 bytes per local parameter (ZeRO §7's 2Ψ). Megatron issues both at a
+    data-parallel size of 1 too."""
+    return {"reduce_scatter": 4.0 * local_params, "all_gather": 4.0 * local_params}
+
+
+# --- context parallelism (ring attention) ----------------------------------------------------------
+
+def context_parallel_kv_bytes(batch: int, seq: int, kv_width: int, layers: int, degree: int, *,
+                              value_bytes: float = 4, recomputed_per_layer: int = 0) -> dict[str, float]:
+    """Bytes per rank per forward + backward of torch's ring attention over ``degree`` ranks
+    (torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch 2.13, its
+    default rotate method "allgather"): per attention layer the forward all-gathers the
+    ranks' K and V once (``_AllGatherRotater``: the gathered output is 2·b·s·kv_width values
+    in K and V's dtype), the backward all-gathers them again and passes the fp32 K and V
+    gradients (convert_to_f32) round the ring with one all-to-all per ring step
+    (``_AllToAllRotater``: ``degree`` × 2·b·(s/degree)·kv_width·4 bytes of input). A
+    recomputed forward repeats its all-gather. Nothing at degree 1."""
+    if degree == 1:
+        return {}
+    kv = 2 * batch * seq * kv_width
+    return {"all_gather": layers * (2 + recomputed_per_layer) * kv * value_bytes, "all_to_all": layers * kv * 4.0}
 
 
 # --- mixture of experts -----------------------------------------------------------------------
@@ -568,9 +691,7 @@ DATA_PARALLEL_STRATEGIES = frozenset({
     "fsdp1_no_shard", "fsdp1_hybrid", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3",
     "fairscale_oss", "fairscale_sdp", "fairscale_fsdp"})
 TENSOR_PARALLEL_STRATEGIES = frozenset({"tp", "tp_fsdp"})
-# The interleaved schedule (two chunks per rank in harness/strategies/pipeline.py) holds a
-# different share of its chunks' activations per rank: not modelled per cell yet.
-PIPELINE_SCHEDULE = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b"}
+PIPELINE_SCHEDULE = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "pp_interleaved_1f1b": "interleaved_1f1b"}
 # Families whose blocks this module counts (attention, MLP or experts, norms).
 TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe")
 # The residual stream that crosses a pipeline boundary stays fp32 under torch autocast.
@@ -579,11 +700,11 @@ _BOUNDARY_BYTES = 4
 
 def tensor_parallel_degree(cell: CellSpec) -> int:
     """Ranks a tensor-parallel group splits each layer over: every rank for tp, the inner
-    mesh dimension for tp_fsdp, 1 otherwise."""
+    mesh dimension for tp_fsdp, Megatron's tensor-parallel size for megatron, 1 otherwise."""
     s = cell.strategy
     if s.name == "tp":
         return cell.world_size
-    return s.tp_degree if s.name == "tp_fsdp" else 1
+    return s.tp_degree if s.name in ("tp_fsdp", "megatron") else 1
 
 
 def tp_sharded_numel(spec: ModelSpec) -> int | None:
@@ -616,16 +737,29 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
         if cell.strategy.optimizer != "adamw":
             return f"{name} with optimizer={cell.strategy.optimizer}: the state formula needs the split shapes"
         return None
+    if name == "megatron":
+        if family not in ("gpt2", "llama"):
+            return f"megatron on family {family}: GPTModel is built for gpt2 and llama only"
+        pp = cell.strategy.pp_degree
+        if spec.n_layers % pp:
+            return f"megatron: {spec.n_layers} layers do not split evenly into pp_degree={pp} stages"
+        return None
+    if name == "cp":
+        if family != "llama":
+            return f"cp on family {family}: context parallel is wired for the llama family only"
+        return None
     if name in PIPELINE_SCHEDULE:
         if family not in ("gpt2", "llama"):
             return f"{name} on family {family}: the stage split is modelled for gpt2 and llama only"
-        if cell.world_size > spec.n_layers:
-            return f"{name}: {cell.world_size} stages for {spec.n_layers} layers"
+        try:
+            pipeline_stage_layers(spec.n_layers, pipeline.n_stages(name, cell.world_size))
+        except ValueError as e:
+            return f"{name}: {e}"
         return None
     return f"strategy {name}: no analytic model for it in harness/predict/analytic.py"
 
 
-# --- tensor-parallel and pipeline cells -----------------------------------------------------------
+# --- tensor-, pipeline- and context-parallel cells --------------------------------------------------
 
 def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
     """tp: Megatron's split with fp32 parameters, gradients and AdamW moments (torch
@@ -680,68 +814,186 @@ def _recompute(cell: CellSpec, spec: ModelSpec) -> float:
     return activation_bytes(unchecked, spec)["per_layer"]
 
 
-def _pipeline_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
-    """Each stage's model states (fp32 AdamW), activations at its peak and transfers.
+def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
+    """Each rank's model states (fp32 AdamW), activations at its peak and transfers.
 
-    The embeddings sit on the first stage, the final norm and a V×h LM head on the last (a
-    tied head is a copy there: the last stage computes the logits). In flight at a stage's
-    peak: every micro-batch under GPipe, p − i on stage i under 1F1B
-    (``pipeline_first_stage_layer_activations`` for i = 0); the last stage also keeps the
-    logits of those micro-batches. A tied table's two copies (first and last stage) send each
-    other their gradients once a step (harness/strategies/pipeline.py)."""
+    A rank holds v stages (stage i on rank i mod p: v = 1, or 2 for the interleaved
+    schedule, harness/strategies/pipeline.py). The embeddings sit on the first stage, the
+    final norm and a V×h LM head on the last (a tied head is a copy there: the last stage
+    computes the logits); the last stage also keeps its micro-batches' logits. In flight at a
+    rank's peak: ``pipeline_rank_activations``. Every boundary carries each micro-batch's
+    b·s·h hidden states forward and their gradient back (``pipeline_p2p_bytes``); torch's
+    PipelineStage keeps one receive buffer per micro-batch for each (a non-first stage's
+    inputs, a non-last stage's output gradients) from step to step: the ``buffers``, as
+    many bytes as the rank receives. A tied table's two copies (first and last stage) send
+    each other their gradients once a step."""
     s, p = cell.strategy, cell.world_size
     m, schedule = s.pp_microbatches, PIPELINE_SCHEDULE[s.name]
+    n_stages = pipeline.n_stages(s.name, p)
     first = _embedding_numel(spec)
     tied = spec.family == "gpt2" or spec.tie_embeddings
     last = layout.root_numel - first + (spec.vocab_size * spec.hidden if tied else 0)
-    params = pipeline_stage_params(layout.block_numel, spec.n_layers, p, first=first, last=last)
+    params = pipeline_stage_params(layout.block_numel, spec.n_layers, n_stages, first=first, last=last)
     acts = activation_bytes(cell, spec)
-    stages = []
-    for i, (layers, n_params) in enumerate(zip(pipeline_stage_layers(spec.n_layers, p), params)):
-        in_flight = m if schedule == "gpipe" else min(p - i, m)
-        held = in_flight * layers * acts["per_layer"] + (in_flight * acts["logits"] if i == p - 1 else 0.0)
-        p2p = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, m,
-                                 neighbours=(i > 0) + (i < p - 1), value_bytes=_BOUNDARY_BYTES)
-        if tied and i in (0, p - 1) and p > 1:  # the two copies of the table swap their fp32 gradients
-            p2p += 4.0 * spec.vocab_size * spec.hidden
-        stages.append({
+    per_microbatch = [layers * acts["per_layer"] for layers in pipeline_stage_layers(spec.n_layers, n_stages)]
+    per_microbatch[-1] += acts["logits"]
+    ranks = []
+    for rank in range(p):
+        mine = range(rank, n_stages, p)
+        n_params = sum(params[i] for i in mine)
+        received = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, m,
+                                      neighbours=sum((i > 0) + (i < n_stages - 1) for i in mine),
+                                      value_bytes=_BOUNDARY_BYTES)
+        swapped = 4.0 * spec.vocab_size * spec.hidden if tied and rank in (0, p - 1) else 0.0
+        ranks.append({
             "states": {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params,
-                       "buffers": 0.0},
-            "activations": held,
+                       "buffers": received},
+            "activations": pipeline_rank_activations(schedule, rank, p, m, {i: per_microbatch[i] for i in mine}),
             "transient": {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, n_params),
                           "recompute": _recompute(cell, spec)},
-            "comm": {"send": p2p, "recv": p2p} if p > 1 else {}})
-    return stages
+            "comm": {"send": received + swapped, "recv": received + swapped}})
+    return ranks
 
 
-def _stage_peak(stage: dict) -> float:
-    return sum(stage["states"].values()) + stage["activations"] + sum(stage["transient"].values())
+def _rank_peak(rank: dict) -> float:
+    return sum(rank["states"].values()) + rank["activations"] + sum(rank["transient"].values())
 
 
-def _model_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
-    """States, activations, transients and communication per rank of a tensor-parallel or
-    pipeline cell; for a pipeline, of the stage whose peak is highest."""
-    if cell.strategy.name in TENSOR_PARALLEL_STRATEGIES:
-        states = _tp_states(cell, spec, layout)
-        transient = {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, states["params"] / 4),
-                     "recompute": _recompute(cell, spec)}
-        if cell.strategy.name == "tp_fsdp":  # FSDP2 casts itself; it gathers as fsdp_full does
-            t = tensor_parallel_degree(cell)
-            block = layout.block_numel - tp_sharded_numel(spec) / spec.n_layers * (1 - 1 / t)
-            transient["gathered"] = _LOW[cell.strategy.precision] * (layout.root_numel + 2 * block)
-            transient["autocast_copies"] = 0.0
-        return {"states": states, "activations": activation_bytes(cell, spec), "transient": transient,
-                "comm": _tp_comm(cell, spec, layout), "extra": {}}
-    stages = _pipeline_stages(cell, spec, layout)
-    peak = max(stages, key=_stage_peak)
+def _tp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    states = _tp_states(cell, spec, layout)
+    transient = {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, states["params"] / 4),
+                 "recompute": _recompute(cell, spec)}
+    if cell.strategy.name == "tp_fsdp":  # FSDP2 casts itself; it gathers as fsdp_full does
+        t = tensor_parallel_degree(cell)
+        block = layout.block_numel - tp_sharded_numel(spec) / spec.n_layers * (1 - 1 / t)
+        transient["gathered"] = _LOW[cell.strategy.precision] * (layout.root_numel + 2 * block)
+        transient["autocast_copies"] = 0.0
+    return {"states": states, "activations": activation_bytes(cell, spec), "transient": transient,
+            "comm": _tp_comm(cell, spec, layout), "extra": {}}
+
+
+def _pipeline_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """The rank whose peak is highest."""
+    ranks = _pipeline_ranks(cell, spec, layout)
+    peak = max(ranks, key=_rank_peak)
     s = cell.strategy
+    virtual_stages = pipeline.n_stages(s.name, cell.world_size) // cell.world_size
     return {"states": peak["states"],
             # The last stage's logits are inside its held total.
             "activations": {"per_layer": activation_bytes(cell, spec)["per_layer"], "layers": peak["activations"],
                             "logits": 0.0},
             "transient": peak["transient"], "comm": peak["comm"],
-            "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.pp_microbatches),
-                      "per_stage_peak_bytes": [_stage_peak(st) for st in stages]}}
+            "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.pp_microbatches, virtual_stages),
+                      "per_rank_peak_bytes": [_rank_peak(r) for r in ranks]}}
+
+
+def _megatron_stage_params(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[float]:
+    """Parameters each pipeline stage's tensor-parallel rank holds under Megatron: its
+    n_layers / pp blocks with their linears split over tp; the first stage the
+    vocabulary-parallel table (and GPT-2's replicated positions); the last the final norm and
+    the vocabulary-parallel output layer (a tied one is the table itself at pp = 1, a copy of
+    it on the last stage otherwise)."""
+    s, vocab_table = cell.strategy, spec.vocab_size * spec.hidden
+    tp, pp = s.tp_degree, s.pp_degree
+    tied = spec.family == "gpt2" or spec.tie_embeddings
+    split_per_block = tp_sharded_numel(spec) / spec.n_layers
+    block = layout.block_numel - split_per_block * (1 - 1 / tp)
+    norm = layout.root_numel - _embedding_numel(spec) - (0 if tied else vocab_table)
+    first = vocab_table / tp + _embedding_numel(spec) - vocab_table
+    last = norm + (vocab_table / tp if not tied or pp > 1 else 0.0)
+    return pipeline_stage_params(block, spec.n_layers, pp, first=first, last=last)
+
+
+def _megatron_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
+    """Each pipeline stage's model states, activations at its peak and traffic per step.
+
+    With pp > 1 a step is Megatron's 1F1B (forward_backward_pipelining_without_interleaving)
+    over pp_microbatches micro-batches: stage i holds min(pp − i, m) of them
+    (``pipeline_rank_activations``), sends and receives each one's fp32 b·s·h hidden states
+    (pipeline_dtype) and their gradients over its boundaries, and a tied table's first- and
+    last-stage copies all-reduce their fp32 gradients once a step (finalize_model_grads)."""
+    s = cell.strategy
+    tp, pp = s.tp_degree, s.pp_degree
+    forwards = (s.pp_microbatches if pp > 1 else 1) * s.accumulation
+    layers = spec.n_layers // pp
+    tied = spec.family == "gpt2" or spec.tie_embeddings
+    acts = activation_bytes(cell, spec)
+    logits = acts["logits"] / tp  # the cross entropy keeps its vocabulary-parallel fp32 softmax
+    b, seq, h = cell.micro_batch, spec.tokens_per_sample, spec.hidden
+    stages = []
+    for i, n_params in enumerate(_megatron_stage_params(cell, spec, layout)):
+        first, last = i == 0, i == pp - 1
+        states = megatron_model_states(n_params, s.data_parallel_size(cell.world_size))
+        all_reduce = forwards * megatron_tp_all_reduce_bytes(
+            b, seq, h, layers, tp, embeds=first, head=last,
+            recomputed_per_block=2 if s.checkpointing == "full" else 0)
+        if tied and pp > 1 and (first or last):
+            all_reduce += 4.0 * spec.vocab_size * h / tp
+        comm = {"all_reduce": all_reduce, **megatron_optimizer_comm_bytes(n_params)}
+        if pp > 1:
+            p2p = pipeline_p2p_bytes(b, seq, h, forwards, neighbours=(i > 0) + (i < pp - 1))
+            comm |= {"send": p2p, "recv": p2p}
+        per_microbatch = layers * acts["per_layer"] + (logits if last else 0.0)
+        stages.append({
+            "states": {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
+                       "buffers": 0.0},
+            "activations": pipeline_rank_activations("1f1b", i, pp, forwards, {i: per_microbatch}),
+            "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": _recompute(cell, spec)},
+            "comm": comm})
+    return stages
+
+
+def _megatron_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """megatron (fp32 only), the stage whose peak is highest: ``megatron_model_states``,
+    Korthikanti's tensor-parallel activations (eager attention, as Megatron's local layers
+    compute it) and ``megatron_tp_all_reduce_bytes`` per micro-batch,
+    ``megatron_optimizer_comm_bytes`` once a step, and with pp > 1 the schedule's transfers.
+    Not measured (megatron needs CUDA). Omitted: the buffers' padding (each parameter starts
+    at a multiple of 64 elements, each bucket ends at one of lcm(dp, 128)), AdamW's step
+    counters (host tensors on CUDA) and the scalar collectives (gradient norm, loss)."""
+    stages = _megatron_stages(cell, spec, layout)
+    peak = max(stages, key=_rank_peak)
+    acts = activation_bytes(cell, spec)
+    extra = {}
+    if cell.strategy.pp_degree > 1:
+        extra = {"bubble_fraction": pipeline_bubble_fraction(cell.strategy.pp_degree, cell.strategy.pp_microbatches),
+                 "per_stage_peak_bytes": [_rank_peak(st) for st in stages]}
+    return {"states": peak["states"],
+            "activations": {"per_layer": acts["per_layer"], "layers": peak["activations"], "logits": 0.0},
+            "transient": peak["transient"], "comm": peak["comm"], "extra": extra}
+
+
+def _cp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """cp wraps the replicated model in DDP: DDP's model states, gradient all-reduce and
+    transients; the activations of the rank's s/W tokens (its sequence shard); ring
+    attention's K/V traffic (``context_parallel_kv_bytes``) per micro-step, with K and V at
+    kv_heads wide (transformers passes grouped K and V to SDPA when there is no mask, which
+    the strategy arranges; assumed kept so by the CUDA kernels) and a fully checkpointed
+    block recomputing its attention (the harness's selective policy saves SDPA's outputs).
+    Omitted: the gathered K/V buffer and the ring's partial outputs, which live only within
+    one attention call."""
+    s, degree = cell.strategy, cell.world_size
+    as_ddp = dataclasses.replace(cell, strategy=dataclasses.replace(s, name="ddp"))
+    shard = dataclasses.replace(spec, seq_len=spec.seq_len // degree)
+    ring = context_parallel_kv_bytes(cell.micro_batch, spec.tokens_per_sample, spec.kv_heads * spec.head_dim,
+                                     spec.n_layers, degree, value_bytes=_LOW[s.precision],
+                                     recomputed_per_layer=int(s.checkpointing == "full"))
+    comm = comm_bytes_per_step(as_ddp, layout) | {op: s.accumulation * nbytes for op, nbytes in ring.items()}
+    return {"states": model_states_at_step(as_ddp, layout), "activations": activation_bytes(cell, shard),
+            "transient": transient_bytes(as_ddp, layout, shard), "comm": comm, "extra": {}}
+
+
+def _model_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """States, activations, transients and communication per rank of a cell that splits the
+    model or the sequence rather than (only) the batch."""
+    name = cell.strategy.name
+    if name in TENSOR_PARALLEL_STRATEGIES:
+        return _tp_parts(cell, spec, layout)
+    if name == "megatron":
+        return _megatron_parts(cell, spec, layout)
+    if name == "cp":
+        return _cp_parts(cell, spec, layout)
+    return _pipeline_parts(cell, spec, layout)
 
 
 def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> dict:

@@ -435,6 +435,60 @@ def test_moe_activations_keep_top_k_expert_mlps_and_the_router_logits():
     assert moe - dense == 4 * 4 * s * b * f + 4 * s * b * 4  # one more SwiGLU's 4·s·b·f values, fp32 logits
 
 
+# moe-tiny: h 64, ffn 64, 4 experts (3·64·64 = 12,288 parameters each), top 2, 2 layers; its
+# 189,248 parameters less 2 × 4 experts leave 90,944 outside the experts.
+MOE_TINY_SHARED, MOE_TINY_EXPERT = 189_248 - 2 * 4 * 12_288, 12_288
+
+
+def test_expert_parallel_local_params():
+    # 2 ranks: 2 of each layer's 4 experts beside every shared parameter.
+    local = analytic.expert_parallel_local_params(shared=MOE_TINY_SHARED, expert=MOE_TINY_EXPERT, n_experts=4,
+                                                  layers=2, ep=2)
+    assert local == 90_944 + 2 * 2 * 12_288 == 140_096
+    with pytest.raises(ValueError, match="ep=3: must divide n_experts=4"):
+        analytic.expert_parallel_local_params(shared=1, expert=1, n_experts=4, layers=1, ep=3)
+
+
+def test_expert_parallel_all_to_all_bytes_by_hand():
+    # moe-tiny, micro-batch 2 (64 tokens per rank, 128 routed rows), 2 ranks, per layer:
+    # forward 4 int32 counts (16 B), dispatch 128 rows and (balanced) return 128 rows of 64
+    # fp32 values (65,536 B); backward the two row transfers again (65,536 B).
+    layer = 16 + 65_536 + 65_536
+    assert analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2) == 2 * layer == 262_176
+    recomputed = analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2, recomputed_per_layer=1)
+    assert recomputed == 2 * (2 * (16 + 65_536) + 65_536) == 393_280
+    # Worst case: both ranks' 64 tokens each send both rows here, 256 received rows.
+    most = analytic.expert_parallel_most_received_rows(64, 2, 4, 2)
+    assert most == 256
+    assert analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2, received_rows=most) == 2 * (
+        16 + (128 + 256) * 64 * 4 * 2) == 393_248
+    assert analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 1) == 0.0  # AutoEP computes locally
+
+
+@pytest.mark.parametrize("checkpointing, all_to_all", [("none", 262_176), ("full", 393_280)])
+def test_expert_parallel_cell_by_hand(checkpointing, all_to_all):
+    # What the two gloo ranks measured (python -m harness run -k deepspeed_autoep): states
+    # 560,384 + 560,384 + 1,120,860 B each; all_to_all 262,688 and 261,664 B (none), 394,048
+    # and 392,512 B (full), means 262,176 and 393,280: the routing moves a few rows between
+    # the ranks, the mean stays.
+    cell = CellSpec(model="moe-tiny", strategy=StrategySpec(name="deepspeed_autoep", checkpointing=checkpointing),
+                    micro_batch=2, world_size=2)
+    p = analytic.predict(cell)
+    local = 140_096
+    # AdamW: two fp32 moments per parameter, a step counter per tensor: 17 shared tensors and
+    # AutoEP's w1, w2, w3 per layer in place of HF's gate_up_proj and down_proj.
+    assert p["model_states_bytes"] == {"params": 4 * local, "grads": 4 * local,
+                                       "optimizer": 8 * local + 4 * (17 + 2 * 3), "buffers": 0.0}
+    assert p["model_states_bytes"]["optimizer"] == 1_120_860
+    assert p["comm_bytes_by_op"] == {"all_reduce": 4 * local, "all_to_all": all_to_all}
+    assert p["activation_bytes"] == analytic.activation_bytes(cell, models.get_preset("moe-tiny"))
+
+
+def test_expert_parallel_bf16_gets_a_reason():
+    cell = CellSpec(model="moe-tiny", strategy=StrategySpec(name="deepspeed_autoep", precision="bf16"), world_size=2)
+    assert "only fp32 is wired" in analytic.predict(cell)["unavailable"]
+
+
 # --- attention: eager vs fused, grouped-query -----------------------------------------------------
 
 def test_grouped_query_attention_shrinks_k_and_v():

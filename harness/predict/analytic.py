@@ -8,9 +8,10 @@ Two layers:
   Adam, Adafactor), ``model_flops_per_step`` (Korthikanti App. A), tensor parallelism
   (``tp_model_states``, ``tp_all_reduce_bytes``: Shoeybi et al.), pipelines
   (``pipeline_bubble_fraction``, ``pipeline_*``: Huang et al., Narayanan et al.), Megatron's
-  vocabulary-parallel layers and distributed optimizer (``megatron_*``) and ring attention
-  (``context_parallel_kv_bytes``). The claims suite and the unit tests check these against
-  the papers' own tables or hand-computed cases.
+  vocabulary-parallel layers and distributed optimizer (``megatron_*``), ring attention
+  (``context_parallel_kv_bytes``) and expert parallelism (``expert_parallel_*``: GShard,
+  Lepikhin et al.; DeepSpeed AutoEP's all-to-alls). The claims suite and the unit tests
+  check these against the papers' own tables or hand-computed cases.
 - ``predict(cell)``: the same formulas applied to one benchmark cell, with what the cell's
   engine does on top of the paper (which tensors it keeps in which precision, DDP's gradient
   bucket, how many times FSDP gathers the root unit, the order torch's pipeline schedule
@@ -19,10 +20,13 @@ Two layers:
   measured one.
 
 What is checked against measurement (``python -m harness accuracy``: model states and
-communication within ±10 %): the data-parallel and sharded strategies, tp / tp_fsdp and the
-three pipeline schedules on 2 gloo ranks. megatron and cp need CUDA: their predictions are
-the formulas applied to the library's code as read (megatron-core 0.16.1, torch 2.13), checked
-on hand-computed cases only (tests/test_predict_analytic.py) until a GPU run measures them.
+communication within ±10 %): the data-parallel and sharded strategies, tp / tp_fsdp, the
+three pipeline schedules and deepspeed_autoep on 2 gloo ranks. deepspeed_autoep's token
+all-to-alls depend on the routing: predicted for balanced routing, which is the mean over
+the ranks exactly (rank 0's, the recorded one, was within 0.2 % on moe-tiny); the worst case
+is beside it (``all_to_all_worst_case_bytes``). megatron and cp need CUDA: their predictions
+are the formulas applied to the library's code as read (megatron-core 0.16.1, torch 2.13),
+checked on hand-computed cases only (tests/test_predict_analytic.py) until a GPU run measures them.
 
 Ψ = parameter count, N_d = data-parallel (sharding) degree, K = optimizer bytes per parameter.
 """
@@ -461,6 +465,48 @@ def moe_params(*, shared: int, expert: int, n_experts: int, top_k: int, layers: 
     return shared + layers * n_experts * expert, shared + layers * top_k * expert
 
 
+def expert_parallel_local_params(*, shared: int, expert: int, n_experts: int, layers: int, ep: int) -> int:
+    """Parameters one rank holds under expert parallelism over ``ep`` ranks (GShard, Lepikhin
+    et al. 2021; DeepSpeed-MoE, Rajbhandari et al. 2022): everything outside the experts
+    whole, as data parallelism keeps it, and n_experts/ep of each MoE layer's experts:
+    shared + layers·(n_experts/ep)·expert. Each state follows its parameter."""
+    if ep < 1 or n_experts % ep:
+        raise ValueError(f"ep={ep}: must divide n_experts={n_experts}")
+    return shared + layers * (n_experts // ep) * expert
+
+
+def expert_parallel_all_to_all_bytes(tokens: int, hidden: int, top_k: int, n_experts: int, layers: int, ep: int, *,
+                                     received_rows: float | None = None, value_bytes: float = 4,
+                                     recomputed_per_layer: int = 0) -> float:
+    """Input bytes of a rank's all-to-alls per forward + backward of its ``tokens`` tokens
+    under DeepSpeed AutoEP's dropless dispatch (deepspeed/module_inject/auto_ep_layer.py,
+    0.19.8), per MoE layer:
+      forward: the int32 per-expert token counts (n_experts values); the dispatch of this
+        rank's tokens·top_k routed rows of h values; the return of the ``received_rows``
+        rows its own experts computed;
+      backward: the return's gradient (tokens·top_k rows) and the dispatch's
+        (``received_rows``);
+    a recomputed forward repeats its three. The rows a rank sends are fixed, the rows it
+    receives depend on the routing: ``received_rows`` defaults to the balanced tokens·top_k,
+    which is also exactly the mean over ranks (every rank routes tokens·top_k rows and each
+    lands on one rank); ``expert_parallel_most_received_rows`` is the worst case. Nothing at
+    ep = 1 (AutoEP computes locally)."""
+    if ep == 1:
+        return 0.0
+    sent = tokens * top_k
+    received = sent if received_rows is None else received_rows
+    rows = (sent + received) * hidden * value_bytes
+    counts = 4 * n_experts
+    return layers * ((1 + recomputed_per_layer) * (counts + rows) + rows)
+
+
+def expert_parallel_most_received_rows(tokens: int, top_k: int, n_experts: int, ep: int) -> int:
+    """The most routed rows one rank's experts can receive in a layer: every rank's tokens
+    all choosing this rank's experts, each token at most min(top_k, n_experts/ep) of them
+    (its top_k experts are distinct): ep·tokens·min(top_k, n_experts/ep)."""
+    return ep * tokens * min(top_k, n_experts // ep)
+
+
 # --- one cell -----------------------------------------------------------------------------------
 
 # Which states a strategy keeps sharded when its optimizer step begins, where that differs
@@ -748,6 +794,15 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
         if family != "llama":
             return f"cp on family {family}: context parallel is wired for the llama family only"
         return None
+    if name == "deepspeed_autoep":
+        if family != "moe":
+            return f"deepspeed_autoep on family {family}: expert parallelism needs a mixture of experts (moe)"
+        if spec.n_experts % cell.world_size:
+            return f"deepspeed_autoep: {spec.n_experts} experts do not split evenly over {cell.world_size} ranks"
+        if cell.strategy.precision != "fp32":
+            return (f"deepspeed_autoep with precision={cell.strategy.precision}: only fp32 is wired"
+                    " (DeepSpeed's BF16_Optimizer and its master copies are not modelled)")
+        return None
     if name in PIPELINE_SCHEDULE:
         if family not in ("gpt2", "llama"):
             return f"{name} on family {family}: the stage split is modelled for gpt2 and llama only"
@@ -983,6 +1038,58 @@ def _cp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
             "transient": transient_bytes(as_ddp, layout, shard), "comm": comm, "extra": {}}
 
 
+Shapes = list[tuple[int, ...]]
+
+
+def _autoep_shapes(spec: ModelSpec, layout: ParamLayout, ep: int) -> tuple[Shapes, Shapes]:
+    """(the non-expert tensors, this rank's expert tensors) as AutoEP holds them: in place of
+    each MoE layer's stacked 3-D gate_up_proj and down_proj (the model's only 3-D weights,
+    harness/models/moe.py) its GroupedExperts' w1, w3 (E/ep × ffn × h) and w2 (E/ep × h × ffn)
+    (deepspeed/moe/ep_experts.py): the same values in three tensors, which counts for the
+    optimizer's per-tensor state."""
+    shared = [shape for shape in layout.shapes if len(shape) != 3]
+    local, h, f = spec.n_experts // ep, spec.hidden, spec.ffn
+    experts = [(local, f, h), (local, h, f), (local, f, h)] * spec.n_layers
+    return shared, experts
+
+
+def _expert_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """deepspeed_autoep (fp32; harness/strategies/expert_parallel.py), every rank alike, its
+    expert-parallel group the whole world:
+    - model states: ``expert_parallel_local_params`` in fp32 with their AdamW moments and
+      step counters (the client optimizer steps the rank's own tensors); ZeRO stage 0 keeps
+      no gradient bucket or master copy (measured on moe-tiny: 104 B beyond the states, the
+      64 B of buffers the single-process model holds too, AutoEP's fp32 per-expert token
+      counts, 16 B per layer, and an 8 B scalar);
+    - communication: one fp32 all-reduce of every local gradient per step (the non-expert
+      ones over all ranks, the experts' over their expert-data-parallel group: one rank here,
+      still issued and counted) and ``expert_parallel_all_to_all_bytes`` per micro-step for
+      the balanced routing (the mean over ranks; the record holds rank 0's, whose routing may
+      differ by a few rows); the worst case (``expert_parallel_most_received_rows``) is
+      reported beside it as ``all_to_all_worst_case_bytes``;
+    - activations: the mixture of experts' (``activation_bytes``), AutoEP's dispatch buffers
+      left out."""
+    s, ep = cell.strategy, cell.world_size
+    shared, experts = _autoep_shapes(spec, layout, ep)
+    local = expert_parallel_local_params(shared=sum(math.prod(shape) for shape in shared),
+                                         expert=3 * spec.hidden * spec.ffn, n_experts=spec.n_experts,
+                                         layers=spec.n_layers, ep=ep)
+    states = {"params": 4.0 * local, "grads": 4.0 * local,
+              "optimizer": optimizer_state_bytes(shared + experts, s.optimizer), "buffers": 0.0}
+    tokens = cell.micro_batch * spec.tokens_per_sample
+
+    def all_to_all(received_rows: float | None = None) -> float:
+        return s.accumulation * expert_parallel_all_to_all_bytes(
+            tokens, spec.hidden, spec.top_k, spec.n_experts, spec.n_layers, ep, received_rows=received_rows,
+            recomputed_per_layer=int(s.checkpointing != "none"))
+
+    worst = all_to_all(expert_parallel_most_received_rows(tokens, spec.top_k, spec.n_experts, ep))
+    return {"states": states, "activations": activation_bytes(cell, spec),
+            "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": _recompute(cell, spec)},
+            "comm": {"all_reduce": 4.0 * local, "all_to_all": all_to_all()},
+            "extra": {"all_to_all_worst_case_bytes": worst}}
+
+
 def _model_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
     """States, activations, transients and communication per rank of a cell that splits the
     model or the sequence rather than (only) the batch."""
@@ -993,6 +1100,8 @@ def _model_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) 
         return _megatron_parts(cell, spec, layout)
     if name == "cp":
         return _cp_parts(cell, spec, layout)
+    if name == "deepspeed_autoep":
+        return _expert_parallel_parts(cell, spec, layout)
     return _pipeline_parts(cell, spec, layout)
 
 

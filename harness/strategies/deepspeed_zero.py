@@ -261,6 +261,15 @@ class EngineSteps:
         if self._micro_steps % self.accumulation == 0:
             self._snapshots.append(_comms_snapshot())
 
+    def prepared(self, optimizer, **extra) -> Prepared:
+        """What every DeepSpeed engine hands the worker: the engine (it casts and scales the
+        loss itself: no autocast), its backward and step, and for the memory tracker the
+        module and the torch optimizer inside DeepSpeed's wrapper (the wrappers themselves
+        are refused by it)."""
+        return Prepared(model=self.engine, optimizer=optimizer, use_autocast=False, backward=self.backward,
+                        after_micro_step=self.after_micro_step, memory_module=self.engine.module,
+                        memory_optimizer=getattr(optimizer, "optimizer", optimizer), **extra)
+
     def comms_by_step(self) -> list[dict[str, dict]]:
         return [_delta(b, a) for a, b in zip(self._snapshots, self._snapshots[1:])]
 
@@ -321,17 +330,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         partitions = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
         return [*masters, *partitions]
 
-    return Prepared(
-        model=engine,
-        optimizer=optimizer,
-        use_autocast=False,
-        backward=steps.backward,
-        after_micro_step=steps.after_micro_step,
-        memory_module=engine.module,
-        memory_optimizer=inner,
-        memory_held=memory_held,
-        engine_report=engine_report,
-    )
+    return steps.prepared(optimizer, memory_held=memory_held, engine_report=engine_report)
 
 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:

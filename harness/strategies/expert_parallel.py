@@ -195,13 +195,4 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
             "comms_logger_by_op": steps.comms_of_counted_step(),
         }
 
-    return Prepared(
-        model=engine,
-        optimizer=optimizer,
-        use_autocast=False,
-        backward=steps.backward,
-        after_micro_step=steps.after_micro_step,
-        memory_module=engine.module,
-        memory_optimizer=inner,
-        engine_report=engine_report,
-    )
+    return steps.prepared(optimizer, engine_report=engine_report)

@@ -174,7 +174,7 @@ def test_slurm_variables():
     (["--nnodes", "0"], "--nnodes 0: must be 1 or more"),
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a"], "--node-rank 2: must be in [0, 2)"),
     (["--nnodes", "2"], "--master-addr is required"),
-    (["--nnodes", "2", "--master-addr", "a", "--master-port", "0"], "--master-port 0: must be in 1-65535"),
+    (["--nnodes", "2", "--master-addr", "a", "--master-port", "0"], "--master-port 0: must be in 1-65534"),
 ])
 def test_node_options_are_checked_before_anything_launches(argv, message, capsys, monkeypatch):
     monkeypatch.setenv("SHARDBENCH_DEVICE", "cpu")  # the cli sets it; restored after

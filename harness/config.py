@@ -214,6 +214,9 @@ class CellSpec:
         _check_choice("attention", self.attention, get_args(Attention))
         if self.attention != "sdpa" and PRESETS[self.model].family == "mlp":
             raise ValueError(f"attention={self.attention!r}: model {self.model} has no attention; leave it 'sdpa'")
+        if self.attention == "flash" and self.strategy.precision == "fp32":
+            raise ValueError("attention='flash' with precision=fp32: flash-attn computes in fp16 or bf16 only;"
+                             " choose precision bf16 or fp16")
         if not isinstance(self.expandable_segments, bool):
             raise ValueError(f"expandable_segments={self.expandable_segments!r}: must be true or false")
         s = self.strategy

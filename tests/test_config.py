@@ -43,6 +43,7 @@ def test_strategy_spec_rejects_bad_values_naming_the_choices(kwargs, message):
         ({"strategy": StrategySpec(name="single"), "world_size": 2}, "world_size must be 1"),
         ({"attention": "flash2"}, "attention='flash2': choose one of sdpa, eager, flash"),
         ({"model": "mlp-tiny", "attention": "eager"}, "model mlp-tiny has no attention"),
+        ({"attention": "flash"}, "flash-attn computes in fp16 or bf16 only"),
         ({"expandable_segments": "yes"}, "expandable_segments='yes': must be true or false"),
         ({"strategy": StrategySpec(name="tp_fsdp"), "world_size": 2}, "the world size must be a multiple of tp_degree"),
         ({"strategy": StrategySpec(name="tp_fsdp", tp_degree=2), "world_size": 6 - 1}, "world_size=5 with tp_fsdp"),

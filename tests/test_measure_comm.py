@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from harness.measure.comm import _Op, _summarise, busbw_factor, count_comm
+from harness.measure.comm import OpStats, _Op, _profiler_kind, _summarise, busbw_factor, count_comm
 
 
 def _model():
@@ -179,5 +179,19 @@ def test_profiler_fills_in_what_dispatch_missed():
     stats = _summarise(ops, events)
     assert stats["reduce_scatter"].count == 1 and stats["reduce_scatter"].time_s == 1e-5
     assert (stats["broadcast"].count, stats["broadcast"].bytes) == (1, 100)
-    with pytest.raises(RuntimeError):
-        _summarise([], [_event("ncclDevKernel_AllGather_RING", [], [], 0, 5)])
+    # An NCCL kernel has no shapes: counted and timed, its bytes unknown and said so.
+    unsized = _summarise([], [_event("ncclDevKernel_AllGather_RING_LL", [], [], 0, 5)])["all_gather"]
+    assert unsized == OpStats(count=1, bytes=0, time_s=5e-6, unsized=1)
+    assert unsized.to_record() == {"count": 1, "bytes": 0, "time_s": 5e-6, "unsized": 1}
+    assert "unsized" not in stats["broadcast"].to_record()
+
+
+@pytest.mark.parametrize("kernel, kind", [
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all_reduce"),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "send_recv"),
+    ("ncclKernel_ReduceScatter_RING_SIMPLE_Sum_bf16", "reduce_scatter"),
+    ("gloo:all_gather", "all_gather"),
+    ("aten::mm", None),
+])
+def test_profiler_event_names_map_to_kinds(kernel, kind):
+    assert _profiler_kind(kernel) == kind

@@ -154,3 +154,40 @@ def test_bytes_freed_on_another_thread_are_counted_apart():
         kept_here = torch.zeros(256)  # made and freed on the step's own thread: not counted
         del kept_here
     assert probe.result().async_freed_bytes == 4096
+
+
+@pytest.mark.parametrize("where", ["inline", "another thread"])
+def test_what_future_callbacks_allocate_is_never_counted(where):
+    """Inline (the future already complete when the callback is attached) or on the thread
+    that completes it later, as gloo's does: the step's peak is the same as without it."""
+    import threading
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = nn.Linear(64, 64)
+    kept = []
+
+    def step(with_callback: bool) -> int:
+        future = torch.futures.Future()
+        if where == "inline":
+            future.set_result(None)
+        with track_step_memory(model, None, fsdp2=False, device=torch.device("cpu")) as probe:
+            model(torch.ones(8, 64)).sum().backward()
+            if with_callback:
+                chained = future.then(lambda f: kept.append(torch.ones(1 << 16)))  # 256 KiB
+                if where != "inline":
+                    threading.Thread(target=future.set_result, args=(None,)).start()
+                chained.wait()
+        model.zero_grad(set_to_none=True)
+        return probe.result().peak_bytes
+
+    assert step(with_callback=True) == step(with_callback=False)
+    assert len(kept) == 1 and kept[0].numel() == 1 << 16
+
+    # Other modes stay: under fake tensors (the traced predictor) the callback's tensor is fake.
+    with FakeTensorMode():
+        future = torch.futures.Future()
+        future.set_result(None)
+        with track_step_memory(model, None, fsdp2=False, device=torch.device("cpu")):
+            made = future.then(lambda f: torch.ones(4)).wait()
+    assert type(made).__name__ == "FakeTensor"

@@ -22,14 +22,15 @@ Sources
   "all_reduce" for a reduce-scatter thus adds to "reduce_scatter". An unmatched event whose
   kind the dispatch mode did see adds its time there; one of a kind the dispatch mode did not
   see at all is counted from the profiler alone (bytes from its input shapes and dtypes), so
-  a collective missed by the dispatch mode is never reported as zero. time_s is 0.0 where no
-  profiler event matched.
+  a collective missed by the dispatch mode is never reported as zero; an NCCL kernel has no
+  shapes, so such a call is counted and timed with its bytes unknown, and the op's
+  ``unsized`` says how many calls that was. time_s is 0.0 where no profiler event matched.
 - collectives issued from a future's callback: a dispatch mode (and the profiler) is
   per-thread state, and ``Future.then`` does not carry it to the thread that runs the
   callback — gloo's worker thread when the future completes later. PowerSGD's hook issues
   its P and Q all-reduces from such callbacks (``fut.then(...)``); neither source would see
   them, and a PowerSGD step would show only its first all-reduce. While counting,
-  ``torch._C.Future.then`` is wrapped so each callback runs under a counting mode (sharing
+  each callback runs under a counting mode (measure/futures.py; sharing
   this step's list) when the thread that runs it has none. The profiler does not follow
   them there either: such an op is counted with its bytes and time_s 0.0 (a callback that
   runs inline, on a future already complete, stays on the counting thread and is timed).
@@ -44,9 +45,9 @@ Bytes convention (this rank's payload, per op)
 
 from __future__ import annotations
 
-import functools
+import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +55,22 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from harness.measure import futures
+
 
 @dataclass(frozen=True, kw_only=True)
 class OpStats:
     count: int
     bytes: int
     time_s: float
+    # Of ``count``, the calls seen only by the profiler with nothing to size them by (an NCCL
+    # kernel carries no shapes): counted and timed, their bytes missing from ``bytes``.
+    unsized: int = 0
+
+    def to_record(self) -> dict:
+        """The record's entry; ``unsized`` only where there were such calls."""
+        return {"count": self.count, "bytes": self.bytes, "time_s": self.time_s,
+                **({"unsized": self.unsized} if self.unsized else {})}
 
 
 # op name -> (kind, where the counted bytes are, where the input tensors are).
@@ -181,7 +192,8 @@ def _profiler_kind(name: str) -> str | None:
         return _PROFILER_KIND.get(name[len("gloo:"):])
     for prefix in ("ncclDevKernel_", "ncclKernel_"):
         if name.startswith(prefix):
-            return _PROFILER_KIND.get(name[len(prefix):].split("_")[0])
+            # "AllReduce_Sum_f32_RING_LL", "SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+            return _PROFILER_KIND.get(re.match(r"[A-Za-z]*", name[len(prefix):]).group())
     return None
 
 
@@ -197,7 +209,7 @@ def _event_numel_bytes(event) -> tuple[int | None, int | None]:
 
 def _summarise(ops: list[_Op], events) -> dict[str, OpStats]:
     seen_kinds = {op.kind for op in ops}
-    extra: dict[str, list[float]] = {}  # profiler-only kind -> [count, bytes, time]
+    extra: dict[str, list[float]] = {}  # profiler-only kind -> [count, bytes, time, unsized]
     comm_events = sorted(
         ((e, k) for e in events if (k := _profiler_kind(e.name)) is not None),
         key=lambda ek: ek[0].time_range.start,
@@ -214,51 +226,21 @@ def _summarise(ops: list[_Op], events) -> dict[str, OpStats]:
             # e.g. one dispatched op the backend split into several events
             next(op for op in ops if op.kind in allowed).time_s += seconds
         else:
-            if nbytes is None:
-                raise RuntimeError(f"collective {event.name!r} seen only by the profiler, "
-                                   "with no shapes to size it")
-            count, total, time_s = extra.get(kind, (0, 0, 0.0))
-            extra[kind] = [count + 1, total + nbytes, time_s + seconds]
+            count, total, time_s, unsized = extra.get(kind, (0, 0, 0.0, 0))
+            extra[kind] = [count + 1, total + (nbytes or 0), time_s + seconds, unsized + (nbytes is None)]
 
     result: dict[str, OpStats] = {}
     for kind in dict.fromkeys(op.kind for op in ops):
         mine = [op for op in ops if op.kind == kind]
         result[kind] = OpStats(count=len(mine), bytes=sum(op.bytes for op in mine),
                                time_s=sum(op.time_s for op in mine))
-    for kind, (count, total, time_s) in extra.items():
-        result[kind] = OpStats(count=int(count), bytes=int(total), time_s=time_s)
+    for kind, (count, total, time_s, unsized) in extra.items():
+        result[kind] = OpStats(count=int(count), bytes=int(total), time_s=time_s, unsized=int(unsized))
     return result
 
 
 def _counting_on_this_thread() -> bool:
     return any(isinstance(m, _CommDispatchMode) for m in _get_current_dispatch_mode_stack())
-
-
-@contextmanager
-def _count_in_callbacks(ops: list[_Op]) -> Iterator[None]:
-    """Run every future callback registered inside the block under a counting mode that
-    appends to ``ops``, unless the thread running it already counts (an inline callback).
-    A callback that starts after the block has closed runs as it is."""
-    future_cls = torch._C.Future
-    original_then = future_cls.__dict__["then"]
-    active = [True]
-
-    def then(self, callback):
-        @functools.wraps(callback)
-        def counted(fut):
-            if not active[0] or _counting_on_this_thread():
-                return callback(fut)
-            with _CommDispatchMode(ops):
-                return callback(fut)
-
-        return original_then(self, counted)
-
-    future_cls.then = then
-    try:
-        yield
-    finally:
-        active[0] = False
-        future_cls.then = original_then
 
 
 @contextmanager
@@ -272,7 +254,9 @@ def count_comm(device: torch.device) -> Iterator[Callable[[], dict[str, OpStats]
     mode = _CommDispatchMode()
     result: list[dict[str, OpStats]] = []
     with profile(activities=activities, record_shapes=True) as prof:
-        with _count_in_callbacks(mode.ops), mode:
+        # Callbacks count into this step's list on whichever thread runs them (measure/futures.py).
+        counting = lambda: nullcontext() if _counting_on_this_thread() else _CommDispatchMode(mode.ops)  # noqa: E731
+        with futures.callbacks_under(counting), mode:
             yield lambda: result[0]
         if on_cuda:
             torch.cuda.synchronize(device)  # let the NCCL kernels finish inside the profile

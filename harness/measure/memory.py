@@ -70,22 +70,25 @@ Wrappers
   the sharded gradient to ``flat_param.grad`` itself, so MemTracker never labels gradients
   and they land in "other" (grads is 0). FSDPMemTracker only understands FSDP2.
 
-Frees on another thread
+Frees and allocations on another thread
 A tensor whose last reference is dropped on a thread other than the step's is freed at a
-moment the scheduler picks: gloo's worker threads drop a finished collective's buffers (FSDP2's
-all-gather outputs), and a comm hook's ``Future.then`` callbacks run there (PowerSGD's
-bucket-sized buffers). When such a free comes late, the buffer overlaps the step's next
-allocations and the peak is higher by up to its size: 1 of 62 fp32 cells (FSDP2, 3.0 KiB) over
-three rounds of the default suite. ``async_freed_bytes`` counts the bytes freed that way
-during the step. It bounds that movement, but it is not the only one: the tracker is a
-thread-local dispatch mode, so what a callback *allocates* on gloo's thread is not seen at
-all, and when a future is already complete as ``.then`` is attached the callback runs inline,
-on the step's thread, where it is seen. PowerSGD's error-feedback and P/Q temporaries are
-unseen in most steps and counted in a few (+402,944 B for gpt2-tiny rank 4, in steps whose
-``async_freed_bytes`` is 0: in those the chain ran inline). Making both fixed needs one gloo
-worker thread, a drain after each wait in the tracked step and synchronous PowerSGD
-collectives (measured to give identical peaks; not adopted: private torch APIs, and one
-worker thread deadlocks any callback that waits on a collective).
+moment the scheduler picks: gloo's worker threads drop a finished collective's buffers
+(FSDP2's all-gather outputs). When such a free comes late, the buffer overlaps the step's
+next allocations and the peak is higher by up to its size: 1 of 62 fp32 cells (FSDP2,
+3.0 KiB) over three rounds of the default suite. ``async_freed_bytes`` counts the bytes
+freed that way during the step and bounds that movement. Pinning it needs one gloo worker
+thread and a drain after each wait in the tracked step (measured to give identical peaks;
+not adopted: private torch APIs, and one worker thread deadlocks any callback that waits on
+a collective, as PowerSGD's do).
+
+A comm hook's ``Future.then`` callbacks (PowerSGD's error feedback and P/Q temporaries) run
+on gloo's thread when the collective completes after they are attached, where the tracker (a
+thread-local dispatch mode) does not see what they allocate, and inline on the step's thread
+when it completed before, where it would: +402,944 B for gpt2-tiny PowerSGD rank 4 in 5 of
+90 steps measured. So that the peak does not depend on which happened, every callback
+attached in the tracked step runs without the tracker's mode on either thread
+(measure/futures.py): what callbacks allocate is never counted. The traced predictor runs
+the same code, so it leaves them out too.
 
 Timeline (``timeline=True``)
 Every change the tracker makes to its current bytes, in order: ``[seconds since the step
@@ -122,6 +125,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from harness.measure import futures
 
 BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
 
@@ -352,6 +357,14 @@ class _AsyncFrees:
         tracker._delete_callback = delete_callback
 
 
+def _untracked():
+    """This thread's dispatch modes less the memory tracker's (every tracker here is a
+    MemTracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return futures.without_modes_of(MemTracker)
+
+
 class MemoryProbe:
     """What ``track_step_memory`` yields: a hook for accumulation boundaries, and the result."""
 
@@ -409,7 +422,9 @@ def track_step_memory(
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
     async_frees.counting = True
-    with tracker:
+    # Future callbacks run untracked wherever they run (module docstring, "Frees and
+    # allocations on another thread").
+    with futures.callbacks_under(_untracked), tracker:
         yield probe
     async_frees.counting = False
     rss = _rss_peak() if rss_ok else None

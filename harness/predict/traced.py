@@ -56,10 +56,10 @@ Known differences from the measurement (default suite, CPU, 2 ranks):
   rank can hold more: FairScale OSS/SDP on gpt2-tiny (rank 1's optimizer shard: max 0.7%
   above rank 0), FSDP2 on llama-tiny (0.26%); ZeroRedundancyOptimizer's greedy partition
   can do the same.
-- PowerSGD (+14%): its hook allocates in callbacks of the all-reduce futures, which gloo runs
-  on its own thread, where the tracker (a thread-local dispatch mode) does not see them; the
-  trace completes futures on the caller's thread and counts them, e.g. the gradient-sized
-  error-feedback tensor. The trace is the one that counts what the step holds.
+- Comm hooks' future callbacks (PowerSGD's P/Q temporaries): the trace completes futures on
+  the caller's thread, where the callbacks run inline; track_step_memory runs them without
+  the tracker there, as it does on gloo's thread in the measured step (measure/memory.py), so
+  neither counts what they allocate.
 - Timing: where an engine frees memory in callbacks on gloo's threads, the measured peak
   depends on when they ran (llama-tiny deepspeed_zero2 fp32, rank 0: 3,791,056 B in one run,
   3,649,236 B, the traced value, in another); the trace has no concurrency.

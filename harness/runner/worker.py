@@ -322,7 +322,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
         # fp32 matmuls on TF32 tensor cores ("high", "medium") have another peak (flops.py).
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "step_times_s": step_times,
-        "comm_by_op": {op: vars(stats) for op, stats in comm_stats().items()},
+        "comm_by_op": {op: stats.to_record() for op, stats in comm_stats().items()},
         "engine": prep.engine_report(),
         "losses": loss_tensor.tolist(),
         "n_params": built.n_params,

@@ -290,9 +290,23 @@ def as_harness_ops(ds_ops: dict[str, dict], world_size: int) -> dict[str, dict]:
     return out
 
 
-def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+def import_deepspeed(device: torch.device):
+    """DeepSpeed, its accelerator the cell's device. It picks the accelerator once per process,
+    from DS_ACCELERATOR or else CUDA wherever a GPU is visible, which would put a --device cpu
+    cell's engine on the GPU beside its CPU batches and gloo group."""
+    os.environ["DS_ACCELERATOR"] = device.type
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    chosen = get_accelerator().device_name()
+    if chosen != device.type:
+        raise RuntimeError(f"DeepSpeed's accelerator is {chosen}, chosen before this cell, which runs on"
+                           f" {device.type}: one worker process runs cells of one device")
+    return deepspeed
+
+
+def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    deepspeed = import_deepspeed(env.device)
     config = ds_config(model, cell)
     estimates = _estimates(model, cell)
     client_optimizer = _client_optimizer(model, cell)

@@ -171,8 +171,7 @@ def _registry_lookup_by_class_name() -> Iterator[None]:
 
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
-    import deepspeed
-
+    deepspeed = deepspeed_zero.import_deepspeed(env.device)
     config = ds_config(cell)
     client_optimizer = optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr)
     # The engine replaces the MoE blocks and moves the client optimizer onto the new

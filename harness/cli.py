@@ -97,7 +97,8 @@ def _resolve_nodes(args: argparse.Namespace) -> None:
     try:
         args.nodes = nodes.resolve(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                                    master_port=args.master_port)
-        if args.nodes.multi and args.gpus is None and (args.device or device_type()) == "cuda":
+        # A resumed run keeps its own ranks per node (run.json), whatever the allocation offers.
+        if args.nodes.multi and args.gpus is None and args.resume is None and (args.device or device_type()) == "cuda":
             args.gpus = nodes.slurm_ranks_per_node()  # a GPU node in a SLURM allocation
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -123,14 +124,15 @@ def _run_follower(args: argparse.Namespace) -> int:
     print(f"shardbench: node {args.nodes.node_rank}: waiting for node 0's plan at {args.nodes.master_addr}:"
           f"{args.nodes.plan_port} (up to {wait_s:.0f} s)", flush=True)
     try:
-        rounds = nodes.fetch_plan(args.nodes, harness_code_hash(), wait_s)
+        plan = nodes.fetch_plan(args.nodes, harness_code_hash(), wait_s)
     except ValueError as error:
         print(f"shardbench: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     launch_dir = (args.out or REPO_ROOT).resolve() / "node-launches" / f"node{args.nodes.node_rank}-{new_run_id()}"
-    options = LaunchOptions(cell_timeout_s=args.cell_timeout, nodes=args.nodes, device_type=device_type(),
-                            device_name=_device_name(), mem_cap_bytes=args.mem_cap_bytes)
-    return nodes.run_follower(rounds, options, launch_dir)
+    # Node 0's limits, not this node's options: every rank of a launch must agree on them.
+    options = LaunchOptions(cell_timeout_s=plan.cell_timeout_s, nodes=args.nodes, device_type=device_type(),
+                            device_name=_device_name(), mem_cap_bytes=plan.mem_cap_bytes)
+    return nodes.run_follower(plan, options, launch_dir)
 
 
 def _resume_selection(args: argparse.Namespace) -> None:
@@ -177,7 +179,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         raise UsageError("--retry-failed: only with --resume RUN_ID")
     args.suite = "default" if args.suite is None else args.suite
     args.markexpr, args.keyword = args.markexpr or "", args.keyword or ""
-    _check_selection(args)
+    if args.nodes.is_leader:  # a follower runs node 0's selection, not its own
+        _check_selection(args)
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
             raise UsageError(f"--out {args.out}: exists and is not a folder")

@@ -139,9 +139,10 @@ def model_parallel(world_size: int) -> list[CellSpec]:
 
 def _megatron(world_size: int) -> list[CellSpec]:
     """Megatron's GPTModel in the layouts this world size forms: tensor parallel over 2 ranks
-    (the rest data parallel), and a two-stage pipeline (tensor parallel over 2 ranks from 4 ranks
-    on). Its local layers compute attention unfused: gated against eager attention."""
-    layouts = [dict(tp_degree=2, pp_degree=1), dict(tp_degree=max(1, min(2, world_size // 2)), pp_degree=2)]
+    (the rest data parallel), and a two-stage pipeline (tensor parallel over 2 ranks where the
+    world size divides by 4). Its local layers compute attention unfused: gated against eager
+    attention."""
+    layouts = [dict(tp_degree=2, pp_degree=1), dict(tp_degree=2 if world_size % 4 == 0 else 1, pp_degree=2)]
     return [suite_cell("gpt2-tiny", StrategySpec(name="megatron", **layout), world_size, attention="eager")
             for layout in layouts if world_size % (layout["tp_degree"] * layout["pp_degree"]) == 0]
 

@@ -55,6 +55,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # Node 0 writes the run; a second pytest session would write a competing one.
         raise pytest.UsageError(f"--node-rank {nodes.node_rank}: only node 0 runs the suite under pytest;"
                                 " start the other nodes with `python -m harness run` (or ./run_all.sh)")
+    try:
+        run_session.open_plan_server(config)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
     expr = config.getoption("markexpr")
     if expr:
         try:
@@ -113,7 +117,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    session.config.stash[run_session.SELECTED] = run_session.selected_cells(session.items)
+    cells = run_session.selected_cells(session.items)
+    session.config.stash[run_session.SELECTED] = cells
+    if not cells and run_session.node_spec(session.config).multi:
+        # Nothing will start the run: tell the other nodes now rather than let them wait.
+        run_session.publish_plan(session.config, run_session.Plan(run_id=None, rounds=[], cell_timeout_s=None,
+                                                                  mem_cap_bytes=None))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run_session.close_plan_server(config)
 
 
 @pytest.fixture(scope="session")

@@ -367,6 +367,7 @@ def test_megatron_markers_follow_its_layout(layout, world_size, families):
     (2, {(2, 1), (1, 2)}),
     (3, set()),  # no layout of 2-rank groups fits
     (4, {(2, 1), (2, 2)}),
+    (6, {(2, 1), (1, 2)}),  # a two-stage pipeline of single ranks: 6 does not divide by tp2 × pp2
 ])
 def test_default_suite_has_the_megatron_layouts_its_world_size_forms(world_size, layouts):
     cells = [c for c in suites.cells_of("default", world_size) if c.strategy.name == "megatron"]

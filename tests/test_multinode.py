@@ -60,7 +60,11 @@ def _two_nodes(multi: list[str], tmp_path: Path, node0_args: list[str], node1_ar
 
 
 def _finish(processes, tmp_path: Path, name: str) -> dict[str, str]:
-    codes = [p.wait(timeout=300) for p in processes]
+    try:
+        codes = [p.wait(timeout=300) for p in processes]
+    finally:
+        for p in processes:  # a launcher left waiting (for a plan, at a rendezvous) must not outlive the test
+            p.kill()
     logs = {node: (tmp_path / f"{name}-{node}.log").read_text() for node in ("n0", "n1")}
     assert codes == [0, 0], logs
     return logs
@@ -73,8 +77,9 @@ def _records(run_dir: Path) -> dict[str, dict]:
 def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
     port = _free_port()
     multi = ["--gpus", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    # Node 1 is given no selection: it runs what node 0's plan says.
-    started = _two_nodes(multi, tmp_path, SELECT, ["--device", "cpu"], "run")
+    # Node 1 is given no selection and no memory cap: it runs what node 0's plan says, with
+    # node 0's cap (a collective check in every rank: a follower without it would hang).
+    started = _two_nodes(multi, tmp_path, [*SELECT, "--mem-cap-gib", "8"], ["--device", "cpu"], "run")
     # Meanwhile, here: the same cells on one node of two ranks (no trace or report: not compared).
     monkeypatch.setenv("SHARDBENCH_DEVICE", "cpu")
     monkeypatch.setattr(traced, "trace_cells", lambda cells: {})
@@ -189,13 +194,16 @@ def test_a_follower_takes_node_0s_plan_and_refuses_other_code():
     spec = nodes.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
     cells = [CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name), micro_batch=2, world_size=2)
              for name in ("ddp", "fsdp_full")]
-    served = nodes.serve_plan(spec, [cells, cells[1:]], code_hash="abc")
-    assert nodes.fetch_plan(spec, "abc", wait_s=10) == [cells, cells[1:]]
+    plan = nodes.Plan(run_id="r1", rounds=[cells, cells[1:]], cell_timeout_s=90.0, mem_cap_bytes=2**30)
+    server = nodes.PlanServer(spec)
+    with pytest.raises(ValueError, match="cannot serve the run plan on port"):
+        nodes.PlanServer(spec)  # the port is taken (by `server`), refused when made
+    server.publish(plan, code_hash="abc")
+    assert nodes.fetch_plan(spec, "abc", wait_s=10) == plan
     with pytest.raises(ValueError, match="node 0 runs harness code abc, this node xyz"):
         nodes.fetch_plan(spec, "xyz", wait_s=10)
-    with pytest.raises(ValueError, match="cannot serve the run plan on port"):
-        nodes.serve_plan(spec, [], code_hash="abc")  # the port is taken (by `served`)
-    del served
+    server.close()
+    nodes.PlanServer(spec).close()  # the port is free again
 
 
 def test_a_follower_without_node_0_gives_up_with_the_reason():

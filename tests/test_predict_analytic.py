@@ -161,6 +161,9 @@ def test_accuracy_names_the_category_that_is_off():
         "comm_bytes_per_step": predicted["analytic"]["comm_bytes_per_step"],
     }
     ratios = accuracy.compare(predicted, metrics)
+    # NCCL calls counted without their bytes (measure/comm.py "unsized"): no comm ratio, not a miss.
+    unsized = {**metrics, "comm_by_op": {"all_reduce": {"bytes": 0, "unsized": 1}}}
+    assert accuracy.compare(predicted, unsized)["analytic_comm"] is None
     assert ratios["traced_peak"]["ratio"] == 0.5 and not ratios["traced_peak"]["within_target"]
     assert ratios["traced_peak"]["off"].startswith("other:")
     assert ratios["analytic_model_states"]["ratio"] == pytest.approx(1.0)

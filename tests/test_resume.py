@@ -184,3 +184,16 @@ def test_a_run_keeps_its_repeat_on_resume_and_another_is_refused(tmp_path):
     with pytest.raises(ValueError, match="^cannot resume run-a with --repeat 2: it ran with --repeat 3; resume"
                                          " without --repeat, or start a new run$"):
         resume.check_same_selection(run_dir, original, {"repeat": 2})
+
+
+def test_a_run_over_two_nodes_is_resumed_on_two_and_ranks_per_node_named_as_given(tmp_path):
+    run_dir = fake_run(tmp_path)
+    info = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**info, "world_size": 4, "nodes": {"nnodes": 2}}))
+    original = resume.original_selection(run_dir)
+    resume.check_same_selection(run_dir, original, {"nnodes": 2, "world_size": 4})
+    # The node count first: with one node, any --gpus would name a different world size.
+    with pytest.raises(ValueError, match="^cannot resume run-a on 1 node\\(s\\): it ran on 2; start as many nodes"):
+        resume.check_same_selection(run_dir, original, {"nnodes": 1, "world_size": 2})
+    with pytest.raises(ValueError, match="with --gpus 1: it ran with --gpus 2;"):  # per node, as typed
+        resume.check_same_selection(run_dir, original, {"nnodes": 2, "world_size": 2})

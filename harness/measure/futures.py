@@ -47,7 +47,7 @@ def callbacks_under(context: Callable[[], AbstractContextManager]) -> Iterator[N
 def without_modes_of(mode_type: type) -> Iterator[None]:
     """This thread's dispatch modes less those of ``mode_type``, the others (a fake tensor
     mode) kept in their order; nothing changes on a thread that has none of them."""
-    stack = _get_current_dispatch_mode_stack()  # innermost first
+    stack = _get_current_dispatch_mode_stack()  # outermost (bottom of the stack) first
     if not any(isinstance(mode, mode_type) for mode in stack):
         yield
         return

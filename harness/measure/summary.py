@@ -37,7 +37,7 @@ def _with_busbw(comm_by_op: dict, world_size: int) -> dict:
     out = {}
     for op, stats in comm_by_op.items():
         busbw = None
-        if stats["time_s"] > 0:
+        if stats["time_s"] > 0 and not stats.get("unsized"):  # unsized calls: time without their bytes
             try:
                 busbw = stats["bytes"] / stats["time_s"] * busbw_factor(op, world_size) / 1e9
             except ValueError:

@@ -105,6 +105,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.measure import memory
 from harness.runner import worker
+from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
 DEFAULT_TIMEOUT_S = 600.0
 _REASON_CHARS = 400
@@ -410,7 +411,9 @@ def _import_and_freeze(cells: list[CellSpec]) -> None:
             if _refusal(cell) is None:
                 strategies.module(cell.strategy.name)
                 engine = cell.strategy.name.split("_")[0]
-                if engine in ("deepspeed", "fairscale"):
+                if engine == "deepspeed":  # its accelerator the traced step's device, not a visible GPU
+                    deepspeed_zero.import_deepspeed(torch.device("cpu"))
+                elif engine == "fairscale":
                     importlib.import_module(engine)
                 if cell.strategy.optimizer in optimizers.BITSANDBYTES:
                     importlib.import_module("bitsandbytes")

@@ -142,25 +142,43 @@ def slurm_ranks_per_node(environ: Mapping[str, str] = os.environ) -> int | None:
     return _int(value, "SLURM_GPUS_ON_NODE") if value else None
 
 
-def serve_plan(nodes: NodeSpec, rounds: list[list], code_hash: str):
-    """Node 0: serve the launches that span the nodes (``rounds``: per trial, the cells in the
-    order node 0 runs them) until the returned store is dropped. ValueError (one line) when
-    the port is taken."""
-    from torch.distributed import DistError, TCPStore
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What node 0 tells the others: its run, per trial the cells of the launches that span
+    the nodes in the order it runs them, and the launch options its workers take (a follower's
+    own would make the ranks of one launch disagree: a memory cap is a collective check)."""
 
-    try:
-        store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=True, wait_for_workers=False)
-    except DistError as error:
-        raise ValueError(f"node 0 cannot serve the run plan on port {nodes.plan_port} (--master-port + 1):"
-                         f" {str(error).splitlines()[0]}") from None
-    store.set(PLAN_KEY, json.dumps({"code_hash": code_hash,
-                                    "rounds": [[c.to_dict() for c in cells] for cells in rounds]}))
-    return store
+    run_id: str | None  # None: node 0 selected nothing to run
+    rounds: list[list]
+    cell_timeout_s: float | None
+    mem_cap_bytes: int | None
 
 
-def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> list[list]:
-    """A follower: node 0's rounds of cells, waiting up to ``wait_s`` for node 0 to serve
-    them. ValueError (one line) when node 0 never does or runs other harness code."""
+class PlanServer:
+    """Node 0's end: binds the plan port when made, so a taken port is refused before anything
+    runs, and serves the plan once ``publish`` is called, until ``close``."""
+
+    def __init__(self, nodes: NodeSpec):
+        from torch.distributed import DistError, TCPStore
+
+        try:
+            self._store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=True, wait_for_workers=False)
+        except DistError as error:
+            raise ValueError(f"node 0 cannot serve the run plan on port {nodes.plan_port} (--master-port + 1):"
+                             f" {str(error).splitlines()[0]}") from None
+
+    def publish(self, plan: Plan, code_hash: str) -> None:
+        self._store.set(PLAN_KEY, json.dumps({
+            "code_hash": code_hash, "run_id": plan.run_id, "cell_timeout_s": plan.cell_timeout_s,
+            "mem_cap_bytes": plan.mem_cap_bytes, "rounds": [[c.to_dict() for c in cells] for cells in plan.rounds]}))
+
+    def close(self) -> None:
+        self._store = None  # the server stops with its last reference
+
+
+def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> Plan:
+    """A follower: node 0's plan, waiting up to ``wait_s`` for node 0 to serve it.
+    ValueError (one line) when node 0 never does or runs other harness code."""
     from torch.distributed import DistError, TCPStore
 
     from harness.config import CellSpec
@@ -168,28 +186,32 @@ def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> list[list]:
     try:
         store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=False,
                          timeout=datetime.timedelta(seconds=wait_s))
-        plan = json.loads(store.get(PLAN_KEY))
+        served = json.loads(store.get(PLAN_KEY))
     except DistError as error:
         raise ValueError(f"no run plan from node 0 at {nodes.master_addr}:{nodes.plan_port} within {wait_s:.0f} s"
                          f" (is node 0 started with the same --master-addr/--master-port?):"
                          f" {str(error).splitlines()[0]}") from None
-    if plan["code_hash"] != code_hash:
-        raise ValueError(f"node 0 runs harness code {plan['code_hash']}, this node {code_hash}: check out the same"
-                         " shardbench commit on every node")
-    return [[CellSpec.from_dict(d) for d in cells] for cells in plan["rounds"]]
+    if served["code_hash"] != code_hash:
+        raise ValueError(f"node 0 runs harness code {served['code_hash']}, this node {code_hash}: check out the"
+                         " same shardbench commit on every node")
+    return Plan(run_id=served["run_id"], cell_timeout_s=served["cell_timeout_s"],
+                mem_cap_bytes=served["mem_cap_bytes"],
+                rounds=[[CellSpec.from_dict(d) for d in cells] for cells in served["rounds"]])
 
 
-def run_follower(rounds: list[list], options, launch_dir: Path, progress: Callable[[str], None] = print) -> int:
-    """A node of rank > 0: its ranks of node 0's launches (``rounds``, from ``fetch_plan``),
+def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str], None] = print) -> int:
+    """A node of rank > 0: its ranks of node 0's launches (``plan``, from ``fetch_plan``),
     launched as node 0 launches them (one torchrun per world size and trial, named alike: the
     name is part of the rendezvous id). Nothing under results/; returns 0 when every cell
     ended ok, else 1."""
     from harness.runner.launcher import run_batch
     from harness.runner.matrix import human_duration, launch_dir_name
 
+    rounds = plan.rounds
     total = sum(map(len, rounds))
-    progress(f"shardbench: node {options.nodes.node_rank} of {options.nodes.nnodes}: node 0's plan has {total}"
-             f" cell runs that span the nodes; node 0 writes the results; launch logs in {launch_dir}")
+    progress(f"shardbench: node {options.nodes.node_rank} of {options.nodes.nnodes}: node 0's plan for run"
+             f" {plan.run_id} has {total} cell runs that span the nodes; node 0 writes the results; launch logs"
+             f" in {launch_dir}")
     statuses: list[str] = []
     started = time.monotonic()
 

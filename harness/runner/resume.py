@@ -44,13 +44,23 @@ def original_selection(run_dir: Path) -> dict:
 def check_same_selection(run_dir: Path, original: dict, asked: dict) -> None:
     """ValueError (one line) naming the first option that differs from the original run's
     (``asked`` holds only the options the user gave, by run.json key)."""
-    for key, option in (*SELECTION, ("device", "--device"), ("repeat", "--repeat"), ("mem_cap_bytes", "--mem-cap-gib"),
-                        ("nnodes", "--nnodes")):
+    if "nnodes" in asked and asked["nnodes"] != original["nnodes"]:
+        # Checked first: the world size below is nodes × ranks per node. A node count cannot be
+        # left out: every node must be started again.
+        raise ValueError(f"cannot resume {run_dir.name} on {asked['nnodes']} node(s): it ran on {original['nnodes']};"
+                         " start as many nodes again, or start a new run")
+    for key, option in (*SELECTION, ("device", "--device"), ("repeat", "--repeat"), ("mem_cap_bytes", "--mem-cap-gib")):
         if key in asked and asked[key] != original.get(key):
-            # A node count cannot be left out: every node must be started again.
-            fix = "start as many nodes again" if key == "nnodes" else f"resume without {option}"
-            raise ValueError(f"cannot resume {run_dir.name} with {option} {asked[key]!r}: it ran with"
-                             f" {option} {original.get(key)!r}; {fix}, or start a new run")
+            raise ValueError(f"cannot resume {run_dir.name} with {option} {_as_given(key, asked)}: it ran with"
+                             f" {option} {_as_given(key, original)}; resume without {option}, or start a new run")
+
+
+def _as_given(key: str, selection: dict) -> str:
+    """An option's value as the user gives it: --gpus is ranks per node, run.json's world
+    size is over every node."""
+    if key == "world_size":
+        return repr(selection["world_size"] // selection.get("nnodes", 1))
+    return repr(selection.get(key))
 
 
 def kept_records(records: list[dict], *, retry_failed: bool) -> dict[tuple[str, int], dict]:

@@ -16,7 +16,7 @@ from harness.results import provenance
 from harness.results.store import RunStore, new_run_id
 from harness.runner import resume
 from harness.runner.launcher import LaunchOptions, nodes_of, run_bandwidth_sweep
-from harness.runner.nodes import NodeSpec, serve_plan
+from harness.runner.nodes import NodeSpec, Plan, PlanServer
 from harness.runner.matrix import MatrixRun, human_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +26,7 @@ BANDWIDTH_TIMEOUT_S = 300.0
 # --memory-snapshot: the run folder's sub-folder of memory timelines (runner/worker.py).
 MEMORY_SNAPSHOT_DIR = "memory"
 _RUN = pytest.StashKey["MatrixRun"]()
+_PLAN_SERVER = pytest.StashKey[PlanServer]()
 
 
 def world_size(gpus: int | None, nnodes: int = 1) -> int:
@@ -108,21 +109,28 @@ def start(config: pytest.Config) -> MatrixRun:
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
                     recorded=recorded)
     config.stash[_RUN] = run
-    plan = _serve_plan(options.nodes, run)  # held while the run runs: the other nodes read it at their start
+    if options.nodes.multi:
+        spanning = [[c for c in cells if nodes_of(c.world_size, options.nodes) > 1] for cells in run.launch_rounds()]
+        publish_plan(config, Plan(run_id=store.run_id, rounds=spanning, cell_timeout_s=options.cell_timeout_s,
+                                  mem_cap_bytes=mem_cap_bytes))
     run.run()
-    del plan
     return run
 
 
-def _serve_plan(nodes: NodeSpec, run: MatrixRun):
-    """Several nodes: serve the launches that span them (runner/nodes.py); None on one node."""
-    if not nodes.multi:
-        return None
-    spanning = [[c for c in cells if nodes_of(c.world_size, nodes) > 1] for cells in run.launch_rounds()]
-    try:
-        return serve_plan(nodes, spanning, provenance.harness_code_hash())
-    except ValueError as error:
-        raise pytest.UsageError(str(error)) from None
+def open_plan_server(config: pytest.Config) -> None:
+    """Node 0 of several: bind the plan port now (runner/nodes.py), before anything runs."""
+    if node_spec(config).multi:
+        config.stash[_PLAN_SERVER] = PlanServer(node_spec(config))
+
+
+def publish_plan(config: pytest.Config, plan: Plan) -> None:
+    config.stash[_PLAN_SERVER].publish(plan, provenance.harness_code_hash())
+
+
+def close_plan_server(config: pytest.Config) -> None:
+    server = config.stash.get(_PLAN_SERVER, None)
+    if server is not None:
+        server.close()
 
 
 def trials_columns(trials: dict) -> str:

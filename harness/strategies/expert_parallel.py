@@ -62,7 +62,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from harness.config import CellSpec

@@ -46,15 +46,23 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", dest="keyword", default="", help="pytest keyword expression on cell ids")
 
 
+def _use_device(args: argparse.Namespace) -> None:
+    """--device: where the cells compute, read by pytest's session and every worker (a
+    follower node's too: it runs no selection of its own, but its ranks compute here)."""
+    from harness.distributed import DEVICE_ENV_VAR
+
+    if args.device is not None:
+        os.environ[DEVICE_ENV_VAR] = args.device
+
+
 def _check_selection(args: argparse.Namespace) -> None:
     """Everything pytest would otherwise discover late, or silently accept (``-m zero4``)."""
     import torch
 
-    from harness.distributed import DEVICE_ENV_VAR, device_type
+    from harness.distributed import device_type
     from harness.runner.session import world_size
 
-    if args.device is not None:
-        os.environ[DEVICE_ENV_VAR] = args.device  # read by pytest's session and every worker
+    _use_device(args)
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: must be a positive number of ranks per node")
     try:
@@ -181,6 +189,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     args.markexpr, args.keyword = args.markexpr or "", args.keyword or ""
     if args.nodes.is_leader:  # a follower runs node 0's selection, not its own
         _check_selection(args)
+    else:
+        _use_device(args)
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
             raise UsageError(f"--out {args.out}: exists and is not a folder")

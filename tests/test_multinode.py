@@ -6,10 +6,12 @@ a follower refusing node 0's plan when their harness code differs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,9 +201,14 @@ def test_a_follower_takes_node_0s_plan_and_refuses_other_code():
     with pytest.raises(ValueError, match="cannot serve the run plan on port"):
         nodes.PlanServer(spec)  # the port is taken (by `server`), refused when made
     server.publish(plan, code_hash="abc")
-    assert nodes.fetch_plan(spec, "abc", wait_s=10) == plan
+    follower = dataclasses.replace(spec, node_rank=1)
+    assert nodes.fetch_plan(follower, "abc", wait_s=10) == plan
+    assert server.refusal() is None
     with pytest.raises(ValueError, match="node 0 runs harness code abc, this node xyz"):
-        nodes.fetch_plan(spec, "xyz", wait_s=10)
+        nodes.fetch_plan(follower, "xyz", wait_s=10)
+    # Node 0 learns it, in its own terms.
+    assert server.refusal() == ("node 1 refused the run: it runs harness code xyz, node 0 abc (check out the same"
+                                " shardbench commit on every node)")
     server.close()
     nodes.PlanServer(spec).close()  # the port is free again
 
@@ -210,3 +217,22 @@ def test_a_follower_without_node_0_gives_up_with_the_reason():
     spec = nodes.NodeSpec(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=_free_port())
     with pytest.raises(ValueError, match=r"no run plan from node 0 at 127\.0\.0\.1:\d+ within 2 s"):
         nodes.fetch_plan(spec, "abc", wait_s=2)
+
+
+def test_a_refusal_ends_node_0s_launches_that_span_the_nodes(tmp_path):
+    """A follower that refused never joins: node 0 records the spanning cells `failed` with its
+    reason, ending the launch that waits at the rendezvous and starting none after it."""
+    spec = nodes.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    waiting, later = (CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name), micro_batch=2, world_size=2)
+                      for name in ("ddp", "fsdp_full"))
+    reason = "node 1 refused the run: it runs harness code xyz, node 0 abc"
+    refused_at = time.monotonic() + 5  # node 0's torchrun is waiting at the rendezvous by then
+    options = LaunchOptions(cell_timeout_s=120, nodes=spec,
+                            follower_refusal=lambda: reason if time.monotonic() > refused_at else None)
+    outcomes = []
+    launcher.run_batch([waiting], options, tmp_path / "waiting", outcomes.append)
+    launcher.run_batch([later], options, tmp_path / "later", outcomes.append)
+    assert [(o.cell, o.status, o.reason) for o in outcomes] == [(waiting, "failed", reason), (later, "failed", reason)]
+    assert outcomes[0].wall_s < 60  # not the cell timeout (120 s)
+    assert (tmp_path / "waiting" / "launch-001" / "log.txt").exists()  # it had been launched, and was ended
+    assert not (tmp_path / "later" / "launch-001").exists()  # never launched

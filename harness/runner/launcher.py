@@ -6,7 +6,10 @@ harness.measure.bandwidth before the cells.
 One torchrun serves many cells (a launch costs ~5.5 s on the reference CPU host, a tiny cell
 ~1 s). If the workers die or stop making progress, the cell that was running is recorded as
 ``failed`` / ``timeout`` with the tail of the log, torchrun and every worker it started are
-killed, and the cells not yet run are relaunched.
+killed, and the cells not yet run are relaunched. A launch that spans several nodes is not
+started, or is ended while it waits, once a follower node has refused the run
+(``LaunchOptions.follower_refusal``, runner/nodes.py): its cells are recorded ``failed`` with
+the follower's reason.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class LaunchOptions:
     mem_cap_bytes: int | None = None
     # --memory-snapshot: the run's folder for every cell's memory timeline (worker.py).
     memory_snapshot_dir: Path | None = None
+    # Node 0 of several: why a follower refused the run, once one has (PlanServer.refusal).
+    follower_refusal: Callable[[], str | None] = lambda: None
 
     def timeout(self, cell: CellSpec) -> timeouts.CellTimeout:
         return timeouts.for_cell(cell, self.cell_timeout_s, self.device_type, self.device_name)
@@ -190,11 +195,20 @@ def run_batch(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
 def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
                  on_outcome: Callable[[CellOutcome], None], rdzv_id: str = "shardbench") -> list[CellSpec]:
     """One torchrun over ``cells``; returns the cells it did not get to."""
+    world_size = cells[0].world_size
+    spans_nodes = nodes_of(world_size, options.nodes) > 1
+
+    def refused() -> str | None:
+        return options.follower_refusal() if spans_nodes else None
+
+    if refusal := refused():
+        for cell in cells:  # the refusing node will never join: launching would wait for it in vain
+            on_outcome(CellOutcome(cell=cell, status="failed", reason=refusal, per_rank=[], wall_s=0.0))
+        return []
     workdir.mkdir(parents=True, exist_ok=True)
     cells_file, stream_file, log_file = workdir / "cells.json", workdir / "stream.jsonl", workdir / "log.txt"
     cells_file.write_text(json.dumps([c.to_dict() for c in cells]))
     stream_file.write_text("")  # a fresh stream: never read a previous launch's events
-    world_size = cells[0].world_size
     limits = [options.timeout(cell) for cell in cells]
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
@@ -226,6 +240,8 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
                     if now - last_event > limits[min(n_done, len(cells) - 1)].seconds:
                         timed_out = True
                         break
+                    if refusal := refused():
+                        break
                     continue
                 any_event, last_event = True, now
                 if event["event"] in ("start", "done") and event["cell_id"] != cells[n_done].cell_id:
@@ -242,6 +258,10 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
 
     left = cells[n_done:]
     wall = time.monotonic() - started
+    if refusal:
+        for cell in left:
+            on_outcome(CellOutcome(cell=cell, status="failed", reason=refusal, per_rank=[], wall_s=wall))
+        return []
     if timed_out:
         limit = limits[min(n_done, len(cells) - 1)]
         reason = f"no result after {limit.seconds:.0f} s (the limit: {limit.why}); log tail:\n{_tail(log_file)}"

@@ -15,7 +15,10 @@ run already recorded, less what is unsupported on its device) and serves that li
 harness code hash, from a TCPStore on ``master_port + 1`` for as long as it runs. A follower
 reads the plan instead of selecting for itself, so a resumed run (whose records only node 0
 holds) and a node started with other options run exactly node 0's launches; a follower whose
-harness code differs from node 0's refuses to start.
+harness code differs from node 0's refuses to start, and says why in the same store: node 0
+then records its launches that span the nodes as ``failed`` with that reason instead of
+waiting for the node at each rendezvous until the cell timeout (a follower that never starts
+cannot say so: those launches end as ``timeout``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ DEFAULT_MASTER_PORT = 29500
 # Node 0 serves the plan one port above the rendezvous (which its torchrun binds per launch).
 PLAN_PORT_OFFSET = 1
 PLAN_KEY = "shardbench/plan"
+# The first follower to refuse node 0's plan writes why here (node 0 reads it while it runs).
+REFUSAL_KEY = "shardbench/refused"
 # How long a follower waits for node 0's plan unless --cell-timeout says more: node 0 may be
 # started later by hand, or still be setting up (environment record, bandwidth sweep).
 PLAN_WAIT_S = 1800.0
@@ -172,6 +177,12 @@ class PlanServer:
             "code_hash": code_hash, "run_id": plan.run_id, "cell_timeout_s": plan.cell_timeout_s,
             "mem_cap_bytes": plan.mem_cap_bytes, "rounds": [[c.to_dict() for c in cells] for cells in plan.rounds]}))
 
+    def refusal(self) -> str | None:
+        """Why a follower refused the plan (the first to), or None while none has."""
+        if self._store is None or not self._store.check([REFUSAL_KEY]):
+            return None
+        return self._store.get(REFUSAL_KEY).decode()
+
     def close(self) -> None:
         self._store = None  # the server stops with its last reference
 
@@ -192,6 +203,10 @@ def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> Plan:
                          f" (is node 0 started with the same --master-addr/--master-port?):"
                          f" {str(error).splitlines()[0]}") from None
     if served["code_hash"] != code_hash:
+        # compare_set: the first refusal stays, the one node 0 reports.
+        store.compare_set(REFUSAL_KEY, "", f"node {nodes.node_rank} refused the run: it runs harness code"
+                          f" {code_hash}, node 0 {served['code_hash']} (check out the same shardbench commit on"
+                          " every node)")
         raise ValueError(f"node 0 runs harness code {served['code_hash']}, this node {code_hash}: check out the"
                          " same shardbench commit on every node")
     return Plan(run_id=served["run_id"], cell_timeout_s=served["cell_timeout_s"],

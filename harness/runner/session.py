@@ -4,6 +4,7 @@ record, the MatrixRun over the selected cells, and the closing summary and repor
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,8 @@ def start(config: pytest.Config) -> MatrixRun:
     options = LaunchOptions(cell_timeout_s=config.getoption("cell_timeout"), nodes=node_spec(config),
                             device_type=device_type, device_name=device_name, mem_cap_bytes=mem_cap_bytes,
                             memory_snapshot_dir=(store.path / MEMORY_SNAPSHOT_DIR
-                                                 if config.getoption("memory_snapshot", False) else None))
+                                                 if config.getoption("memory_snapshot", False) else None),
+                            follower_refusal=follower_refusal(config))
     run = MatrixRun(cells, store, options,
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
                     recorded=recorded)
@@ -121,6 +123,13 @@ def open_plan_server(config: pytest.Config) -> None:
     """Node 0 of several: bind the plan port now (runner/nodes.py), before anything runs."""
     if node_spec(config).multi:
         config.stash[_PLAN_SERVER] = PlanServer(node_spec(config))
+
+
+def follower_refusal(config: pytest.Config) -> Callable[[], str | None]:
+    """Why a follower node refused node 0's plan, once one has (runner/nodes.py); a single
+    node has no followers."""
+    server = config.stash.get(_PLAN_SERVER, None)
+    return server.refusal if server is not None else lambda: None
 
 
 def publish_plan(config: pytest.Config, plan: Plan) -> None:

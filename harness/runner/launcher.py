@@ -192,6 +192,14 @@ def run_batch(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
                                  rdzv_id=f"shardbench-{workdir.name}-{attempt}")
 
 
+def _settle(cells: list[CellSpec], status: str, reason: str, wall_s: float,
+            on_outcome: Callable[[CellOutcome], None]) -> list[CellSpec]:
+    """Record every one of ``cells`` with one outcome; none is left to relaunch."""
+    for cell in cells:
+        on_outcome(CellOutcome(cell=cell, status=status, reason=reason, per_rank=[], wall_s=wall_s))
+    return []
+
+
 def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
                  on_outcome: Callable[[CellOutcome], None], rdzv_id: str = "shardbench") -> list[CellSpec]:
     """One torchrun over ``cells``; returns the cells it did not get to."""
@@ -201,10 +209,8 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     def refused() -> str | None:
         return options.follower_refusal() if spans_nodes else None
 
-    if refusal := refused():
-        for cell in cells:  # the refusing node will never join: launching would wait for it in vain
-            on_outcome(CellOutcome(cell=cell, status="failed", reason=refusal, per_rank=[], wall_s=0.0))
-        return []
+    if refusal := refused():  # the refusing node will never join: launching would wait for it in vain
+        return _settle(cells, "failed", refusal, 0.0, on_outcome)
     workdir.mkdir(parents=True, exist_ok=True)
     cells_file, stream_file, log_file = workdir / "cells.json", workdir / "stream.jsonl", workdir / "log.txt"
     cells_file.write_text(json.dumps([c.to_dict() for c in cells]))
@@ -259,18 +265,14 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     left = cells[n_done:]
     wall = time.monotonic() - started
     if refusal:
-        for cell in left:
-            on_outcome(CellOutcome(cell=cell, status="failed", reason=refusal, per_rank=[], wall_s=wall))
-        return []
+        return _settle(left, "failed", refusal, wall, on_outcome)
     if timed_out:
         limit = limits[min(n_done, len(cells) - 1)]
         reason = f"no result after {limit.seconds:.0f} s (the limit: {limit.why}); log tail:\n{_tail(log_file)}"
         if not any_event:
             # The launch never started a cell (rendezvous or start-up hang): waiting the
             # full timeout once per remaining cell would only repeat that.
-            for cell in left:
-                on_outcome(CellOutcome(cell=cell, status="timeout", reason=reason, per_rank=[], wall_s=wall))
-            return []
+            return _settle(left, "timeout", reason, wall, on_outcome)
         if not left:
             return []  # every cell reported; the workers hung on the way out
         # The running cell (or, between cells, the next one) is the one that hung.

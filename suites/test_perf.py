@@ -139,9 +139,10 @@ def test_soak_default_suite_three_rounds(tmp_path, capsys):
     the imports, the FakeTensorMode trace of every cell and first-use caches, to the end of
     round 3. fp32 peaks on the CPU are tensor bytes of a deterministic computation: identical
     in every round, except by buffers that another thread frees at a moment the scheduler
-    picks (measure/memory.py, "Frees on another thread"): a cell whose memory steps freed
-    nothing that way must not move at all, and no cell may move by more than its largest
-    such free."""
+    picks (measure/memory.py, "Frees and allocations on another thread": the memory step
+    pauses after each collective's wait so that this does not happen): a cell whose memory
+    steps freed nothing that way must not move at all, and no cell may move by more than its
+    largest such free."""
     driver = psutil.Process()
     rss: list[int] = []
 

@@ -71,15 +71,24 @@ Wrappers
   and they land in "other" (grads is 0). FSDPMemTracker only understands FSDP2.
 
 Frees and allocations on another thread
-A tensor whose last reference is dropped on a thread other than the step's is freed at a
-moment the scheduler picks: gloo's worker threads drop a finished collective's buffers
-(FSDP2's all-gather outputs). When such a free comes late, the buffer overlaps the step's
-next allocations and the peak is higher by up to its size: 1 of 62 fp32 cells (FSDP2,
-3.0 KiB) over three rounds of the default suite. ``async_freed_bytes`` counts the bytes
-freed that way during the step and bounds that movement. Pinning it needs one gloo worker
-thread and a drain after each wait in the tracked step (measured to give identical peaks;
-not adopted: private torch APIs, and one worker thread deadlocks any callback that waits on
-a collective, as PowerSGD's do).
+A gloo worker thread marks a collective done, waking the step, before it drops its own
+references to the collective's tensors. When the step lets go of those tensors soon after
+its wait returns (FSDP2 drops its all-gather output once copied out), the last reference
+dies on whichever thread gets there last: on the step's thread the free comes at the same
+point of the step every time; on the worker's, at a moment the scheduler picks, and a late
+one overlaps the step's next allocations and raises the peak by up to the buffer's size.
+Measured without countermeasure: frees on the worker thread in about a third of FSDP2's
+steps, and vit-tiny FSDP2's peak per rank took 3 values over 60 steps (up to +4.5 %), 3 of
+89 fp32 cells moving in a three-round soak (up to 195 KiB). So on the CPU the tracked step
+pauses ``RELEASE_PAUSE_S`` after every wait on a c10d ``Work`` (``torch.distributed``'s
+Python calls: every FSDP2, DeepSpeed and sync collective; DDP's reducer waits in C++, on
+buckets it keeps), which lets the worker finish first: then 0 worker-thread frees and 1 peak
+per rank over the same 60 steps, also with two busy loops competing for both cores. No public
+API says when a worker has dropped a finished collective's tensors; the alternative measured
+before (one gloo worker thread and a drain collective after each wait) needs private torch
+APIs and deadlocks callbacks that wait on a collective. The pause is in the memory-tracked
+step only, which is not timed. ``async_freed_bytes`` still counts what is freed on another
+thread during the step: what a pause did not cover, and so how far the peak could move.
 
 A comm hook's ``Future.then`` callbacks (PowerSGD's error feedback and P/Q temporaries) run
 on gloo's thread when the collective completes after they are attached, where the tracker (a
@@ -119,7 +128,7 @@ import gc
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +153,9 @@ _CATEGORY = {
 }
 
 TIMELINE_MAX_EVENTS = 200_000
+# After each c10d wait in a CPU memory step: time for gloo's worker to drop the collective's
+# tensors (module docstring, "Frees and allocations on another thread").
+RELEASE_PAUSE_S = 0.001
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
@@ -357,6 +369,25 @@ class _AsyncFrees:
         tracker._delete_callback = delete_callback
 
 
+@contextmanager
+def _pause_after_waits(pause_s: float) -> Iterator[None]:
+    """Every ``Work.wait`` in the block returns ``pause_s`` after the collective completed."""
+    from torch.distributed.distributed_c10d import Work
+
+    original_wait = Work.__dict__["wait"]
+
+    def wait(self, *args, **kwargs):
+        completed = original_wait(self, *args, **kwargs)
+        time.sleep(pause_s)
+        return completed
+
+    Work.wait = wait
+    try:
+        yield
+    finally:
+        Work.wait = original_wait
+
+
 def _untracked():
     """This thread's dispatch modes less the memory tracker's (every tracker here is a
     MemTracker)."""
@@ -424,7 +455,8 @@ def track_step_memory(
     async_frees.counting = True
     # Future callbacks run untracked wherever they run (module docstring, "Frees and
     # allocations on another thread").
-    with futures.callbacks_under(_untracked), tracker:
+    with futures.callbacks_under(_untracked), tracker, \
+            nullcontext() if on_cuda else _pause_after_waits(RELEASE_PAUSE_S):
         yield probe
     async_frees.counting = False
     rss = _rss_peak() if rss_ok else None

@@ -193,39 +193,24 @@ def test_what_future_callbacks_allocate_is_never_counted(where):
     assert type(made).__name__ == "FakeTensor"
 
 
-def _fsdp2_peaks(rank, port, steps, out_dir):
-    """One rank: vit-tiny under FSDP2, ``steps`` memory-tracked steps after warm-up."""
-    import json
-    import os
-
+def _fsdp2_peaks(rank: int, store: str, steps: int, out: dict) -> None:
+    """One rank of vit-tiny's FSDP2 cell, prepared as the worker prepares it: the peak and
+    the off-thread frees of ``steps`` memory-tracked steps after the warm-up."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
-    from harness import models
+    from harness.config import CellSpec, StrategySpec
+    from harness.distributed import DistEnv
+    from harness.runner.worker import prepare_cell
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    built = models.build(models.get_preset("vit-tiny"))
-    for module in built.module.modules():
-        if isinstance(module, built.block_type):
-            fully_shard(module)
-    fully_shard(built.module)
-    opt = torch.optim.AdamW(built.module.parameters())
-    batch = built.make_batch(torch.Generator().manual_seed(0), 4)
-
-    def step():
-        built.loss(built.module, batch).backward()
-        opt.step()
-        opt.zero_grad()
-
-    for _ in range(3):
-        step()
-    measured = []
-    for _ in range(steps):
-        with track_step_memory(built.module, opt, fsdp2=True, device=torch.device("cpu")) as probe:
-            step()
-        measured.append([probe.result().peak_bytes, probe.result().async_freed_bytes])
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(measured))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    cell = CellSpec(model="vit-tiny", strategy=StrategySpec(name="fsdp_full"), micro_batch=2, world_size=2,
+                    steps=steps + 4)
+    session = prepare_cell(cell, DistEnv(rank=rank, world_size=2, nnodes=1, device=torch.device("cpu"),
+                                         backend="gloo"))
+    for i in range(cell.warmup):
+        session.step(i)
+    measured = [session.tracked_step(i)[1] for i in range(cell.warmup, cell.warmup + steps)]
+    out[rank] = [(m.peak_bytes, m.async_freed_bytes) for m in measured]
     dist.destroy_process_group()
 
 
@@ -233,17 +218,12 @@ def test_fsdp2_peaks_do_not_depend_on_when_gloo_frees(tmp_path):
     """gloo's worker drops a collective's tensors just after the step's wait returns; without
     the pause after each wait, vit-tiny's FSDP2 step freed on that thread in about a quarter
     of its steps and its peak took 3 values per rank over 60 steps."""
-    import json
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp2_peaks, args=(port, 30, tmp_path), nprocs=2)
+    out = mp.Manager().dict()
+    mp.spawn(_fsdp2_peaks, args=(str(tmp_path / "store"), 30, out), nprocs=2)
     for rank in range(2):
-        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        measured = out[rank]
         freed_elsewhere = [freed for _, freed in measured if freed]
         # A pause of 1 ms covered all but 1 of 240 rank-steps under load; allow a straggler.
         assert len(freed_elsewhere) <= 2, (rank, measured)

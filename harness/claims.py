@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import suites
+from harness import strategies, suites
 from harness.config import CellSpec
 
 VERDICTS = ("holds", "does not hold", "not measurable here")
@@ -344,10 +344,9 @@ def _eager_scores(r: Readings) -> Outcome:
 # --- pipeline bubble (no cells) -------------------------------------------------------------------
 
 def _pipeline_bubble(r: Readings) -> Outcome:
-    from harness.config import DEFAULT_PP_MICROBATCHES
     from harness.predict import analytic
 
-    p, m = r.world_size, DEFAULT_PP_MICROBATCHES
+    p, m = r.world_size, strategies.get("pp_1f1b").options["pp_microbatches"]
     return Outcome(
         predicted=analytic.pipeline_bubble_fraction(p, m), measured=None, verdict="not measurable here",
         reason=("a bubble is idle time, read from step times: on this shared 2-core CPU host the stages compete"
@@ -363,13 +362,7 @@ def _pipeline_bubble(r: Readings) -> Outcome:
 
 def _tp_strategy_present() -> bool:
     """Whether this tree has the tp strategy (harness/strategies/tensor_parallel.py)."""
-    from harness import strategies
-
-    try:
-        strategies.module("tp")
-    except ModuleNotFoundError:
-        return False
-    return True
+    return "tp" in strategies.names()
 
 
 def _tp_cells(world_size: int) -> list[CellSpec]:

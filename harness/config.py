@@ -13,6 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from harness import strategies
+from harness.features.compression import POWERSGD_START_ITER
+from harness.models.presets import PRESETS
+from harness.strategies.base import LayoutOption
+
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
 Offload = Literal["none", "params", "optimizer", "optimizer_params"]
@@ -24,45 +29,11 @@ HsdpMesh = Literal["explicit", "fsdp_default"]
 # "flash" is flash_attention_2 (the flash-attn package, CUDA only).
 Attention = Literal["sdpa", "eager", "flash"]
 
-# PowerSGD runs vanilla all-reduce for its first steps (start_powerSGD_iter; 2 is the smallest
-# value it accepts) and allocates its error-feedback state in the first compressed step:
-# a PowerSGD cell's warm-up must include that step, or the memory step measures a one-off.
-POWERSGD_START_ITER = 2
+# The strategy every cell is checked against (CellSpec.reference): one process, the whole batch.
+REFERENCE = "single"
+# DDP rebuilds its buckets during the first steps: memory measured before then is not the
+# steady state (cpu-gloo-facts.md, "Measuring on CPU").
 MIN_WARMUP = 2
-
-STRATEGY_NAMES = (
-    "single",
-    "ddp",
-    "zero1",
-    "fsdp_full",
-    "fsdp_grad_op",
-    "fsdp_hybrid",
-    "fsdp1_full",
-    "fsdp1_grad_op",
-    "fsdp1_no_shard",
-    "fsdp1_hybrid",
-    "deepspeed_zero1",
-    "deepspeed_zero2",
-    "deepspeed_zero3",
-    "fairscale_oss",
-    "fairscale_sdp",
-    "fairscale_fsdp",
-    "tp",
-    "tp_fsdp",
-    "pp_gpipe",
-    "pp_1f1b",
-    "pp_interleaved_1f1b",
-    "megatron",
-    "cp",
-    "deepspeed_autoep",
-)
-PIPELINE_STRATEGIES = frozenset({"pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b"})
-# Every rank of these takes the same samples: the model (or the sequence) is split, not the batch.
-NO_DATA_PARALLEL = PIPELINE_STRATEGIES | {"tp", "cp"}
-# The defaults the options below resolve to where they apply.
-DEFAULT_TP_DEGREE = 2  # tp_fsdp: the inner (tensor-parallel) dimension of its 2-D mesh; megatron's TP
-DEFAULT_PP_DEGREE = 1  # megatron: no pipeline unless asked
-DEFAULT_PP_MICROBATCHES = 4  # pipelines: micro-batches per optimizer step
 
 
 def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
@@ -72,7 +43,8 @@ def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
 
 
 def min_warmup(strategy: StrategySpec) -> int:
-    """Steps before a strategy's steps are all alike (the default warm-up)."""
+    """Steps before a strategy's steps are all alike (the default warm-up): PowerSGD
+    allocates its error-feedback state in its first compressed step."""
     return POWERSGD_START_ITER + 1 if strategy.compression == "powersgd" else MIN_WARMUP
 
 
@@ -100,18 +72,19 @@ class StrategySpec:
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
     # shown to catch that pitfall; suites never select it.
     hsdp_mesh: HsdpMesh = "explicit"
+    # The layout options (harness/strategies/base.py, LayoutOption): they apply to the
+    # strategies that declare them, and None resolves to the declared default there.
     # tp_fsdp, megatron: ranks per tensor-parallel group (the mesh is data-parallel ×
-    # [pipeline ×] tensor-parallel). None resolves to DEFAULT_TP_DEGREE there; "tp" uses every rank.
+    # [pipeline ×] tensor-parallel); "tp" uses every rank.
     tp_degree: int | None = None
     # megatron: pipeline stages; the data-parallel size is world_size / (tp_degree × pp_degree).
-    # None resolves to DEFAULT_PP_DEGREE there.
     pp_degree: int | None = None
     # Pipelines (and megatron with pp_degree > 1): the micro-batches one optimizer step is cut
-    # into (each of cell.micro_batch samples); None resolves to DEFAULT_PP_MICROBATCHES there.
+    # into (each of cell.micro_batch samples).
     pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("strategy", self.name, STRATEGY_NAMES)
+        declared = strategies.get(self.name)  # an unknown name is refused, naming the choices
         _check_choice("precision", self.precision, get_args(Precision))
         _check_choice("checkpointing", self.checkpointing, get_args(Checkpointing))
         _check_choice("offload", self.offload, get_args(Offload))
@@ -123,22 +96,20 @@ class StrategySpec:
         # Options that would change nothing must not make a second cell with a new id.
         if self.powersgd_rank != 1 and self.compression != "powersgd":
             raise ValueError(f"powersgd_rank={self.powersgd_rank}: applies to compression=powersgd only")
-        if self.hsdp_mesh != "explicit" and self.name != "fsdp1_hybrid":
-            raise ValueError(f"hsdp_mesh={self.hsdp_mesh!r}: applies to strategy=fsdp1_hybrid only")
-        self._resolve("tp_degree", DEFAULT_TP_DEGREE, self.name in ("tp_fsdp", "megatron"),
-                      "strategies tp_fsdp and megatron")
-        self._resolve("pp_degree", DEFAULT_PP_DEGREE, self.name == "megatron", "strategy=megatron")
-        self._resolve("pp_microbatches", DEFAULT_PP_MICROBATCHES, self.pipelined,
-                      f"the pipeline strategies ({', '.join(sorted(PIPELINE_STRATEGIES))}) and megatron with"
-                      " pp_degree > 1")
+        if self.hsdp_mesh != "explicit" and "hsdp_mesh" not in declared.options:
+            raise ValueError(f"hsdp_mesh={self.hsdp_mesh!r}: applies to {_declaring('hsdp_mesh')} only")
+        # pp_microbatches last: whether it applies can depend on the degrees (megatron).
+        for option in ("tp_degree", "pp_degree", "pp_microbatches"):
+            self._resolve(option, declared.options.get(option))
 
-    def _resolve(self, option: str, default: int, applies: bool, where: str) -> None:
-        """An option that applies to some strategies only: None becomes ``default`` where it
-        applies; elsewhere any value is refused (it would make a new cell id that changes nothing)."""
+    def _resolve(self, option: LayoutOption, default: int | str | None) -> None:
+        """A layout option: None becomes the strategy's declared ``default`` where it applies;
+        elsewhere any value is refused (it would make a new cell id that changes nothing)."""
         value = getattr(self, option)
+        applies = default is not None and (option != "pp_microbatches" or self.pipelined)
         if not applies:
             if value is not None:
-                raise ValueError(f"{option}={value!r}: applies to {where} only")
+                raise ValueError(f"{option}={value!r}: applies to {_declaring(option)} only")
             return
         if value is None:
             object.__setattr__(self, option, default)  # frozen: set once, here
@@ -146,23 +117,23 @@ class StrategySpec:
             _check_positive(option, value)
 
     @property
-    def is_pipeline(self) -> bool:
-        return self.name in PIPELINE_STRATEGIES
-
-    @property
     def pipelined(self) -> bool:
         """A pipeline schedule cuts each step into pp_microbatches micro-batches."""
-        return self.is_pipeline or (self.name == "megatron" and self.pp_degree > 1)
+        return strategies.get(self.name).pipelined(self)
 
     def data_parallel_size(self, world_size: int) -> int:
         """How many groups of ranks take different samples (the rest of the mesh splits the model)."""
-        if self.name in NO_DATA_PARALLEL:
-            return 1
-        if self.name == "tp_fsdp":
-            return world_size // self.tp_degree
-        if self.name == "megatron":
-            return world_size // (self.tp_degree * self.pp_degree)
-        return world_size
+        return strategies.get(self.name).data_parallel_size(self, world_size)
+
+
+def _declaring(option: LayoutOption) -> str:
+    """The strategies a layout option applies to, for its refusal."""
+    if option == "pp_microbatches":
+        always = [s.name for s in strategies.declarations() if s.options.get(option) and s.pipelined_when is None]
+        sometimes = [s.pipelined_when for s in strategies.declarations() if s.pipelined_when]
+        return f"the pipeline strategies ({', '.join(sorted(always))}) and {' and '.join(sometimes)}"
+    names = [s.name for s in strategies.declarations() if option in s.options]
+    return f"strategy={names[0]}" if len(names) == 1 else f"strategies {' and '.join(names)}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,8 +158,6 @@ class CellSpec:
     probe_steps: int = field(default=2, init=False)
 
     def __post_init__(self) -> None:
-        from harness.models.presets import PRESETS  # pulls in transformers: import on use
-
         _check_choice("model", self.model, tuple(PRESETS))
         for name in ("micro_batch", "world_size", "steps"):
             _check_positive(name, getattr(self, name))
@@ -209,8 +178,8 @@ class CellSpec:
             )
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r}: must be positive")
-        if self.strategy.name == "single" and self.world_size != 1:
-            raise ValueError("strategy=single is the one-process reference: world_size must be 1")
+        if self.strategy.name == REFERENCE and self.world_size != 1:
+            raise ValueError(f"strategy={REFERENCE} is the one-process reference: world_size must be 1")
         _check_choice("attention", self.attention, get_args(Attention))
         if self.attention != "sdpa" and PRESETS[self.model].family == "mlp":
             raise ValueError(f"attention={self.attention!r}: model {self.model} has no attention; leave it 'sdpa'")
@@ -220,28 +189,11 @@ class CellSpec:
         if not isinstance(self.expandable_segments, bool):
             raise ValueError(f"expandable_segments={self.expandable_segments!r}: must be true or false")
         s = self.strategy
-        if s.name == "tp_fsdp" and (self.world_size % s.tp_degree or self.world_size == s.tp_degree):
-            raise ValueError(f"world_size={self.world_size} with tp_fsdp tp_degree={s.tp_degree}: the world size must"
-                             f" be a multiple of tp_degree with at least 2 data-parallel groups"
-                             f" ({2 * s.tp_degree}, {3 * s.tp_degree}, ...)")
-        if s.name == "deepspeed_autoep" and (PRESETS[self.model].n_experts or 0) % self.world_size:
-            raise ValueError(f"world_size={self.world_size} with deepspeed_autoep: model {self.model}'s"
-                             f" {PRESETS[self.model].n_experts} experts per layer must divide evenly over the ranks")
-        if s.name == "megatron":
-            self._check_megatron_layout(PRESETS[self.model].n_layers)
+        if problem := strategies.get(s.name).layout_problem(self):
+            raise ValueError(problem)
         if s.pipelined and s.accumulation != 1:
             raise ValueError(f"accumulation={s.accumulation} with {s.name}: a pipeline accumulates over its own"
                              " micro-batches; set pp_microbatches instead")
-
-    def _check_megatron_layout(self, n_layers: int) -> None:
-        """world_size = tp_degree × pp_degree × data-parallel size (at least 1), and a layer
-        or more per pipeline stage."""
-        tp, pp = self.strategy.tp_degree, self.strategy.pp_degree
-        if self.world_size % (tp * pp):
-            raise ValueError(f"world_size={self.world_size} with megatron tp_degree={tp} × pp_degree={pp}: the world"
-                             f" size must be a multiple of tp_degree × pp_degree ({tp * pp}, {2 * tp * pp}, ...)")
-        if pp > n_layers:
-            raise ValueError(f"pp_degree={pp} with model {self.model}: more pipeline stages than its {n_layers} layers")
 
     @property
     def min_steps(self) -> int:
@@ -274,12 +226,9 @@ class CellSpec:
             parts.append(f"compress_{s.compression}{rank}")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
-        if s.name == "tp_fsdp":
-            parts.append(f"tp{s.tp_degree}")
-        if s.name == "megatron":
-            parts += [f"tp{s.tp_degree}", f"pp{s.pp_degree}"]
-        if s.pipelined:
-            parts.append(f"pmb{s.pp_microbatches}")
+        # The layout options are None wherever they do not apply (StrategySpec._resolve).
+        parts += [f"{tag}{value}" for tag, value in (("tp", s.tp_degree), ("pp", s.pp_degree),
+                                                     ("pmb", s.pp_microbatches)) if value is not None]
         if self.attention != "sdpa":
             parts.append(f"attn_{self.attention}")
         if self.expandable_segments:
@@ -296,7 +245,7 @@ class CellSpec:
         """
         return dataclasses.replace(
             self,
-            strategy=StrategySpec(name="single", precision=self.strategy.precision,
+            strategy=StrategySpec(name=REFERENCE, precision=self.strategy.precision,
                                   optimizer=self.strategy.optimizer),
             micro_batch=self.global_batch,
             world_size=1,

@@ -9,58 +9,16 @@ from __future__ import annotations
 import re
 from typing import get_args
 
-from harness.config import STRATEGY_NAMES, Attention, CellSpec, Checkpointing, Compression, Optimizer, Precision
+from harness import strategies
+from harness.config import Attention, CellSpec, Checkpointing, Compression, Optimizer, Precision
+from harness.models.presets import get_preset
 
 MODEL_FAMILIES = ("gpt2", "llama", "bert", "vit", "mlp", "moe")
 ACCUMULATION_MARKERS = (1, 2, 4, 8)
 WORLD_SIZE_MARKERS = (1, 2, 4, 8, 16)
 
-# The ZeRO stage a strategy implements, whatever the engine (Rajbhandari et al. 2020):
-# 1 shards optimizer state, 2 also gradients, 3 also parameters. Also the `zero_idea` of a
-# cell record, so a report can put the engines' takes on one idea in one table.
-ZERO_IDEA = {
-    "zero1": "zero1",
-    "deepspeed_zero1": "zero1",
-    "fairscale_oss": "zero1",
-    "deepspeed_zero2": "zero2",
-    "fairscale_sdp": "zero2",
-    "fsdp_grad_op": "zero2",
-    "deepspeed_zero3": "zero3",
-    "fsdp_full": "zero3",
-    "fsdp1_full": "zero3",
-    "fairscale_fsdp": "zero3",
-}
-
-# Strategy -> the family markers it also carries.
-STRATEGY_FAMILIES = {
-    "single": ("reference",),
-    "ddp": ("ddp",),
-    "zero1": ("ddp",),
-    "fsdp_full": ("fsdp",),
-    "fsdp_grad_op": ("fsdp",),
-    "fsdp_hybrid": ("fsdp",),
-    "fsdp1_full": ("fsdp1",),
-    "fsdp1_grad_op": ("fsdp1",),
-    "fsdp1_no_shard": ("fsdp1",),
-    "fsdp1_hybrid": ("fsdp1",),
-    "deepspeed_zero1": ("deepspeed",),
-    "deepspeed_zero2": ("deepspeed",),
-    "deepspeed_zero3": ("deepspeed",),
-    "fairscale_oss": ("fairscale",),
-    "fairscale_sdp": ("fairscale",),
-    "fairscale_fsdp": ("fairscale",),
-    "tp": (),
-    "tp_fsdp": ("tp", "fsdp"),
-    "pp_gpipe": ("pp",),
-    "pp_1f1b": ("pp",),
-    "pp_interleaved_1f1b": ("pp",),
-    "megatron": (),  # its layout's: tp and / or pp (_layout_families)
-    "cp": (),
-    "deepspeed_autoep": ("ep", "deepspeed"),
-}
-
 CATALOGUE: dict[str, str] = {
-    **{name: f"strategy {name}" for name in STRATEGY_NAMES},
+    **{name: f"strategy {name}" for name in strategies.names()},
     "reference": "the single-process reference run",
     "fsdp": "any FSDP2 (fully_shard) strategy",
     "fsdp1": "any FSDP1 (FullyShardedDataParallel) strategy",
@@ -95,18 +53,17 @@ TEST_MARKERS: dict[str, str] = {
 
 
 def markers_of(cell: CellSpec) -> list[str]:
-    from harness.models import get_preset  # models pull in transformers: import on use
-
     s = cell.strategy
+    declared = strategies.get(s.name)
     spec = get_preset(cell.model)
     family = spec.family
     # "optimizer_params" offloads both: it carries both markers.
     offload = ["none"] if s.offload == "none" else s.offload.split("_")
     marks = [
         s.name,
-        *STRATEGY_FAMILIES[s.name],
-        *_layout_families(s),
-        *([ZERO_IDEA[s.name]] if s.name in ZERO_IDEA else []),
+        *declared.families,
+        *declared.layout_families(s),
+        *([declared.zero_idea] if declared.zero_idea else []),
         s.precision,
         f"ckpt_{s.checkpointing}",
         *(f"offload_{o}" for o in offload),
@@ -122,14 +79,6 @@ def markers_of(cell: CellSpec) -> list[str]:
     if unknown:
         raise ValueError(f"cell {cell.cell_id} has unregistered markers {unknown}")
     return list(dict.fromkeys(marks))  # de-duplicated, order kept (zero1 is its own idea)
-
-
-def _layout_families(strategy) -> list[str]:
-    """Megatron's family markers follow its layout: tp where it splits the layers, pp where it
-    pipelines them."""
-    if strategy.name != "megatron":
-        return []
-    return [family for family, degree in (("tp", strategy.tp_degree), ("pp", strategy.pp_degree)) if degree > 1]
 
 
 def _attention_heads(spec) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import strategies, suite_files
-from harness.config import DEFAULT_TP_DEGREE, CellSpec, StrategySpec
+from harness.config import CellSpec, StrategySpec
 
 MICRO_BATCH = 2
 # Suite files to start one's own from (README: Suites of your own).
@@ -122,7 +122,8 @@ def model_parallel(world_size: int) -> list[CellSpec]:
     2-layer models split only so far: a cell this world size cannot form (llama-tiny's 2
     key/value heads over 4 ranks, 8 pipeline stages of 2 blocks) is left out, as in ``full``."""
     candidates = [_cell(model, "tp", world_size) for model in ("gpt2-tiny", "llama-tiny")]
-    if world_size >= 2 * DEFAULT_TP_DEGREE and world_size % DEFAULT_TP_DEGREE == 0:  # two data-parallel groups
+    tp_degree = strategies.get("tp_fsdp").options["tp_degree"]
+    if world_size >= 2 * tp_degree and world_size % tp_degree == 0:  # two data-parallel groups
         candidates.append(_cell("llama-tiny", "tp_fsdp", world_size))
     candidates += [_cell("llama-tiny", schedule, world_size)
                    for schedule in ("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b")]

@@ -56,7 +56,7 @@ def _bare_step():
 def _harness_step():
     """The worker's own train_step, with the strategy and precision plumbing it always has."""
     built = models.build(models.get_preset(CELL.model), seed=CELL.seed)
-    prep = strategies.module("single").prepare(built.module, built.block_type, CELL, ENV)
+    prep = strategies.get("single").prepare(built.module, built.block_type, CELL, ENV)
     scaler = precision.grad_scaler(CELL.strategy.precision, ENV.device)
     micro_batches = worker.local_batches(built, CELL, ENV, ENV.rank)[0]
     return lambda: worker.train_step(built, prep, CELL, ENV, micro_batches, scaler)

@@ -9,10 +9,16 @@ buckets, and with them the overlap of communication with backward.
 
 from __future__ import annotations
 
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel
+from typing import TYPE_CHECKING
 
-from harness.config import POWERSGD_START_ITER
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+NAMES = ("none", "fp16", "bf16", "powersgd")
+# PowerSGD runs vanilla all-reduce for its first steps (start_powerSGD_iter; 2 is the smallest
+# value it accepts) and allocates its error-feedback state in the first compressed step:
+# a PowerSGD cell's warm-up must include that step, or the memory step measures a one-off.
+POWERSGD_START_ITER = 2
 
 
 def needs_single_bucket(compression: str, backend: str) -> bool:
@@ -22,6 +28,9 @@ def needs_single_bucket(compression: str, backend: str) -> bool:
 def register(ddp_model: DistributedDataParallel, compression: str, powersgd_rank: int) -> None:
     if compression == "none":
         return
+    # Here, not at the top: harness.config reads NAMES and POWERSGD_START_ITER without torch.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
     if compression == "fp16":
         ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif compression == "bf16":

@@ -1,8 +1,27 @@
-"""Standard models built from configs with random init (no downloads), synthetic data, FLOPs."""
+"""Standard models built from configs with random init (no downloads), synthetic data, FLOPs.
 
-from .built import BuiltModel, ParamLayout, analytic_n_params, build, flops_per_sample, param_layout
+The specs and presets are plain data, read by harness.config without torch; the built
+models (``build`` and what goes with it) load torch and transformers on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from .presets import PRESETS, get_preset
 from .spec import ModelSpec
 
+if TYPE_CHECKING:
+    from .built import BuiltModel, ParamLayout, analytic_n_params, build, flops_per_sample, param_layout
+
+_BUILT = frozenset({"BuiltModel", "ParamLayout", "analytic_n_params", "build", "flops_per_sample", "param_layout"})
+
 __all__ = ["PRESETS", "BuiltModel", "ModelSpec", "ParamLayout", "analytic_n_params", "build",
            "flops_per_sample", "get_preset", "param_layout"]
+
+
+def __getattr__(name: str) -> object:
+    if name in _BUILT:
+        return getattr(importlib.import_module(".built", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

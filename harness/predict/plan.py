@@ -22,8 +22,11 @@ from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.predict import analytic
 
-PLANNED_STRATEGIES = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full", "fsdp_hybrid",
-                      "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+# The data-parallel and sharded strategies the formulas describe, as their engines'
+# maintainers recommend them (no superseded engine), the reference aside.
+PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
+                           if s.engine_model.analytic == "data_parallel" and s.superseded_by is None
+                           and s.splits_batch and "reference" not in s.families)
 CHECKPOINTING_ORDER = ("none", "selective", "full")
 OFFLOAD_ORDER = ("none", "params", "optimizer", "optimizer_params")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,

@@ -8,7 +8,7 @@ How: the harness's own code runs the cell under ``FakeTensorMode`` (tensors carr
 dtypes and storages but no data) in a fake process group of the cell's world size
 (``torch.testing._internal.distributed.fake_pg``; this process is rank 0 of W, one node,
 with the variables torchrun would set), as harness.runner.worker.run_cell does:
-models.build → checkpointing.apply_checkpointing → strategies.module(name).prepare →
+models.build → checkpointing.apply_checkpointing → strategies.get(name).prepare →
 ``cell.warmup`` steps of worker.train_step on worker.local_batches → one step inside
 memory.track_step_memory with the same trackers (MemTracker; FSDPMemTracker for FSDP2). The
 trackers count storages and a fake storage has the size the real one would have, so the
@@ -409,8 +409,7 @@ def _import_and_freeze(cells: list[CellSpec]) -> None:
     for cell in cells:
         try:
             if _refusal(cell) is None:
-                strategies.module(cell.strategy.name)
-                engine = cell.strategy.name.split("_")[0]
+                engine = strategies.get(cell.strategy.name).engine
                 if engine == "deepspeed":  # its accelerator the traced step's device, not a visible GPU
                     deepspeed_zero.import_deepspeed(torch.device("cpu"))
                 elif engine == "fairscale":

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from harness import strategies
 from harness.config import CellSpec
 from harness.results import provenance
-from harness.markers import ZERO_IDEA
 
 SCHEMA_VERSION = 2
 STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
@@ -48,7 +48,7 @@ def make_record(
         "reason": reason,
         "markers": markers,
         "world_size": cell.world_size,
-        "zero_idea": ZERO_IDEA.get(cell.strategy.name),
+        "zero_idea": strategies.get(cell.strategy.name).zero_idea,
         "model": {"name": cell.model, "n_params": n_params, "attn_implementation": attn_implementation},
         "strategy": {k: v for k, v in cell.to_dict()["strategy"].items()},
         "precision": cell.strategy.precision,

@@ -167,7 +167,7 @@ class PreparedCell:
 def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     built = models.build(models.get_preset(cell.model), seed=cell.seed, attention=cell.attention)
     checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing)
-    prep = strategies.module(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
+    prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
     data_rank = env.rank if prep.data_rank is None else prep.data_rank
     return PreparedCell(cell=cell, env=env, built=built, prep=prep,
                         scaler=precision.grad_scaler(cell.strategy.precision, env.device),

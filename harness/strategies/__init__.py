@@ -1,49 +1,56 @@
-"""The strategy registry and the up-front compatibility check of a cell.
+"""The strategy registry: every strategy file's declarations, and the checks that read them.
 
-Strategy files are imported on first use: DeepSpeed and FairScale take seconds to import
-(and DeepSpeed probes for accelerators as it does), which a run of torch-native cells
-should not pay.
+Importing this package is cheap (no torch): ``harness.config`` does, to validate cells. The
+strategy files are imported on the first lookup; DeepSpeed, FairScale and Megatron-core
+themselves are imported only where a strategy is prepared, since they take seconds to
+import (and DeepSpeed probes for accelerators as it does).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import importlib.util
-from types import ModuleType
+from typing import TYPE_CHECKING
 
-from harness.config import CellSpec
-
-_MODULES = {
-    "single": "single",
-    "ddp": "ddp",
-    "zero1": "torch_zero",
-    "fsdp_full": "fsdp",
-    "fsdp_grad_op": "fsdp",
-    "fsdp_hybrid": "fsdp",
-    "fsdp1_full": "fsdp1",
-    "fsdp1_grad_op": "fsdp1",
-    "fsdp1_no_shard": "fsdp1",
-    "fsdp1_hybrid": "fsdp1",
-    "deepspeed_zero1": "deepspeed_zero",
-    "deepspeed_zero2": "deepspeed_zero",
-    "deepspeed_zero3": "deepspeed_zero",
-    "fairscale_oss": "fairscale",
-    "fairscale_sdp": "fairscale",
-    "fairscale_fsdp": "fairscale",
-    "tp": "tensor_parallel",
-    "tp_fsdp": "tensor_parallel",
-    "pp_gpipe": "pipeline",
-    "pp_1f1b": "pipeline",
-    "pp_interleaved_1f1b": "pipeline",
-    "megatron": "megatron",
-    "cp": "context_parallel",
-    "deepspeed_autoep": "expert_parallel",
-}
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.strategies.base import Strategy
 
 
-def module(name: str) -> ModuleType:
-    """The strategy file implementing strategy ``name``."""
-    return importlib.import_module(f"harness.strategies.{_MODULES[name]}")
+@functools.cache
+def _declarations() -> dict[str, Strategy]:
+    # The strategy files load torch: imported on the first lookup, not with this package.
+    from harness.strategies import (context_parallel, ddp, deepspeed_zero, expert_parallel, fairscale, fsdp, fsdp1,
+                                    megatron, pipeline, single, tensor_parallel, torch_zero)
+
+    # The order strategies are listed in (messages, help, the marker catalogue): the
+    # reference, data parallelism and its sharded forms by engine, then the strategies that
+    # split the model. A new strategy file is one more entry here.
+    files = (single, ddp, torch_zero, fsdp, fsdp1, deepspeed_zero, fairscale, tensor_parallel, pipeline, megatron,
+             context_parallel, expert_parallel)
+    found: dict[str, Strategy] = {}
+    for file in files:
+        for strategy in file.STRATEGIES:
+            if strategy.name in found:
+                raise RuntimeError(f"strategy {strategy.name!r} is declared twice ({file.__name__})")
+            found[strategy.name] = strategy
+    return found
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_declarations())
+
+
+def declarations() -> tuple[Strategy, ...]:
+    return tuple(_declarations().values())
+
+
+def get(name: str) -> Strategy:
+    """The declaration of strategy ``name``; an unknown name is refused naming the choices."""
+    try:
+        return _declarations()[name]
+    except KeyError:
+        raise ValueError(f"strategy={name!r}: choose one of {', '.join(names())}") from None
 
 
 def incompatibility(cell: CellSpec) -> str | None:
@@ -53,9 +60,8 @@ def incompatibility(cell: CellSpec) -> str | None:
     is built. (Hardware limits are ``unsupported_reason`` and are recorded as results.)
     """
     s = cell.strategy
-    mod = module(s.name)
-    # A file serving several strategies may narrow CAPABILITIES per strategy name.
-    caps = mod.capabilities_for(s.name) if hasattr(mod, "capabilities_for") else mod.CAPABILITIES
+    strategy = get(s.name)
+    caps = strategy.capabilities
     checks = [
         ("precision", s.precision, caps.precisions),
         ("checkpointing", s.checkpointing, caps.checkpointing),
@@ -67,8 +73,7 @@ def incompatibility(cell: CellSpec) -> str | None:
         if value not in allowed:
             why = caps.notes.get(value, f"{s.name} supports {axis} in {{{', '.join(sorted(allowed))}}}")
             return f"{s.name} with {axis}={value}: {why}"
-    combination = getattr(mod, "combination_problem", None)
-    if combination and (problem := combination(cell)):
+    if problem := strategy.combination_problem(cell):
         return f"{s.name} with {problem}"
     if s.accumulation > 1 and not caps.accumulation:
         return f"{s.name} does not support gradient accumulation"
@@ -101,5 +106,4 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     why = optimizers.unsupported_reason(cell.strategy.optimizer, device_type)
     if why:
         return f"optimizer={cell.strategy.optimizer}: {why}"
-    check = getattr(module(cell.strategy.name), "unsupported_reason", None)
-    return check(cell, device_type) if check else None
+    return get(cell.strategy.name).unsupported_reason(cell, device_type)

@@ -1,28 +1,38 @@
-"""What every strategy file provides:
+"""What a strategy file declares: one ``Strategy`` object per strategy, holding everything
+the rest of the harness knows about it, and what its ``prepare`` returns (``Prepared``).
 
-- ``CAPABILITIES``: the feature values it composes with;
-- ``prepare(model, block_type, cell, env) -> Prepared``: the built (and, if asked,
-  checkpoint-wrapped) model wrapped for the strategy, with its optimizer, how to skip
-  gradient synchronisation on accumulation micro-steps, and how the forward pass is cast;
-- optionally ``unsupported_reason(cell, device_type) -> str | None``: why this hardware cannot
-  run a cell (recorded as an ``unsupported`` result).
+The registry (``harness.strategies``), the cell checks (``harness.config``), the markers,
+the suites and the analytic predictor all read these declarations; no other table names
+strategies. The worker's training step is the same for every strategy: everything that
+differs lives behind ``Prepared``.
 
-The worker's training step is the same for every strategy; everything that differs lives
-behind ``Prepared``.
+Strategy files take cells by their attributes: they import ``harness.config`` for type
+annotations only, because ``harness.config`` validates cells against these declarations.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Literal
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
+    from harness.config import CellSpec, StrategySpec
+    from harness.distributed import DistEnv
 
 ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
 ALL_CHECKPOINTING = frozenset({"none", "full", "selective"})
+
+Engine = Literal["torch", "deepspeed", "fairscale", "megatron"]
+ZeroIdea = Literal["zero1", "zero2", "zero3"]
+# The options of a StrategySpec that apply to some strategies only (the rest refuse a value).
+LayoutOption = Literal["tp_degree", "pp_degree", "pp_microbatches", "hsdp_mesh"]
+ModelState = Literal["optimizer", "grads", "params"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +49,119 @@ class Capabilities:
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.
-    notes: dict[str, str] = field(default_factory=dict)
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineModel:
+    """What the analytic predictor (harness/predict/analytic.py) needs to know of how an
+    engine holds and moves a data-parallel model, beyond the ZeRO paper's formulas.
+
+    ``analytic``: which part of the predictor describes the strategy at all; the fields
+    below are read by its data-parallel part only.
+    """
+
+    analytic: Literal["data_parallel", "tensor_parallel", "pipeline", "megatron", "context_parallel",
+                      "expert_parallel"] = "data_parallel"
+    # The model states split over the shard group (ZeRO stage 1: optimizer; 2: + grads; 3: + params).
+    sharded: frozenset[ModelState] = frozenset()
+    # "hsdp_shard": HSDP splits states over the shard dimension of its (replicate × shard) mesh.
+    shard_group: Literal["world", "hsdp_shard"] = "world"
+    # DeepSpeed's mixed precision as in the ZeRO paper: parameters and gradients in the
+    # compute precision plus an fp32 master partition; torch keeps fp32 parameters instead.
+    fp32_master_partition: bool = False
+    # A gradient-sized buffer held between steps: DDP's flat bucket (a copy of every gradient)
+    # or DeepSpeed ZeRO-3's reduce bucket (reduce_bucket_size elements).
+    grad_buffer: Literal["none", "ddp_bucket", "deepspeed_reduce_bucket"] = "none"
+    # How gradients and parameters cross the ranks in a step:
+    # all_reduce: every gradient all-reduced (compression hooks apply); + a broadcast of the
+    #   updated parameters where the optimizer state is sharded (ZeRO-1 over DDP);
+    # reduce_to_owner: each gradient reduced to its shard's owner, then broadcast (FairScale SDP);
+    # gather_and_reduce_scatter: FSDP's parameter gathers and fp32 gradient reduce-scatter;
+    # deepspeed: all-reduce + all-gather of partitions (ZeRO-1/2), gathers + reduce-scatter (ZeRO-3).
+    comm: Literal["none", "all_reduce", "reduce_to_owner", "gather_and_reduce_scatter", "deepspeed"] = "none"
+    # Parameter gathers per micro-step (gather_and_reduce_scatter): once in forward and again in
+    # backward; once (the unit stays gathered until its backward); or again in backward for all
+    # but the root unit (FSDP1 and FairScale keep the root gathered between the two).
+    gathers: Literal["forward_and_backward", "forward", "forward_and_backward_but_root"] = "forward_and_backward"
+    # Whether every unit stays gathered from forward to the end of backward: never (two blocks
+    # at a time), always (SHARD_GRAD_OP) or while the model is within DeepSpeed's
+    # stage3_max_live_parameters.
+    keeps_gathered: Literal["never", "always", "within_live_parameters"] = "never"
+    # The torch pipeline schedule's name in the formulas (pipeline strategies only).
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = None
+
+
+def _never(spec: StrategySpec) -> bool:
+    return False
+
+
+def _no_problem(cell: CellSpec) -> str | None:
+    return None
+
+
+def _runs_anywhere(cell: CellSpec, device_type: str) -> str | None:
+    return None
+
+
+def _no_layout_families(spec: StrategySpec) -> tuple[str, ...]:
+    return ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """One strategy, declared once in its file."""
+
+    name: str
+    # What it is, in a line (the marker catalogue's description).
+    summary: str
+    engine: Engine
+    # Family markers it carries besides its name (``-m fsdp`` selects every FSDP2 strategy).
+    families: tuple[str, ...] = ()
+    # Families that follow the cell's layout (megatron: tp where it splits layers, pp where it
+    # pipelines them).
+    layout_families: Callable[[StrategySpec], tuple[str, ...]] = _no_layout_families
+    # The ZeRO stage it implements, whatever the engine (Rajbhandari et al. 2020): the
+    # ``zero1``/``zero2``/``zero3`` markers and the record's ``zero_idea``.
+    zero_idea: ZeroIdea | None = None
+    # True: ranks take different samples, in groups of tp_degree × pp_degree ranks that split
+    # the model between them. False: every rank takes the same samples (the model or the
+    # sequence is split, not the batch).
+    splits_batch: bool = True
+    # The layout options that apply, with the value a cell that leaves them unset resolves to.
+    options: Mapping[LayoutOption, int | str] = field(default_factory=dict)
+    # Whether a spec of this strategy cuts each step into pp_microbatches micro-batches.
+    pipelined: Callable[[StrategySpec], bool] = _never
+    # How pp_microbatches' "applies to" message names this strategy, where it pipelines only
+    # in some layouts ("megatron with pp_degree > 1"); None: it always pipelines, or never.
+    pipelined_when: str | None = None
+    # The strategy that replaces this one where its engine's maintainers recommend moving
+    # (FSDP1 → FSDP2, FairScale → torch): ``plan`` recommends only current strategies.
+    superseded_by: str | None = None
+    capabilities: Capabilities
+    # A pair of individually allowed values that cannot go together, or a model this strategy
+    # cannot split: refused when the matrix is built (a mistake in the matrix, not a result).
+    combination_problem: Callable[[CellSpec], str | None] = _no_problem
+    # A world size or model depth the strategy's layout cannot take: CellSpec refuses it.
+    layout_problem: Callable[[CellSpec], str | None] = _no_problem
+    # Why this hardware cannot run a cell: recorded as an ``unsupported`` result.
+    unsupported_reason: Callable[[CellSpec, str], str | None] = _runs_anywhere
+    engine_model: EngineModel
+    prepare: Callable[[nn.Module, type[nn.Module], CellSpec, DistEnv], Prepared]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))  # frozen: read-only too
+
+    def data_parallel_size(self, spec: StrategySpec, world_size: int) -> int:
+        """How many groups of ranks take different samples (the rest of the mesh splits the model)."""
+        if not self.splits_batch:
+            return 1
+        return world_size // ((spec.tp_degree or 1) * (spec.pp_degree or 1))
+
+
+def always(spec: StrategySpec) -> bool:
+    """``pipelined`` of the pipeline schedules."""
+    return True
 
 
 def _no_op() -> None:

@@ -31,6 +31,8 @@ DTensor. Gloo itself is not the obstacle: the ring's collectives are all-gathers
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,11 +41,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 from harness import distributed
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.models.presets import get_preset
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 IGNORE_INDEX = -100  # torch's cross_entropy default, as HF's loss
 # The kernels the ring attention has versions of; without this SDPA may pick the math
@@ -122,3 +126,13 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         forward_backward=ContextParallelStep(ddp_model, cell, env),
         data_rank=0,  # every rank takes the same samples: the sequence is split, not the batch
     )
+
+
+STRATEGIES = (
+    Strategy(
+        name="cp", summary="torch's context parallel: ring attention over the sequence split (CUDA only)",
+        engine="torch", splits_batch=False, capabilities=CAPABILITIES, combination_problem=combination_problem,
+        unsupported_reason=unsupported_reason, engine_model=EngineModel(analytic="context_parallel"),
+        prepare=prepare,
+    ),
+)

@@ -4,17 +4,17 @@ during backward, optionally through a compression hook."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import compression, optimizers
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
-CAPABILITIES = Capabilities(compression=frozenset({"none", "fp16", "bf16", "powersgd"}),
-                            optimizers=frozenset(optimizers.NAMES))
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 
 def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParallel:
@@ -44,3 +44,17 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     if cell.strategy.compression == "bf16" and device_type != "cuda":
         return "bf16_compress_hook requires CUDA 11+ and NCCL 2.10+ (gloo has no bf16 all-reduce path)"
     return None
+
+
+STRATEGIES = (
+    Strategy(
+        name="ddp",
+        summary="DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets",
+        engine="torch",
+        families=("ddp",),
+        capabilities=Capabilities(compression=frozenset(compression.NAMES), optimizers=frozenset(optimizers.NAMES)),
+        unsupported_reason=unsupported_reason,
+        engine_model=EngineModel(grad_buffer="ddp_bucket", comm="all_reduce"),
+        prepare=prepare,
+    ),
+)

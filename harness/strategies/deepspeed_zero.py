@@ -37,13 +37,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import optimizers
-from harness.strategies.base import ALL_PRECISIONS, Capabilities, Prepared
+from harness.strategies.base import ALL_PRECISIONS, Capabilities, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 STAGES = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
 
@@ -64,7 +68,7 @@ _ADAFACTOR_NOTE = ("DeepSpeed ZeRO hands the optimizer flat 1-D partitions: Adaf
                    " unfactored second moment, a different update rule than the reference's factored one")
 _OPTIMIZERS = frozenset(optimizers.NAMES) - {"adafactor"}
 
-CAPABILITIES = Capabilities(
+_STAGE3_CAPABILITIES = Capabilities(
     precisions=ALL_PRECISIONS,
     offload=frozenset({"none", "optimizer", "params", "optimizer_params"}),
     min_world_size=1,  # ZeRO-3 with its offload fits one large model on one GPU
@@ -77,11 +81,6 @@ _STAGE12_CAPABILITIES = Capabilities(
     optimizers=_OPTIMIZERS,
     notes={"params": STAGE3_ONLY_NOTE, "optimizer_params": STAGE3_ONLY_NOTE, "adafactor": _ADAFACTOR_NOTE},
 )
-
-
-def capabilities_for(name: str) -> Capabilities:
-    """Stage-dependent capabilities: parameter offload exists for ZeRO-3 only."""
-    return CAPABILITIES if STAGES[name] == 3 else _STAGE12_CAPABILITIES
 
 
 def combination_problem(cell: CellSpec) -> str | None:
@@ -356,3 +355,31 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
         if not CPU_Accelerator().is_fp16_supported():
             return f"DeepSpeed: {FP16_UNSUPPORTED} (the CPU accelerator has no fp16 support)"
     return None
+
+
+# ZeRO-1 runs the ZeRO-2 code path with gradient partitioning deferred to the end of
+# backward: it then frees the full gradients and keeps its partition, as ZeRO-2 does.
+_STAGE12_MODEL = EngineModel(sharded=frozenset({"optimizer", "grads"}), fp32_master_partition=True, comm="deepspeed")
+STRATEGIES = (
+    Strategy(
+        name="deepspeed_zero1", summary="DeepSpeed ZeRO stage 1: optimizer state partitioned", engine="deepspeed",
+        families=("deepspeed",), zero_idea="zero1", capabilities=_STAGE12_CAPABILITIES,
+        combination_problem=combination_problem, unsupported_reason=unsupported_reason,
+        engine_model=_STAGE12_MODEL, prepare=prepare,
+    ),
+    Strategy(
+        name="deepspeed_zero2", summary="DeepSpeed ZeRO stage 2: optimizer state and gradients partitioned",
+        engine="deepspeed", families=("deepspeed",), zero_idea="zero2", capabilities=_STAGE12_CAPABILITIES,
+        combination_problem=combination_problem, unsupported_reason=unsupported_reason,
+        engine_model=_STAGE12_MODEL, prepare=prepare,
+    ),
+    Strategy(
+        name="deepspeed_zero3", summary="DeepSpeed ZeRO stage 3: optimizer state, gradients and parameters partitioned",
+        engine="deepspeed", families=("deepspeed",), zero_idea="zero3", capabilities=_STAGE3_CAPABILITIES,
+        combination_problem=combination_problem, unsupported_reason=unsupported_reason,
+        engine_model=EngineModel(sharded=frozenset({"optimizer", "grads", "params"}), fp32_master_partition=True,
+                                 grad_buffer="deepspeed_reduce_bucket", comm="deepspeed",
+                                 keeps_gathered="within_live_parameters"),
+        prepare=prepare,
+    ),
+)

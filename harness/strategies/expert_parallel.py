@@ -61,15 +61,18 @@ import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.models.presets import get_preset
 from harness.strategies import deepspeed_zero
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32"}),
@@ -194,3 +197,22 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         }
 
     return steps.prepared(optimizer, engine_report=engine_report)
+
+
+def _layout_problem(cell: CellSpec) -> str | None:
+    experts = get_preset(cell.model).n_experts or 0
+    if experts % cell.world_size:
+        return (f"world_size={cell.world_size} with deepspeed_autoep: model {cell.model}'s {experts} experts per"
+                " layer must divide evenly over the ranks")
+    return None
+
+
+STRATEGIES = (
+    Strategy(
+        name="deepspeed_autoep", summary="expert parallel: DeepSpeed's AutoEP splits a MoE model's experts over the ranks",
+        engine="deepspeed", families=("ep", "deepspeed"), capabilities=CAPABILITIES,
+        combination_problem=combination_problem, layout_problem=_layout_problem,
+        unsupported_reason=unsupported_reason, engine_model=EngineModel(analytic="expert_parallel"),
+        prepare=prepare,
+    ),
+)

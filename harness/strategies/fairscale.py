@@ -15,16 +15,19 @@ The optimizer inside OSS is the cell's (features/optimizers.py), built by OSS on
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.features.precision import DTYPES
 from harness.runner import faults
 from harness.strategies import ddp
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 _FP16_NEEDS_SHARDED_SCALER = (
     "fp16 with ShardedDataParallel needs FairScale's ShardedGradScaler: each rank keeps only"
@@ -34,10 +37,10 @@ _FP16_NEEDS_SHARDED_SCALER = (
 
 # fairscale_oss: DDP all-reduces full gradients, so every rank's GradScaler sees the same
 # gradients (fp16 composes), and OSS builds any per-tensor optimizer on whole tensors.
-CAPABILITIES = Capabilities(optimizers=frozenset(optimizers.NAMES))
+_OSS_CAPABILITIES = Capabilities(optimizers=frozenset(optimizers.NAMES))
 
 _SDP_CAPABILITIES = dataclasses.replace(
-    CAPABILITIES,
+    _OSS_CAPABILITIES,
     precisions=frozenset({"fp32", "bf16"}),
     notes={"fp16": _FP16_NEEDS_SHARDED_SCALER},
 )
@@ -45,7 +48,7 @@ _SDP_CAPABILITIES = dataclasses.replace(
 # Flat parameters as in torch's FSDP1 (harness/strategies/fsdp1.py): the same optimizer
 # reasoning. Not run yet: it needs CUDA.
 _FSDP_CAPABILITIES = dataclasses.replace(
-    CAPABILITIES,
+    _OSS_CAPABILITIES,
     precisions=frozenset({"fp32", "bf16"}),
     optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit"}),
     notes={
@@ -56,10 +59,6 @@ _FSDP_CAPABILITIES = dataclasses.replace(
         ),
     },
 )
-
-
-def capabilities_for(name: str) -> Capabilities:
-    return {"fairscale_sdp": _SDP_CAPABILITIES, "fairscale_fsdp": _FSDP_CAPABILITIES}.get(name, CAPABILITIES)
 
 
 FSDP_NEEDS_CUDA = (
@@ -75,7 +74,7 @@ def _oss(params, cell: CellSpec):
     return OSS(params, optim=optimizer_class, **kwargs)
 
 
-def _prepare_oss(model: nn.Module, cell: CellSpec, env: DistEnv) -> Prepared:
+def _prepare_oss(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     ddp_model = ddp.wrap(model, cell, env)
     optimizer = _oss(ddp_model.parameters(), cell)
     # OSS keeps the sharded state in its local optimizer: that is what the tracker must see.
@@ -83,7 +82,7 @@ def _prepare_oss(model: nn.Module, cell: CellSpec, env: DistEnv) -> Prepared:
                     memory_optimizer=optimizer.optim)
 
 
-def _prepare_sdp(model: nn.Module, cell: CellSpec, env: DistEnv) -> Prepared:
+def _prepare_sdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     from fairscale.nn.data_parallel import ShardedDataParallel
 
     model = model.to(env.device)
@@ -126,18 +125,32 @@ def _prepare_fsdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec,
     )
 
 
-def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
-    name = cell.strategy.name
-    if name == "fairscale_oss":
-        return _prepare_oss(model, cell, env)
-    if name == "fairscale_sdp":
-        return _prepare_sdp(model, cell, env)
-    if name == "fairscale_fsdp":
-        return _prepare_fsdp(model, block_type, cell, env)
-    raise ValueError(f"strategy={name!r}: not a FairScale strategy")
+def _fsdp_unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
+    return FSDP_NEEDS_CUDA if device_type != "cuda" else None
 
 
-def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
-    if cell.strategy.name == "fairscale_fsdp" and device_type != "cuda":
-        return FSDP_NEEDS_CUDA
-    return None
+STRATEGIES = (
+    Strategy(
+        name="fairscale_oss", superseded_by="zero1", summary="FairScale OSS over torch DDP (ZeRO-1)", engine="fairscale",
+        families=("fairscale",), zero_idea="zero1", capabilities=_OSS_CAPABILITIES,
+        engine_model=EngineModel(sharded=frozenset({"optimizer"}), grad_buffer="ddp_bucket", comm="all_reduce"),
+        prepare=_prepare_oss,
+    ),
+    Strategy(
+        name="fairscale_sdp", superseded_by="fsdp_grad_op", summary="FairScale ShardedDataParallel + OSS (ZeRO-2)", engine="fairscale",
+        families=("fairscale",), zero_idea="zero2", capabilities=_SDP_CAPABILITIES,
+        # Each gradient is reduced to its owner, but the other ranks' .grad tensors stay
+        # allocated: the harness zeroes them in place (set_to_none silently breaks SDP).
+        engine_model=EngineModel(sharded=frozenset({"optimizer"}), comm="reduce_to_owner"),
+        prepare=_prepare_sdp,
+    ),
+    Strategy(
+        name="fairscale_fsdp", superseded_by="fsdp_full", summary="FairScale FullyShardedDataParallel (ZeRO-3; CUDA only)", engine="fairscale",
+        families=("fairscale",), zero_idea="zero3", capabilities=_FSDP_CAPABILITIES,
+        unsupported_reason=_fsdp_unsupported_reason,
+        # FSDP1 grew out of it: the same gathers, the root unit kept between forward and backward.
+        engine_model=EngineModel(sharded=frozenset({"optimizer", "grads", "params"}),
+                                 comm="gather_and_reduce_scatter", gathers="forward_and_backward_but_root"),
+        prepare=_prepare_fsdp,
+    ),
+)

@@ -9,19 +9,21 @@ transformer block plus the root.
 from __future__ import annotations
 
 import dataclasses
-
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from harness import distributed
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
-from harness.strategies.base import FSDP_CAPABILITIES, Prepared
+from harness.strategies.base import FSDP_CAPABILITIES, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 # FSDP2 parameters are DTensors; what the optimizer does with them decides what composes.
 _NO_DTENSOR_8BIT = (
@@ -92,3 +94,30 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         use_autocast=False,
         fsdp2=True,
     )
+
+
+_FULLY_SHARDED = frozenset({"optimizer", "grads", "params"})
+STRATEGIES = (
+    Strategy(
+        name="fsdp_full",
+        summary="FSDP2 fully_shard, resharding after forward (ZeRO-3: parameters gathered again in backward)",
+        engine="torch", families=("fsdp",), zero_idea="zero3", capabilities=CAPABILITIES,
+        engine_model=EngineModel(sharded=_FULLY_SHARDED, comm="gather_and_reduce_scatter"),
+        prepare=prepare,
+    ),
+    Strategy(
+        name="fsdp_grad_op",
+        summary="FSDP2 fully_shard keeping parameters unsharded between forward and backward (ZeRO-2-like)",
+        engine="torch", families=("fsdp",), zero_idea="zero2", capabilities=CAPABILITIES,
+        engine_model=EngineModel(sharded=_FULLY_SHARDED, comm="gather_and_reduce_scatter", gathers="forward",
+                                 keeps_gathered="always"),
+        prepare=prepare,
+    ),
+    Strategy(
+        name="fsdp_hybrid",
+        summary="FSDP2 fully_shard as HSDP on a 2-D (replicate × shard) mesh",
+        engine="torch", families=("fsdp",), capabilities=CAPABILITIES,
+        engine_model=EngineModel(sharded=_FULLY_SHARDED, shard_group="hsdp_shard", comm="gather_and_reduce_scatter"),
+        prepare=prepare,
+    ),
+)

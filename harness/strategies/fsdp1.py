@@ -4,6 +4,7 @@ transformer block, in its four sharding strategies."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,11 +12,13 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, Sha
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from harness import distributed
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
-from harness.strategies.base import FSDP_CAPABILITIES, Prepared
+from harness.strategies.base import FSDP_CAPABILITIES, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 CAPABILITIES = dataclasses.replace(
     FSDP_CAPABILITIES,
@@ -82,3 +85,32 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
             " ('Cannot access accelerator device when none is available')"
         )
     return None
+
+
+# FSDP1 grew out of FairScale's FSDP: both keep the root unit gathered from forward to backward.
+_FULLY_SHARDED = EngineModel(sharded=frozenset({"optimizer", "grads", "params"}), comm="gather_and_reduce_scatter",
+                             gathers="forward_and_backward_but_root")
+STRATEGIES = (
+    Strategy(
+        name="fsdp1_full", superseded_by="fsdp_full", summary="FSDP1 FULL_SHARD (ZeRO-3)", engine="torch", families=("fsdp1",),
+        zero_idea="zero3", capabilities=CAPABILITIES, unsupported_reason=unsupported_reason,
+        engine_model=_FULLY_SHARDED, prepare=prepare,
+    ),
+    Strategy(
+        name="fsdp1_grad_op", superseded_by="fsdp_grad_op", summary="FSDP1 SHARD_GRAD_OP: parameters stay gathered from forward to backward",
+        engine="torch", families=("fsdp1",), capabilities=CAPABILITIES, unsupported_reason=unsupported_reason,
+        engine_model=dataclasses.replace(_FULLY_SHARDED, gathers="forward", keeps_gathered="always"),
+        prepare=prepare,
+    ),
+    Strategy(
+        name="fsdp1_no_shard", superseded_by="ddp", summary="FSDP1 NO_SHARD: DDP's replicas and all-reduce, in FSDP's wrapper",
+        engine="torch", families=("fsdp1",), capabilities=CAPABILITIES, unsupported_reason=unsupported_reason,
+        engine_model=EngineModel(comm="all_reduce"), prepare=prepare,
+    ),
+    Strategy(
+        name="fsdp1_hybrid", superseded_by="fsdp_hybrid", summary="FSDP1 HYBRID_SHARD on a (replicate × shard) mesh",
+        engine="torch", families=("fsdp1",), options={"hsdp_mesh": "explicit"}, capabilities=CAPABILITIES,
+        unsupported_reason=unsupported_reason,
+        engine_model=dataclasses.replace(_FULLY_SHARDED, shard_group="hsdp_shard"), prepare=prepare,
+    ),
+)

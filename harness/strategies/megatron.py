@@ -75,17 +75,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.models.presets import get_preset
 from harness.models.spec import ModelSpec
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec, StrategySpec
+    from harness.distributed import DistEnv
 
 INSTALL = "pip install megatron-core"
 FAMILIES = ("gpt2", "llama")
@@ -473,3 +476,38 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         forward_backward=pipeline,
         holds_loss=holds_loss,
     )
+
+
+def _layout_problem(cell: CellSpec) -> str | None:
+    """world_size = tp_degree × pp_degree × data-parallel size (at least 1), and a layer or
+    more per pipeline stage."""
+    tp, pp = cell.strategy.tp_degree, cell.strategy.pp_degree
+    if cell.world_size % (tp * pp):
+        return (f"world_size={cell.world_size} with megatron tp_degree={tp} × pp_degree={pp}: the world size must"
+                f" be a multiple of tp_degree × pp_degree ({tp * pp}, {2 * tp * pp}, ...)")
+    n_layers = get_preset(cell.model).n_layers
+    if pp > n_layers:
+        return f"pp_degree={pp} with model {cell.model}: more pipeline stages than its {n_layers} layers"
+    return None
+
+
+def _pipelined(spec: StrategySpec) -> bool:
+    return spec.pp_degree > 1
+
+
+def _layout_families(spec: StrategySpec) -> tuple[str, ...]:
+    """tp where it splits the layers, pp where it pipelines them."""
+    return tuple(family for family, degree in (("tp", spec.tp_degree), ("pp", spec.pp_degree)) if degree > 1)
+
+
+STRATEGIES = (
+    Strategy(
+        name="megatron", summary="Megatron-core GPTModel in tp_degree × pp_degree × data parallel (CUDA only)",
+        engine="megatron", layout_families=_layout_families,
+        # No pipeline unless asked; its pipeline cuts a step into 4 micro-batches unless asked.
+        options={"tp_degree": 2, "pp_degree": 1, "pp_microbatches": 4},
+        pipelined=_pipelined, pipelined_when="megatron with pp_degree > 1", capabilities=CAPABILITIES,
+        combination_problem=combination_problem, layout_problem=_layout_problem,
+        unsupported_reason=unsupported_reason, engine_model=EngineModel(analytic="megatron"), prepare=prepare,
+    ),
+)

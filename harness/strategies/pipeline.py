@@ -35,6 +35,7 @@ the last rank.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import optimizers
-from harness.strategies.base import ALL_CHECKPOINTING, Capabilities, Prepared
+from harness.strategies.base import ALL_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy, always
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
@@ -244,3 +247,21 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         forward_backward=step,
         holds_loss=step.holds_last,
     )
+
+
+# Micro-batches one optimizer step is cut into, unless a cell sets pp_microbatches.
+DEFAULT_PP_MICROBATCHES = 4
+STRATEGIES = tuple(
+    Strategy(
+        name=name, summary=summary, engine="torch", families=("pp",), splits_batch=False,
+        options={"pp_microbatches": DEFAULT_PP_MICROBATCHES}, pipelined=always, capabilities=CAPABILITIES,
+        combination_problem=combination_problem,
+        engine_model=EngineModel(analytic="pipeline", pipeline_schedule=schedule), prepare=prepare,
+    )
+    for name, schedule, summary in (
+        ("pp_gpipe", "gpipe", "pipeline parallel, GPipe schedule (torch.distributed.pipelining)"),
+        ("pp_1f1b", "1f1b", "pipeline parallel, 1F1B schedule (torch.distributed.pipelining)"),
+        ("pp_interleaved_1f1b", "interleaved_1f1b",
+         "pipeline parallel, interleaved 1F1B schedule, two stages per rank (torch.distributed.pipelining)"),
+    )
+)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,16 +38,18 @@ from torch.distributed.tensor.parallel import (
 from transformers.pytorch_utils import Conv1D
 
 from harness import distributed
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.models.presets import get_preset
 from harness.strategies import fsdp
-from harness.strategies.base import FSDP_CAPABILITIES, Capabilities, Prepared
+from harness.strategies.base import FSDP_CAPABILITIES, Capabilities, EngineModel, Prepared, Strategy
+
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 # Each refusal was found by trying on 2 gloo ranks (torch 2.13); the error is quoted.
 _MIXED = "got mixed torch.Tensor and DTensor"
-CAPABILITIES = Capabilities(
+_TP_CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
     checkpointing=frozenset({"none", "full", "selective"}),
     optimizers=frozenset({"adamw"}),
@@ -64,12 +67,8 @@ CAPABILITIES = Capabilities(
 # tp_fsdp's gradients are all DTensors (FSDP2 shards the replicated ones too): its fp16
 # refusal is FSDP's.
 _TP_FSDP_CAPABILITIES = dataclasses.replace(
-    CAPABILITIES, notes={**CAPABILITIES.notes, "fp16": FSDP_CAPABILITIES.notes["fp16"]})
+    _TP_CAPABILITIES, notes={**_TP_CAPABILITIES.notes, "fp16": FSDP_CAPABILITIES.notes["fp16"]})
 _PLANNED_FAMILIES = ("gpt2", "llama")
-
-
-def capabilities_for(name: str) -> Capabilities:
-    return CAPABILITIES if name == "tp" else _TP_FSDP_CAPABILITIES
 
 
 def tp_degree(cell: CellSpec) -> int:
@@ -223,3 +222,29 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         fsdp2=True,
         data_rank=mesh.get_local_rank("dp"),
     )
+
+
+def _tp_fsdp_layout_problem(cell: CellSpec) -> str | None:
+    degree = cell.strategy.tp_degree
+    if cell.world_size % degree or cell.world_size == degree:
+        return (f"world_size={cell.world_size} with tp_fsdp tp_degree={degree}: the world size must be a multiple"
+                f" of tp_degree with at least 2 data-parallel groups ({2 * degree}, {3 * degree}, ...)")
+    return None
+
+
+# The inner (tensor-parallel) dimension of tp_fsdp's 2-D mesh, unless a cell sets tp_degree.
+DEFAULT_TP_DEGREE = 2
+STRATEGIES = (
+    Strategy(
+        name="tp", summary="tensor parallel over all ranks (torch's Colwise/Rowwise plans)", engine="torch",
+        splits_batch=False, capabilities=_TP_CAPABILITIES, combination_problem=combination_problem,
+        engine_model=EngineModel(analytic="tensor_parallel"), prepare=prepare,
+    ),
+    Strategy(
+        name="tp_fsdp", summary="tensor parallel inside tp_degree-sized groups, FSDP2 over the groups (2-D mesh)",
+        engine="torch", families=("tp", "fsdp"), options={"tp_degree": DEFAULT_TP_DEGREE},
+        capabilities=_TP_FSDP_CAPABILITIES, combination_problem=combination_problem,
+        layout_problem=_tp_fsdp_layout_problem, engine_model=EngineModel(analytic="tensor_parallel"),
+        prepare=prepare,
+    ),
+)

@@ -3,16 +3,18 @@ DDP still all-reduces full gradients, and each rank broadcasts its updated shard
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from harness.config import CellSpec
-from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.strategies import ddp
-from harness.strategies.base import Capabilities, Prepared
+from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
-CAPABILITIES = Capabilities(optimizers=frozenset(optimizers.NAMES))
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+    from harness.distributed import DistEnv
 
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
@@ -20,3 +22,17 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(cell.strategy.optimizer, cell.lr)
     optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=optimizer_class, **kwargs)
     return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync)
+
+
+STRATEGIES = (
+    Strategy(
+        name="zero1",
+        summary="ZeRO-1 the PyTorch way: ZeroRedundancyOptimizer shards the optimizer state over DDP",
+        engine="torch",
+        families=("ddp",),
+        zero_idea="zero1",
+        capabilities=Capabilities(optimizers=frozenset(optimizers.NAMES)),
+        engine_model=EngineModel(sharded=frozenset({"optimizer"}), grad_buffer="ddp_bucket", comm="all_reduce"),
+        prepare=prepare,
+    ),
+)

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import suites
-from harness.config import CellSpec
+from harness.config import CellSpec, StrategySpec
+from harness.suite_cell import suite_cell
 
 VERDICTS = ("holds", "does not hold", "not measurable here")
 CLAIMS_FILE = "claims.jsonl"
@@ -51,7 +51,7 @@ EXACT_TOL = 0.01  # formula and measurement count the same tensors
 
 def cell(strategy: str, world_size: int, attention: str = "sdpa", **options) -> CellSpec:
     """A claims cell: GPT-2 tiny, fp32 AdamW, SDPA attention unless the options vary it."""
-    return dataclasses.replace(suites._cell(MODEL, strategy, world_size, **options), steps=STEPS, attention=attention)
+    return suite_cell(MODEL, StrategySpec(name=strategy, **options), world_size, steps=STEPS, attention=attention)
 
 
 class NotMeasurable(Exception):

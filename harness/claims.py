@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.config import CellSpec, StrategySpec
+from harness.results import store
 from harness.suite_cell import suite_cell
 
 VERDICTS = ("holds", "does not hold", "not measurable here")
@@ -770,12 +770,9 @@ def evaluate(claim_id: str, record_of: Callable[[CellSpec], dict | None], world_
 
 
 def append_record(run_dir: Path, record: dict) -> None:
-    """One line per claim in a single write, flushed and fsynced (as RunStore does for cells)."""
-    line = json.dumps(record, default=float) + "\n"
-    with (run_dir / CLAIMS_FILE).open("a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    """One line per claim, written as RunStore writes cells (a killed writer's cut last line
+    stays on its own)."""
+    store.append_json_line(run_dir / CLAIMS_FILE, record, default=float)
 
 
 def load_records(run_dir: Path) -> list[dict]:

@@ -84,6 +84,13 @@ def test_load_records_keeps_the_last_record_of_each_claim(tmp_path):
     assert claims.load_records(tmp_path / "missing") == []
 
 
+def test_a_claim_appended_after_a_cut_line_is_kept(tmp_path):
+    claims.append_record(tmp_path, _claim("a", "holds"))
+    (tmp_path / "claims.jsonl").open("a").write('{"claim_id": "cu')  # a writer killed mid-line
+    claims.append_record(tmp_path, _claim("b", "holds"))
+    assert [r["claim_id"] for r in claims.load_records(tmp_path)] == ["a", "b"]
+
+
 def test_cell_of_a_claims_run_is_rerun_through_a_claim_that_reads_it():
     info = {"suite": "claims", "world_size": 2, "device": {"type": "cpu"}}
     zero1 = claims.cell("zero1", 2)

@@ -8,7 +8,7 @@ pytest files in suites/ parametrise over it, one test per cell.
   the tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
 - perf: no matrix; the benchmarks of the harness itself in suites/test_perf.py (its step
   overhead against a bare training loop, launch amortisation, the default suite's wall time).
-- claims: the cells the published claims need (suites/claims/, harness/claims.py): one test
+- claims: the cells the published claims need (suites/claims/, harness/claims/): one test
   per claim, not per cell.
 - a path ending in .toml: a suite of one's own (harness/suite_files.py).
 """
@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-
 from pathlib import Path
 
-from harness import claims as published_claims
 from harness import strategies, suite_files
+from harness.claims import catalogue as claims_catalogue
 from harness.config import DEFAULT_TP_DEGREE, CellSpec, StrategySpec
 from harness.suite_cell import suite_cell
 
@@ -179,10 +178,10 @@ def perf(world_size: int) -> list[CellSpec]:
 
 
 def claims(world_size: int) -> list[CellSpec]:
-    """The cells the published claims read (harness/claims.py names them per claim): GPT-2
+    """The cells the published claims read (harness/claims/catalogue.py names them per claim): GPT-2
     tiny under each ZeRO stage in torch and DeepSpeed, checkpointing, bf16, the 8-bit and
     factored optimizers, and the compression hooks."""
-    return published_claims.cells(world_size)
+    return claims_catalogue.cells(world_size)
 
 
 SUITES: dict[str, Callable[[int], list[CellSpec]]] = {

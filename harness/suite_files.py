@@ -34,6 +34,7 @@ from pathlib import Path
 
 from harness import strategies
 from harness.config import CellSpec, StrategySpec
+from harness.suite_cell import suite_cell
 
 SUFFIX = ".toml"
 _CELL_OPTIONS = tuple(f.name for f in dataclasses.fields(CellSpec) if f.init and f.name != "strategy")
@@ -75,12 +76,10 @@ def _expand(table: dict) -> list[dict]:
 
 
 def _cell(options: dict, world_size: int) -> CellSpec:
-    from harness import suites  # on use: harness.suites imports this module
-
     strategy = StrategySpec(name=options["strategy"], **{k: options[k] for k in _STRATEGY_OPTIONS if k in options})
     cell_options = {k: options[k] for k in _CELL_OPTIONS if k in options}
     cell_options.setdefault("world_size", world_size)
-    return suites.suite_cell(cell_options.pop("model"), strategy, cell_options.pop("world_size"), **cell_options)
+    return suite_cell(cell_options.pop("model"), strategy, cell_options.pop("world_size"), **cell_options)
 
 
 def cells(path: Path, world_size: int, nnodes: int = 1) -> list[CellSpec]:

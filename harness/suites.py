@@ -8,7 +8,7 @@ pytest files in suites/ parametrise over it, one test per cell.
   the tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
 - perf: no matrix; the benchmarks of the harness itself in suites/test_perf.py (its step
   overhead against a bare training loop, launch amortisation, the default suite's wall time).
-- claims: the cells the published claims need (suites/claims/, harness/claims.py): one test
+- claims: the cells the published claims need (suites/claims/, harness/claims/): one test
   per claim, not per cell.
 - a path ending in .toml: a suite of one's own (harness/suite_files.py).
 """
@@ -17,27 +17,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-
 from pathlib import Path
 
 from harness import strategies, suite_files
+from harness.claims import catalogue as claims_catalogue
 from harness.config import CellSpec, StrategySpec
+from harness.suite_cell import suite_cell
 
-MICRO_BATCH = 2
 # Suite files to start one's own from (README: Suites of your own).
 SUITE_FILE_EXAMPLES = Path(__file__).resolve().parents[1] / "suites" / "examples"
-TORCH_NATIVE = ("single", "ddp", "zero1", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid",
-                "fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard", "fsdp1_hybrid")
-
-
-def suite_cell(model: str, strategy: StrategySpec, world_size: int, micro_batch: int = MICRO_BATCH,
-               **cell_options) -> CellSpec:
-    """A cell as a suite lists it: ``world_size`` ranks of ``micro_batch`` samples each."""
-    if strategy.name == "single":
-        # The reference takes the whole global batch in one process: listed in a suite, it is
-        # the very cell the distributed cells are gated against.
-        micro_batch, world_size = micro_batch * world_size, 1
-    return CellSpec(model=model, strategy=strategy, micro_batch=micro_batch, world_size=world_size, **cell_options)
+# torch's own data-parallel and sharded strategies, the reference first.
+TORCH_NATIVE = tuple(s.name for s in strategies.declarations()
+                     if s.engine == "torch" and s.engine_model.analytic == "data_parallel")
 
 
 def _cell(model: str, strategy: str, world_size: int, **options) -> CellSpec:
@@ -189,12 +180,10 @@ def perf(world_size: int) -> list[CellSpec]:
 
 
 def claims(world_size: int) -> list[CellSpec]:
-    """The cells the published claims read (harness/claims.py names them per claim): GPT-2
+    """The cells the published claims read (harness/claims/catalogue.py names them per claim): GPT-2
     tiny under each ZeRO stage in torch and DeepSpeed, checkpointing, bf16, the 8-bit and
     factored optimizers, and the compression hooks."""
-    from harness import claims as published  # on use: harness.claims builds its cells with _cell
-
-    return published.cells(world_size)
+    return claims_catalogue.cells(world_size)
 
 
 SUITES: dict[str, Callable[[int], list[CellSpec]]] = {

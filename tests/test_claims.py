@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import claims, markers, suites
+from harness import markers, suites
+from harness.claims import catalogue, judges, records
+from harness.claims.base import MODEL, STEPS, VERDICTS, cell
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,13 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 def test_suite_is_exactly_the_cells_the_claims_read():
     for world_size in (2, 4):
         cells = suites.cells_of("claims", world_size)
-        assert [c.cell_id for c in cells] == [c.cell_id for c in claims.cells(world_size)]
-        assert all(c.steps == claims.STEPS and c.model == claims.MODEL for c in cells)
-        assert claims.STEPS == max(c.min_steps for c in cells)
+        assert [c.cell_id for c in cells] == [c.cell_id for c in catalogue.cells(world_size)]
+        assert all(c.steps == STEPS and c.model == MODEL for c in cells)
+        assert STEPS == max(c.min_steps for c in cells)
     ids = {c.cell_id for c in suites.cells_of("claims", 2)}
     assert "gpt2-tiny/deepspeed_zero3/fp32/ckpt_none/mb2/ws2/seed0" in ids
     assert "gpt2-tiny/ddp/fp32/ckpt_none/compress_powersgd-r4/mb2/ws2/seed0" in ids
-    assert [c.cell_id for c in claims.cells(2, ["zero/table1"])] == []  # formula-only claims read none
+    assert [c.cell_id for c in catalogue.cells(2, ["zero/table1"])] == []  # formula-only claims read none
 
 
 def test_claims_marker_is_accepted_and_cells_do_not_carry_it():
@@ -44,11 +46,11 @@ def _comm(nbytes: dict) -> dict:
 
 
 def test_verdicts_follow_the_numbers():
-    ddp, fsdp = claims.cell("ddp", 2), claims.cell("fsdp_full", 2)
+    ddp, fsdp = cell("ddp", 2), cell("fsdp_full", 2)
     psi = 134_912  # gpt2-tiny
 
     def run(by_id):
-        return claims.evaluate("comm_volume/fsdp_full", lambda c: by_id.get(c.cell_id), 2)
+        return records.evaluate("comm_volume/fsdp_full", lambda c: by_id.get(c.cell_id), 2)
 
     base = _record(ddp, **_comm({"all_reduce": 4 * psi}))
     gathered_twice = _record(fsdp, **_comm({"all_gather": 8 * psi, "reduce_scatter": 4 * psi}))
@@ -66,17 +68,17 @@ def test_verdicts_follow_the_numbers():
 
 
 def test_a_deviation_is_explained_only_while_the_claim_does_not_hold():
-    ddp, ds3 = claims.cell("ddp", 2), claims.cell("deepspeed_zero3", 2)
+    ddp, ds3 = cell("ddp", 2), cell("deepspeed_zero3", 2)
     psi = 134_912
     base = _record(ddp, **_comm({"all_reduce": 4 * psi}))
 
     def run(ops):
         by_id = {ddp.cell_id: base, ds3.cell_id: _record(ds3, **_comm(ops))}
-        return claims.evaluate("comm_volume/deepspeed_zero3", lambda c: by_id.get(c.cell_id), 2)
+        return records.evaluate("comm_volume/deepspeed_zero3", lambda c: by_id.get(c.cell_id), 2)
 
     one_gather = run({"all_gather": 4 * psi, "reduce_scatter": 4 * psi})
     assert one_gather["verdict"] == "does not hold" and one_gather["explained"]
-    assert one_gather["reason"].startswith(claims.DEVIATIONS["comm_volume/deepspeed_zero3"])
+    assert one_gather["reason"].startswith(catalogue.DEVIATIONS["comm_volume/deepspeed_zero3"])
     two_gathers = run({"all_gather": 8 * psi, "reduce_scatter": 4 * psi})
     assert two_gathers["verdict"] == "holds" and not two_gathers["explained"]
 
@@ -85,11 +87,11 @@ def test_a_deviation_is_explained_only_while_the_claim_does_not_hold():
 NOT_MEASURED_HERE = {"pipeline/bubble"}
 
 
-@pytest.mark.parametrize("claim_id", [c for c in claims.CLAIMS if not claims.CLAIMS[c].cells(2)])
+@pytest.mark.parametrize("claim_id", [c for c in catalogue.CLAIMS if not catalogue.CLAIMS[c].cells(2)])
 def test_formula_only_claims_hold(claim_id):
-    record = claims.evaluate(claim_id, lambda c: None, 2)
+    record = records.evaluate(claim_id, lambda c: None, 2)
     if claim_id in NOT_MEASURED_HERE or (claim_id == "tensor_parallel/params_split"
-                                         and not claims._tp_strategy_present()):
+                                         and not judges.tp_strategy_present()):
         assert record["verdict"] == "not measurable here" and not record["cell_failed"], record
         assert record["predicted"] > 0 and record["reason"], record
         return
@@ -97,7 +99,7 @@ def test_formula_only_claims_hold(claim_id):
 
 
 def test_pipeline_bubble_claim_shows_the_formula():
-    record = claims.evaluate("pipeline/bubble", lambda c: None, 4)
+    record = records.evaluate("pipeline/bubble", lambda c: None, 4)
     assert record["predicted"] == pytest.approx(3 / 7)  # p = 4, m = 4: (p − 1)/(m + p − 1)
     assert record["details"]["interleaved_v2"] == pytest.approx(3 / 11)
     assert "2-core CPU host" in record["reason"]
@@ -108,12 +110,12 @@ def _activations(c, nbytes: int) -> dict:
 
 
 def test_eager_scores_claim_reads_the_difference_of_the_two_cells():
-    eager, sdpa = claims.cell("ddp", 2, attention="eager"), claims.cell("ddp", 2)
+    eager, sdpa = cell("ddp", 2, attention="eager"), cell("ddp", 2)
     scores = 2 * (4 * 4 * 32 * 32 * 2 - 4 * 4 * 32 * 2)  # gpt2-tiny: L·(4·a·s²·b − 4·a·s·b), fp32, mb 2
 
     def run(eager_bytes):
         by_id = {eager.cell_id: _activations(eager, eager_bytes), sdpa.cell_id: _activations(sdpa, 1_000_000)}
-        return claims.evaluate("activations/eager_scores", lambda c: by_id.get(c.cell_id), 2)
+        return records.evaluate("activations/eager_scores", lambda c: by_id.get(c.cell_id), 2)
 
     held = run(1_000_000 + scores)
     assert (held["verdict"], held["predicted"], held["measured"]) == ("holds", scores, scores)
@@ -122,15 +124,15 @@ def test_eager_scores_claim_reads_the_difference_of_the_two_cells():
 
 
 def test_tp_claim_compares_the_params_each_rank_holds():
-    if not claims._tp_strategy_present():
+    if not judges.tp_strategy_present():
         pytest.skip("the tp strategy is not in this tree")
-    tp = claims.cell("tp", 2)
+    tp = cell("tp", 2)
     split = 4 * (99_200 / 2 + 134_912 - 99_200)  # gpt2-tiny: the blocks' linear layers split, the rest whole
 
     def run(per_rank_params):
         record = _record(tp)
         record["per_rank"] = [{"at_optimizer_step_bytes": {"params": b}} for b in per_rank_params]
-        return claims.evaluate("tensor_parallel/params_split", lambda c: record if c.cell_id == tp.cell_id else None, 2)
+        return records.evaluate("tensor_parallel/params_split", lambda c: record if c.cell_id == tp.cell_id else None, 2)
 
     assert run([split, split])["verdict"] == "holds"
     assert run([4 * 134_912] * 2)["verdict"] == "does not hold"  # nothing split
@@ -143,14 +145,14 @@ def test_claims_suite_end_to_end(tmp_path):
     assert result.returncode == 0, out[-4000:] + result.stderr[-3000:]
     assert "shardbench claims" in out and "shardbench summary" in out
     run_dir = (tmp_path / "results" / "latest").resolve()
-    records = [json.loads(line) for line in (run_dir / "claims.jsonl").read_text().splitlines()]
-    assert [r["claim_id"] for r in records] == list(claims.CLAIMS)
-    assert all(r["verdict"] in claims.VERDICTS for r in records)
+    claim_records = [json.loads(line) for line in (run_dir / "claims.jsonl").read_text().splitlines()]
+    assert [r["claim_id"] for r in claim_records] == list(catalogue.CLAIMS)
+    assert all(r["verdict"] in VERDICTS for r in claim_records)
     # What this host measures (every cell runs on 2 gloo CPU ranks): nothing crashed, every
     # "does not hold" is one the claims explain.
-    assert not any(r["cell_failed"] for r in records)
-    assert all(r["explained"] for r in records if r["verdict"] == "does not hold")
+    assert not any(r["cell_failed"] for r in claim_records)
+    assert all(r["explained"] for r in claim_records if r["verdict"] == "does not hold")
     cells = [json.loads(line) for line in (run_dir / "cells.jsonl").read_text().splitlines()]
     assert {c["cell_id"] for c in cells} >= {c.cell_id for c in suites.cells_of("claims", 2)}
     page = (tmp_path / "reports" / run_dir.name / "index.html").read_text()
-    assert '<h2 id="claims">' in page and page.count('<tr class="claim"') == len(claims.CLAIMS)
+    assert '<h2 id="claims">' in page and page.count('<tr class="claim"') == len(catalogue.CLAIMS)

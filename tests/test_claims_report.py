@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from harness import claims
+from harness.claims import records
+from harness.claims.base import cell
 from harness.report import html
 from test_report import XSS, write_synthetic_run  # tests/ is on sys.path (rootdir conftest)
 
@@ -37,7 +38,7 @@ def report(tmp_path_factory) -> str:
         _claim("activations/selective", "not measurable here", unit="bytes", predicted=None, measured=412940.0,
                ratio=None, reason="different policies"),
     ):
-        claims.append_record(run_dir, record)
+        records.append_record(run_dir, record)
     with (run_dir / "claims.jsonl").open("a") as f:
         f.write('{"claim_id": "trunc')  # a writer killed mid-line
     return html.write_run_report(run_dir, root / "reports" / "run").read_text()
@@ -75,19 +76,26 @@ def test_no_claims_section_without_claims_jsonl(tmp_path):
 
 
 def test_load_records_keeps_the_last_record_of_each_claim(tmp_path):
-    claims.append_record(tmp_path, _claim("a", "holds"))
-    claims.append_record(tmp_path, _claim("b", "holds"))
-    claims.append_record(tmp_path, _claim("a", "does not hold"))
+    records.append_record(tmp_path, _claim("a", "holds"))
+    records.append_record(tmp_path, _claim("b", "holds"))
+    records.append_record(tmp_path, _claim("a", "does not hold"))
     (tmp_path / "claims.jsonl").open("a").write("{not json")
-    assert [(r["claim_id"], r["verdict"]) for r in claims.load_records(tmp_path)] == [("a", "does not hold"),
+    assert [(r["claim_id"], r["verdict"]) for r in records.load_records(tmp_path)] == [("a", "does not hold"),
                                                                                     ("b", "holds")]
-    assert claims.load_records(tmp_path / "missing") == []
+    assert records.load_records(tmp_path / "missing") == []
+
+
+def test_a_claim_appended_after_a_cut_line_is_kept(tmp_path):
+    records.append_record(tmp_path, _claim("a", "holds"))
+    (tmp_path / "claims.jsonl").open("a").write('{"claim_id": "cu')  # a writer killed mid-line
+    records.append_record(tmp_path, _claim("b", "holds"))
+    assert [r["claim_id"] for r in records.load_records(tmp_path)] == ["a", "b"]
 
 
 def test_cell_of_a_claims_run_is_rerun_through_a_claim_that_reads_it():
     info = {"suite": "claims", "world_size": 2, "device": {"type": "cpu"}}
-    zero1 = claims.cell("zero1", 2)
+    zero1 = cell("zero1", 2)
     assert html.reproduce_command({"cell_id": zero1.cell_id}, info).endswith("-k 'test_claim[model_states/zero1]'")
-    ref = claims.cell("ddp", 2, optimizer="adafactor").reference()  # a reference: its distributed cell's claim
+    ref = cell("ddp", 2, optimizer="adafactor").reference()  # a reference: its distributed cell's claim
     assert "test_claim[optimizer/adafactor_factored]" in html.reproduce_command({"cell_id": ref.cell_id}, info)
     assert "test_cell[" in html.reproduce_command({"cell_id": zero1.cell_id}, info | {"suite": "default"})

@@ -148,17 +148,17 @@ _CLAIM_VERDICT_CLASS = {"holds": "good", "does not hold": "bad", "not measurable
 
 def _claim_rows(run_dir: Path) -> list[dict]:
     """The run's claim records (results/<run_id>/claims.jsonl), ready for the claims table."""
-    from harness import claims
+    from harness.claims import records as claim_records
 
     rows = []
-    for r in claims.load_records(run_dir):
+    for r in claim_records.load_records(run_dir):
         unit = r.get("unit") or ""
         ratio = r.get("ratio")
         rows.append({
             "claim_id": r.get("claim_id", "?"), "title": r.get("title") or "", "source": r.get("source") or "",
             "published": r.get("published") or "", "formula": r.get("formula") or "",
-            "predicted": claims.format_value(r.get("predicted"), unit),
-            "measured": claims.format_value(r.get("measured"), unit),
+            "predicted": claim_records.format_value(r.get("predicted"), unit),
+            "measured": claim_records.format_value(r.get("measured"), unit),
             "unit": unit, "ratio": "" if ratio is None else f"{ratio:.3f}",
             "tolerance": r.get("tolerance") or "", "verdict": r.get("verdict") or "?",
             "verdict_class": _CLAIM_VERDICT_CLASS.get(r.get("verdict"), ""),
@@ -170,12 +170,12 @@ def _claim_rows(run_dir: Path) -> list[dict]:
 def _claim_selecting(cell_id: str, world_size: int | None) -> str | None:
     """In a claims run, the claim that reads this cell (or the cell it is the reference of)
     with the fewest cells: rerunning it reruns the cell."""
-    from harness import claims
+    from harness.claims import catalogue
 
     if not world_size:
         return None
     best = None
-    for claim in claims.CLAIMS.values():
+    for claim in catalogue.CLAIMS.values():
         read = claim.cells(world_size)
         if any(cell_id in (c.cell_id, c.reference().cell_id) for c in read):
             if best is None or len(read) < best[0]:

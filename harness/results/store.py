@@ -1,6 +1,7 @@
 """results/<run_id>/: run.json (environment, command, resume events), cells.jsonl (one
 record per cell and trial, appended and fsynced as each cell ends; a resumed run appends to it) and
-results/latest pointing at the newest run.
+results/latest pointing at the newest run. A claims run's claims.jsonl (harness/claims/) is
+appended the same way, by append_json_line.
 
 Reading never fails on damage: what cannot be read is skipped with a DamagedResultsWarning
 that names the file and line (README "Resuming and damaged results")."""
@@ -11,7 +12,9 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from harness.results.schema import UnreadableRecord, migrate
 
@@ -41,26 +44,33 @@ class RunStore:
         tmp.replace(self.path / "run.json")
 
     def append(self, record: dict) -> None:
-        """One line per record in a single write, flushed and fsynced: a killed run keeps
-        every cell that finished, and at worst loses a truncated last line."""
-        line = json.dumps(record) + "\n"
-        if self._ends_mid_line():
-            line = "\n" + line  # a killed writer's cut line stays alone, skipped by the loader
-        with self.cells_path.open("a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        """One cell record, appended to cells.jsonl by append_json_line."""
+        append_json_line(self.cells_path, record)
 
-    def _ends_mid_line(self) -> bool:
-        try:
-            with self.cells_path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                if f.tell() == 0:
-                    return False
-                f.seek(-1, os.SEEK_END)
-                return f.read(1) != b"\n"
-        except FileNotFoundError:
-            return False
+
+def append_json_line(path: Path, record: dict, *, default: Callable[[Any], Any] | None = None) -> None:
+    """One line per record in a single write, flushed and fsynced: a killed run keeps every
+    record that finished, and at worst loses a truncated last line. ``default`` is json.dumps's
+    (what to write for a value JSON has no type for)."""
+    line = json.dumps(record, default=default) + "\n"
+    if _ends_mid_line(path):
+        line = "\n" + line  # a killed writer's cut line stays alone, skipped by the loader
+    with path.open("a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
 
 
 class DamagedResultsWarning(UserWarning):

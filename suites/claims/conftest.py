@@ -4,7 +4,7 @@ first claim is judged), one claim record per test in results/<run_id>/claims.jso
 claims table at the end of the run.
 
 A claim's verdict decides its test: "holds" passes; "does not hold" fails with the numbers,
-or is an expected failure when harness.claims.DEVIATIONS explains it (and fails once such a
+or is an expected failure when harness.claims.catalogue.DEVIATIONS explains it (and fails once such a
 claim holds again, so the explanation cannot go stale); "not measurable here" is a skip when
 this host cannot run a cell and a failure when a cell crashed.
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import claims, markers, suites
+from harness import markers, suites
+from harness.claims import catalogue, records
 from harness.runner import session as run_session
 
 _JUDGED = pytest.StashKey[list]()
@@ -35,14 +36,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     if config.getoption("suite") in suites.CLAIMS_SUITES:
         world_size = run_session.world_size(config.getoption("gpus"))
-        config.stash[run_session.SELECTED] = claims.cells(world_size, _claim_ids(session.items))
+        config.stash[run_session.SELECTED] = catalogue.cells(world_size, _claim_ids(session.items))
 
 
 def _message(record: dict) -> str:
     unit = record["unit"]
     ratio = "-" if record["ratio"] is None else f"{record['ratio']:.4f}"
-    return (f"{record['claim_id']} ({record['source']}): measured {claims.format_value(record['measured'], unit)},"
-            f" predicted {claims.format_value(record['predicted'], unit)}, ratio {ratio},"
+    return (f"{record['claim_id']} ({record['source']}): measured {records.format_value(record['measured'], unit)},"
+            f" predicted {records.format_value(record['predicted'], unit)}, ratio {ratio},"
             f" tolerance {record['tolerance']}: {record['verdict']}"
             + (f"; {record['reason']}" if record["reason"] else ""))
 
@@ -53,12 +54,12 @@ def judge(matrix, pytestconfig: pytest.Config):
     world_size = run_session.world_size(pytestconfig.getoption("gpus"))
 
     def run(claim_id: str) -> dict:
-        record = claims.evaluate(claim_id, matrix.record_of, world_size)
-        claims.append_record(matrix.store.path, record)
+        record = records.evaluate(claim_id, matrix.record_of, world_size)
+        records.append_record(matrix.store.path, record)
         pytestconfig.stash[_JUDGED].append(record)
         verdict, message = record["verdict"], _message(record)
-        if verdict == "holds" and claims.CLAIMS[claim_id].deviation:
-            pytest.fail(f"{message}\nthis claim now holds: remove its explanation from harness.claims.DEVIATIONS")
+        if verdict == "holds" and catalogue.CLAIMS[claim_id].deviation:
+            pytest.fail(f"{message}\nthis claim now holds: remove its explanation from harness.claims.catalogue.DEVIATIONS")
         if verdict == "does not hold":
             (pytest.xfail if record["explained"] else pytest.fail)(message)
         if verdict == "not measurable here":
@@ -77,5 +78,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     for r in judged:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         verdict = r["verdict"] + (" (explained)" if r["explained"] else "")
-        terminalreporter.write_line(f"{r['claim_id']:<32} {claims.format_value(r['predicted'], r['unit']):>14}"
-                                    f" {claims.format_value(r['measured'], r['unit']):>14} {ratio:>7}  {verdict}")
+        terminalreporter.write_line(f"{r['claim_id']:<32} {records.format_value(r['predicted'], r['unit']):>14}"
+                                    f" {records.format_value(r['measured'], r['unit']):>14} {ratio:>7}  {verdict}")

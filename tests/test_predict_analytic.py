@@ -1,6 +1,9 @@
 """The analytic model reproduces the ZeRO paper's Table 1 (every entry)."""
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +46,16 @@ def test_bad_stage_or_world_size():
         zero_model_states(1e9, 8, 4)
     with pytest.raises(ValueError, match="world_size=0"):
         zero_model_states(1e9, 0, 1)
+
+
+def test_the_formulas_are_plain_numbers():
+    """harness/predict/formulas loads no ML library and nothing of the harness outside it."""
+    code = "import sys, harness.predict.formulas; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert [m for m in loaded if m.split(".")[0] in ("torch", "transformers")] == []
+    harness = [m for m in loaded if m.split(".")[0] == "harness" and not m.startswith("harness.predict.formulas")]
+    assert harness == ["harness", "harness.predict"]
 
 
 # --- Korthikanti et al. 2022, Table 2 (bytes per layer / (s·b·h)) ---------------------------

@@ -298,12 +298,12 @@ def cmd_publish(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     """Per common cell, B against A: better / worse / not significant; the HTML page goes
     into the report folder beside the runs' own reports."""
-    from harness.report import compare
+    from harness.report import compare, compare_stats
     from harness.results.store import resolve_run
 
     root = args.out or REPO_ROOT
     try:
-        compare.parse_thresholds(args.fail_on)
+        compare_stats.parse_thresholds(args.fail_on)
         run_a, run_b = (resolve_run(root / "results", run) for run in (args.run_a, args.run_b))
     except ValueError as error:
         raise UsageError(str(error)) from None

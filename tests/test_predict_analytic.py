@@ -1,12 +1,15 @@
 """The analytic model reproduces the ZeRO paper's Table 1 (every entry)."""
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from harness.claims.published import TABLE_1, TABLE_1_DEGREES  # the paper's Table 1 as printed, kept once
-from harness.predict.analytic import FP32_ADAM, zero_comm_elements, zero_model_states
+from harness.predict.formulas import FP32_ADAM, zero_comm_elements, zero_model_states
 
 def _printed_precision(entry: str) -> float:
     """One unit in the last printed digit: the paper rounds small values to 3 significant
@@ -45,11 +48,22 @@ def test_bad_stage_or_world_size():
         zero_model_states(1e9, 0, 1)
 
 
+def test_the_formulas_are_plain_numbers():
+    """harness/predict/formulas loads no ML library and nothing of the harness outside it."""
+    code = "import sys, harness.predict.formulas; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert [m for m in loaded if m.split(".")[0] in ("torch", "transformers")] == []
+    harness = [m for m in loaded if m.split(".")[0] == "harness" and not m.startswith("harness.predict.formulas")]
+    assert harness == ["harness", "harness.predict"]
+
+
 # --- Korthikanti et al. 2022, Table 2 (bytes per layer / (s·b·h)) ---------------------------
 
 from harness import models, suites  # noqa: E402
 from harness.config import CellSpec, StrategySpec  # noqa: E402
-from harness.predict import accuracy, analytic, plan  # noqa: E402
+from harness.predict import accuracy, analytic, analytic_parallel, formulas, plan  # noqa: E402
+from harness.predict.analytic_data_parallel import activation_bytes, optimizer_state_bytes  # noqa: E402
 
 S, B, H, A, T = 2048, 1, 12288, 96, 8  # GPT-3 175B's layer, 8-way tensor parallel
 
@@ -63,15 +77,15 @@ S, B, H, A, T = 2048, 1, 12288, 96, 8  # GPT-3 175B's layer, 8-way tensor parall
     ({"checkpointing": "full"}, 2),
 ], ids=["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"])
 def test_korthikanti_table_2(options, table):
-    assert analytic.activation_bytes_per_layer(S, B, H, A, **options) / (S * B * H) == pytest.approx(table)
+    assert formulas.activation_bytes_per_layer(S, B, H, A, **options) / (S * B * H) == pytest.approx(table)
 
 
 def test_activation_variants_move_the_way_the_paper_says():
-    base = analytic.activation_bytes_per_layer(S, B, H, A)
-    fused = analytic.activation_bytes_per_layer(S, B, H, A, fused_attention=True)
+    base = formulas.activation_bytes_per_layer(S, B, H, A)
+    fused = formulas.activation_bytes_per_layer(S, B, H, A, fused_attention=True)
     assert fused < base / 3  # the a·s² score terms dominate at s = 2048 and vanish when fused
-    fp32 = analytic.activation_bytes_per_layer(S, B, H, A, value_bytes=4, dropout=False)
-    bf16 = analytic.activation_bytes_per_layer(S, B, H, A, value_bytes=2, dropout=False)
+    fp32 = formulas.activation_bytes_per_layer(S, B, H, A, value_bytes=4, dropout=False)
+    bf16 = formulas.activation_bytes_per_layer(S, B, H, A, value_bytes=2, dropout=False)
     assert fp32 == 2 * bf16
 
 
@@ -96,15 +110,15 @@ def test_optimizer_state_bytes_match_the_optimizer(name):
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
-    predicted = analytic.optimizer_state_bytes([tuple(p.shape) for p in params], name)
+    predicted = optimizer_state_bytes([tuple(p.shape) for p in params], name)
     assert predicted == _state_bytes(opt)
 
 
 def test_powersgd_elements():
-    assert analytic.powersgd_elements((64, 192), 1) == 64 + 192
-    assert analytic.powersgd_elements((64, 192), 4) == 4 * (64 + 192)
-    assert analytic.powersgd_elements((64,), 4) == 64  # vectors go uncompressed
-    assert analytic.powersgd_elements((4, 4), 4) == 16  # (4+4)·4·2 ≥ 16: not worth compressing
+    assert formulas.powersgd_elements((64, 192), 1) == 64 + 192
+    assert formulas.powersgd_elements((64, 192), 4) == 4 * (64 + 192)
+    assert formulas.powersgd_elements((64,), 4) == 64  # vectors go uncompressed
+    assert formulas.powersgd_elements((4, 4), 4) == 16  # (4+4)·4·2 ≥ 16: not worth compressing
 
 
 # --- one cell --------------------------------------------------------------------------------
@@ -195,21 +209,21 @@ def test_plan_recommends_a_fitting_configuration():
 # --- tensor parallelism (Shoeybi et al. 2019) ----------------------------------------------------
 
 def test_tp_model_states_split_only_the_sharded_layers():
-    states = analytic.tp_model_states(1000, 200, 4)  # fp32 AdamW: 4 + 4 + 8 B per parameter
+    states = formulas.tp_model_states(1000, 200, 4)  # fp32 AdamW: 4 + 4 + 8 B per parameter
     assert (states.params, states.grads, states.optimizer) == (4 * 450, 4 * 450, 8 * 450)
-    with_fsdp = analytic.tp_model_states(1000, 200, 4, data_parallel=3)
+    with_fsdp = formulas.tp_model_states(1000, 200, 4, data_parallel=3)
     assert with_fsdp.total == pytest.approx(16 * 450 / 3)
     with pytest.raises(ValueError, match="tp=0"):
-        analytic.tp_model_states(1000, 200, 0)
+        formulas.tp_model_states(1000, 200, 0)
 
 
 def test_tp_all_reduces_four_activations_per_block():
     # 2 forward + 2 backward all-reduces per block of b·s·h values: 4·L·b·s·h·bytes.
-    assert analytic.tp_all_reduce_bytes(2, 32, 64, 2) == 4 * 2 * (2 * 32 * 64) * 4
+    assert formulas.tp_all_reduce_bytes(2, 32, 64, 2) == 4 * 2 * (2 * 32 * 64) * 4
     # What gpt2-tiny tp measures at 2 ranks (tests/test_tensor_parallel.py): bf16 autocast
     # (2-byte forward, 4-byte backward) 98,304 B; full checkpointing in fp32 163,840 B.
-    assert analytic.tp_all_reduce_bytes(2, 32, 64, 2, forward_bytes=2) == 98_304
-    assert analytic.tp_all_reduce_bytes(2, 32, 64, 2, recomputed_per_block=1) == 163_840
+    assert formulas.tp_all_reduce_bytes(2, 32, 64, 2, forward_bytes=2) == 98_304
+    assert formulas.tp_all_reduce_bytes(2, 32, 64, 2, recomputed_per_block=1) == 163_840
 
 
 def test_tp_cell_prediction_by_hand():
@@ -217,7 +231,7 @@ def test_tp_cell_prediction_by_hand():
     # are split; the rest (embeddings, LayerNorms, row-parallel biases) of 134,912 is replicated.
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="tp"), micro_batch=2, world_size=2)
     sharded = 2 * (64 * 192 + 192 + 64 * 64 + 64 * 256 + 256 + 256 * 64)
-    assert analytic.tp_sharded_numel(models.get_preset("gpt2-tiny")) == sharded == 99_200
+    assert analytic_parallel.tp_sharded_numel(models.get_preset("gpt2-tiny")) == sharded == 99_200
     p = analytic.predict(cell)
     assert p["model_states_bytes"]["params"] == 4 * (sharded / 2 + 134_912 - sharded) == 341_248
     assert p["comm_bytes_by_op"] == {"all_reduce": 4 * 2 * 2 * 32 * 64 * 4}
@@ -226,11 +240,11 @@ def test_tp_cell_prediction_by_hand():
 # --- pipeline parallelism (Huang et al. 2019; Narayanan et al. 2021; Korthikanti et al. 2022) ----
 
 def test_pipeline_bubble():
-    assert analytic.pipeline_bubble_fraction(4, 8) == pytest.approx(3 / 11)
-    assert analytic.pipeline_bubble_fraction(4, 8, virtual_stages=2) == pytest.approx(3 / 19)
-    assert analytic.pipeline_bubble_fraction(1, 8) == 0.0
+    assert formulas.pipeline_bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert formulas.pipeline_bubble_fraction(4, 8, virtual_stages=2) == pytest.approx(3 / 19)
+    assert formulas.pipeline_bubble_fraction(1, 8) == 0.0
     with pytest.raises(ValueError, match="microbatches=0"):
-        analytic.pipeline_bubble_fraction(4, 0)
+        formulas.pipeline_bubble_fraction(4, 0)
 
 
 @pytest.mark.parametrize("schedule, m, v, layer_microbatches", [
@@ -240,17 +254,17 @@ def test_pipeline_bubble():
     ("interleaved_1f1b", 8, 2, 11),  # L·(1 + (p−1)/(p·v)) = 8·(1 + 3/8)
 ])
 def test_pipeline_first_stage_activations(schedule, m, v, layer_microbatches):
-    assert analytic.pipeline_first_stage_layer_activations(schedule, 8, 4, m, v) == layer_microbatches
+    assert formulas.pipeline_first_stage_layer_activations(schedule, 8, 4, m, v) == layer_microbatches
 
 
 def test_pipeline_stage_params_and_transfers():
-    assert analytic.pipeline_stage_layers(5, 2) == [3, 2]
-    assert analytic.pipeline_stage_layers(6, 4) == [1, 2, 2, 1]  # the middle stages take the extra blocks
-    assert analytic.pipeline_stage_layers(2, 4) == [0, 1, 1, 0]  # the ends may only embed / run the head
-    assert analytic.pipeline_stage_params(10, 5, 2, first=7, last=3) == [37, 23]
-    assert analytic.pipeline_p2p_bytes(2, 32, 64, 4, neighbours=2) == 4 * 2 * 32 * 64 * 4 * 2
+    assert analytic_parallel.pipeline_stage_layers(5, 2) == [3, 2]
+    assert analytic_parallel.pipeline_stage_layers(6, 4) == [1, 2, 2, 1]  # the middle stages take the extra blocks
+    assert analytic_parallel.pipeline_stage_layers(2, 4) == [0, 1, 1, 0]  # the ends may only embed / run the head
+    assert analytic_parallel.pipeline_stage_params(10, 5, 2, first=7, last=3) == [37, 23]
+    assert formulas.pipeline_p2p_bytes(2, 32, 64, 4, neighbours=2) == 4 * 2 * 32 * 64 * 4 * 2
     with pytest.raises(ValueError, match="stages=5"):
-        analytic.pipeline_stage_layers(2, 5)  # a middle stage would hold nothing
+        analytic_parallel.pipeline_stage_layers(2, 5)  # a middle stage would hold nothing
 
 
 def test_pipeline_cell_peaks_on_the_heavier_stage():
@@ -270,11 +284,11 @@ def test_interleaved_order_is_megatrons_on_the_first_rank():
     # p = 4, m = 8, v = 2: torch's schedule keeps (p−1)·2 + (v−1)·p + 1 = 11 chunks in flight
     # on rank 0, Megatron's closed form (pipeline_first_stage_layer_activations: 11 layers'
     # worth of L = 8 layers in p·v = 8 chunks of one layer).
-    order = analytic.interleaved_1f1b_order(0, 4, 8, 2)
+    order = analytic_parallel.interleaved_1f1b_order(0, 4, 8, 2)
     assert {stage for stage, _ in order} == {0, 4}
     assert sum(forward for _, forward in order) == 2 * 8  # every micro-batch through both chunks
-    assert analytic.pipeline_peak_in_flight(order, {0: 1, 4: 1}) == 11
-    assert analytic.pipeline_first_stage_layer_activations("interleaved_1f1b", 8, 4, 8, 2) == 11
+    assert formulas.pipeline_peak_in_flight(order, {0: 1, 4: 1}) == 11
+    assert formulas.pipeline_first_stage_layer_activations("interleaved_1f1b", 8, 4, 8, 2) == 11
 
 
 @pytest.mark.parametrize("rank, stage_bytes, peak", [
@@ -286,7 +300,7 @@ def test_interleaved_order_is_megatrons_on_the_first_rank():
     (1, {1: 1, 3: 0}, 3), (1, {1: 2, 3: 3}, 7),
 ])
 def test_interleaved_in_flight_by_hand(rank, stage_bytes, peak):
-    assert analytic.pipeline_rank_activations("interleaved_1f1b", rank, 2, 4, stage_bytes) == peak
+    assert analytic_parallel.pipeline_rank_activations("interleaved_1f1b", rank, 2, 4, stage_bytes) == peak
 
 
 def test_interleaved_cell_by_hand():
@@ -299,7 +313,7 @@ def test_interleaved_cell_by_hand():
                                        "buffers": 3 * 4 * 2 * 32 * 64 * 4}
     # Stage 1 receives inputs and output gradients, stage 3 inputs: 3 transfers of 4 micro-batches.
     assert p["comm_bytes_by_op"] == {"send": 3 * 4 * 2 * 32 * 64 * 4, "recv": 3 * 4 * 2 * 32 * 64 * 4}
-    per_layer = analytic.activation_bytes(cell, models.get_preset("llama-tiny"))["per_layer"]
+    per_layer = activation_bytes(cell, models.get_preset("llama-tiny"))["per_layer"]
     assert p["activation_bytes"]["layers"] == 3 * per_layer  # 3 micro-batches on stage 1 (see above)
     assert p["bubble_fraction"] == pytest.approx(1 / 9)  # (p−1)/(v·m + p−1)
 
@@ -310,7 +324,7 @@ def test_megatron_split_and_states_gpt2_tp2():
     # gpt2-tiny: the blocks' split linears (99,200) and the tied token table (512·64) are split
     # over tp = 2; positions, norms and row-parallel biases (2,944) are replicated.
     spec = models.get_preset("gpt2-tiny")
-    assert analytic.megatron_split_numel(spec) == 99_200 + 512 * 64
+    assert analytic_parallel.megatron_split_numel(spec) == 99_200 + 512 * 64
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="megatron"), attention="eager")
     p = analytic.predict(cell)
     local = (99_200 + 512 * 64) / 2 + 2_944
@@ -324,13 +338,13 @@ def test_megatron_split_and_states_gpt2_tp2():
 
 def test_megatron_untied_head_is_split_too():
     # llama-tiny: blocks 122,880 split + two tables 2·512·64; its 5 norms (320) replicated.
-    assert analytic.megatron_split_numel(models.get_preset("llama-tiny")) == 122_880 + 2 * 512 * 64
+    assert analytic_parallel.megatron_split_numel(models.get_preset("llama-tiny")) == 122_880 + 2 * 512 * 64
     p = analytic.predict(CellSpec(model="llama-tiny", strategy=StrategySpec(name="megatron"), attention="eager"))
     assert p["model_states_bytes"]["params"] == 4 * ((122_880 + 2 * 512 * 64) / 2 + 320)
 
 
 def test_megatron_distributed_optimizer_shards_over_data_parallel():
-    states = analytic.megatron_model_states(1000, 4)
+    states = formulas.megatron_model_states(1000, 4)
     assert (states.params, states.grads, states.optimizer) == (4000, 4000, 2000)  # 8 B/param over 4
     # tp = 1 on 2 ranks: dp = 2, whole fp32 parameters and gradients, half the Adam moments;
     # only the cross entropy's all-reduces remain on a tensor-parallel group of one.
@@ -361,8 +375,8 @@ def test_megatron_pipeline_stages_by_hand():
 
 
 def test_megatron_full_recompute_repeats_both_forward_all_reduces():
-    plain = analytic.megatron_tp_all_reduce_bytes(2, 32, 64, 2, 2, embeds=False, head=False)
-    recomputed = analytic.megatron_tp_all_reduce_bytes(2, 32, 64, 2, 2, embeds=False, head=False,
+    plain = formulas.megatron_tp_all_reduce_bytes(2, 32, 64, 2, 2, embeds=False, head=False)
+    recomputed = formulas.megatron_tp_all_reduce_bytes(2, 32, 64, 2, 2, embeds=False, head=False,
                                                        recomputed_per_block=2)
     assert recomputed - plain == 2 * 2 * (2 * 32 * 64 * 4)
 
@@ -374,11 +388,11 @@ def test_ring_attention_kv_bytes():
     # backward all-gather 2·b·s·32 values, and the fp32 K/V gradients go round in 2 all-to-alls
     # of 2·b·(s/2)·32 each.
     kv = 2 * 2 * 32 * 32
-    assert analytic.context_parallel_kv_bytes(2, 32, 32, 2, 2) == {"all_gather": 2 * 2 * kv * 4,
+    assert formulas.context_parallel_kv_bytes(2, 32, 32, 2, 2) == {"all_gather": 2 * 2 * kv * 4,
                                                                    "all_to_all": 2 * kv * 4}
-    bf16_recomputed = analytic.context_parallel_kv_bytes(2, 32, 32, 2, 2, value_bytes=2, recomputed_per_layer=1)
+    bf16_recomputed = formulas.context_parallel_kv_bytes(2, 32, 32, 2, 2, value_bytes=2, recomputed_per_layer=1)
     assert bf16_recomputed == {"all_gather": 2 * 3 * kv * 2, "all_to_all": 2 * kv * 4}
-    assert analytic.context_parallel_kv_bytes(2, 32, 32, 2, 1) == {}
+    assert formulas.context_parallel_kv_bytes(2, 32, 32, 2, 1) == {}
 
 
 def test_cp_cell_by_hand():
@@ -391,7 +405,7 @@ def test_cp_cell_by_hand():
     assert p["comm_bytes_by_op"] == {"all_reduce": 4 * 188_736, "all_gather": 2 * 2 * kv * 4, "all_to_all": 2 * kv * 4}
     # Each rank's activations are a 16-token sequence's: half the s-linear terms.
     half = CellSpec(model="llama-tiny", strategy=StrategySpec(name="ddp"), world_size=2)
-    assert p["activation_bytes"] == analytic.activation_bytes(half, dataclasses.replace(spec, seq_len=16))
+    assert p["activation_bytes"] == activation_bytes(half, dataclasses.replace(spec, seq_len=16))
     assert p["activation_bytes"]["logits"] == ddp["activation_bytes"]["logits"] / 2
 
 
@@ -416,11 +430,11 @@ def test_moe_params_mixtral():
     h, f, layers, vocab = 4096, 14336, 32, 32000
     attention = 2 * h * h + 2 * h * 1024
     shared = 2 * vocab * h + h + layers * (attention + 2 * h + 8 * h)
-    total, active = analytic.moe_params(shared=shared, expert=3 * h * f, n_experts=8, top_k=2, layers=layers)
+    total, active = formulas.moe_params(shared=shared, expert=3 * h * f, n_experts=8, top_k=2, layers=layers)
     assert (round(total / 1e9, 1), round(active / 1e9, 1)) == (46.7, 12.9)
     assert total == models.analytic_n_params(models.get_preset("mixtral-8x7b"))
     with pytest.raises(ValueError, match="top_k=3"):
-        analytic.moe_params(shared=1, expert=1, n_experts=2, top_k=3, layers=1)
+        formulas.moe_params(shared=1, expert=1, n_experts=2, top_k=3, layers=1)
 
 
 def test_moe_model_states_scale_with_every_expert():
@@ -431,9 +445,9 @@ def test_moe_model_states_scale_with_every_expert():
 
 def test_moe_activations_keep_top_k_expert_mlps_and_the_router_logits():
     s, b, h, a, f = 32, 2, 64, 4, 64
-    dense = analytic.activation_bytes_per_layer(s, b, h, a, ffn=f, mlp="swiglu", value_bytes=4, dropout=False,
+    dense = formulas.activation_bytes_per_layer(s, b, h, a, ffn=f, mlp="swiglu", value_bytes=4, dropout=False,
                                                 fused_attention=True)
-    moe = analytic.activation_bytes_per_layer(s, b, h, a, ffn=f, mlp="swiglu", value_bytes=4, dropout=False,
+    moe = formulas.activation_bytes_per_layer(s, b, h, a, ffn=f, mlp="swiglu", value_bytes=4, dropout=False,
                                               fused_attention=True, experts_per_token=2, router_experts=4)
     assert moe - dense == 4 * 4 * s * b * f + 4 * s * b * 4  # one more SwiGLU's 4·s·b·f values, fp32 logits
 
@@ -445,11 +459,11 @@ MOE_TINY_SHARED, MOE_TINY_EXPERT = 189_248 - 2 * 4 * 12_288, 12_288
 
 def test_expert_parallel_local_params():
     # 2 ranks: 2 of each layer's 4 experts beside every shared parameter.
-    local = analytic.expert_parallel_local_params(shared=MOE_TINY_SHARED, expert=MOE_TINY_EXPERT, n_experts=4,
+    local = formulas.expert_parallel_local_params(shared=MOE_TINY_SHARED, expert=MOE_TINY_EXPERT, n_experts=4,
                                                   layers=2, ep=2)
     assert local == 90_944 + 2 * 2 * 12_288 == 140_096
     with pytest.raises(ValueError, match="ep=3: must divide n_experts=4"):
-        analytic.expert_parallel_local_params(shared=1, expert=1, n_experts=4, layers=1, ep=3)
+        formulas.expert_parallel_local_params(shared=1, expert=1, n_experts=4, layers=1, ep=3)
 
 
 def test_expert_parallel_all_to_all_bytes_by_hand():
@@ -457,15 +471,15 @@ def test_expert_parallel_all_to_all_bytes_by_hand():
     # forward 4 int32 counts (16 B), dispatch 128 rows and (balanced) return 128 rows of 64
     # fp32 values (65,536 B); backward the two row transfers again (65,536 B).
     layer = 16 + 65_536 + 65_536
-    assert analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2) == 2 * layer == 262_176
-    recomputed = analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2, recomputed_per_layer=1)
+    assert formulas.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2) == 2 * layer == 262_176
+    recomputed = formulas.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2, recomputed_per_layer=1)
     assert recomputed == 2 * (2 * (16 + 65_536) + 65_536) == 393_280
     # Worst case: both ranks' 64 tokens each send both rows here, 256 received rows.
-    most = analytic.expert_parallel_most_received_rows(64, 2, 4, 2)
+    most = formulas.expert_parallel_most_received_rows(64, 2, 4, 2)
     assert most == 256
-    assert analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2, received_rows=most) == 2 * (
+    assert formulas.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 2, received_rows=most) == 2 * (
         16 + (128 + 256) * 64 * 4 * 2) == 393_248
-    assert analytic.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 1) == 0.0  # AutoEP computes locally
+    assert formulas.expert_parallel_all_to_all_bytes(64, 64, 2, 4, 2, 1) == 0.0  # AutoEP computes locally
 
 
 @pytest.mark.parametrize("checkpointing, all_to_all", [("none", 262_176), ("full", 393_280)])
@@ -484,7 +498,7 @@ def test_expert_parallel_cell_by_hand(checkpointing, all_to_all):
                                        "optimizer": 8 * local + 4 * (17 + 2 * 3), "buffers": 0.0}
     assert p["model_states_bytes"]["optimizer"] == 1_120_860
     assert p["comm_bytes_by_op"] == {"all_reduce": 4 * local, "all_to_all": all_to_all}
-    assert p["activation_bytes"] == analytic.activation_bytes(cell, models.get_preset("moe-tiny"))
+    assert p["activation_bytes"] == activation_bytes(cell, models.get_preset("moe-tiny"))
 
 
 def test_expert_parallel_bf16_gets_a_reason():
@@ -496,11 +510,11 @@ def test_expert_parallel_bf16_gets_a_reason():
 
 def test_grouped_query_attention_shrinks_k_and_v():
     s, b, h, a = 32, 2, 64, 4
-    full = analytic.activation_bytes_per_layer(s, b, h, a, value_bytes=4, dropout=False, fused_attention=True)
-    mqa = analytic.activation_bytes_per_layer(s, b, h, a, value_bytes=4, dropout=False, fused_attention=True,
+    full = formulas.activation_bytes_per_layer(s, b, h, a, value_bytes=4, dropout=False, fused_attention=True)
+    mqa = formulas.activation_bytes_per_layer(s, b, h, a, value_bytes=4, dropout=False, fused_attention=True,
                                               kv_heads=1)
     assert full - mqa == 2 * 4 * s * b * h * (1 - 1 / 4)  # K and V at 1/a of Q's width
-    assert analytic.activation_bytes_per_layer(s, b, h, a, kv_heads=a) == analytic.activation_bytes_per_layer(s, b, h, a)
+    assert formulas.activation_bytes_per_layer(s, b, h, a, kv_heads=a) == formulas.activation_bytes_per_layer(s, b, h, a)
 
 
 @pytest.mark.parametrize("model, per_layer", [
@@ -512,7 +526,7 @@ def test_grouped_query_attention_shrinks_k_and_v():
 def test_eager_minus_sdpa_by_hand(model, per_layer):
     eager, sdpa = (CellSpec(model=model, strategy=StrategySpec(name="ddp"), attention=att) for att in ("eager", "sdpa"))
     spec = models.get_preset(model)
-    assert analytic.activation_bytes(eager, spec)["layers"] - analytic.activation_bytes(sdpa, spec)["layers"] \
+    assert activation_bytes(eager, spec)["layers"] - activation_bytes(sdpa, spec)["layers"] \
         == spec.n_layers * per_layer
 
 
@@ -541,7 +555,7 @@ def test_eager_minus_sdpa_measured(model):
     spec = models.get_preset(model)
     eager, sdpa = (CellSpec(model=model, strategy=StrategySpec(name="single"), world_size=1, attention=att)
                    for att in ("eager", "sdpa"))
-    assert measured == analytic.activation_bytes(eager, spec)["layers"] - analytic.activation_bytes(sdpa, spec)["layers"]
+    assert measured == activation_bytes(eager, spec)["layers"] - activation_bytes(sdpa, spec)["layers"]
 
 
 # --- pipeline receive buffers against torch's PipelineStage (2 gloo ranks) ---------------------------

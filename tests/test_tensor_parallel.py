@@ -126,7 +126,7 @@ def test_tiny_models_at_their_tested_degrees_are_accepted():
 GPT2_TP, LLAMA_TP = tp_cell("gpt2-tiny"), tp_cell("llama-tiny")
 # One sample per data-parallel group: a global batch of 2, so it shares GPT2_TP's reference.
 GPT2_TP_FSDP = tp_cell("gpt2-tiny", "tp_fsdp", world_size=4, micro_batch=1)
-# The all-reduce widths and the recompute's extra all-reduce (analytic._tp_comm).
+# The all-reduce widths and the recompute's extra all-reduce (analytic_parallel._tp_comm).
 GPT2_TP_BF16, GPT2_TP_CKPT = tp_cell("gpt2-tiny", precision="bf16"), tp_cell("gpt2-tiny", checkpointing="full")
 
 

@@ -36,7 +36,7 @@ def _layout(c: CellSpec):
 
 def model_states(strategy: str) -> Callable[[Readings], Outcome]:
     def judge(r: Readings) -> Outcome:
-        from harness.predict import analytic
+        from harness.predict import analytic_data_parallel, formulas
 
         c = r.cell(strategy)
         record = r.record(c)
@@ -46,9 +46,9 @@ def model_states(strategy: str) -> Callable[[Readings], Outcome]:
         totals = [sum(h.values()) for h in held]
         least = min(range(len(held)), key=lambda i: totals[i])
         layout = _layout(c)
-        by_state = analytic.model_states_at_step(c, layout)
+        by_state = analytic_data_parallel.model_states_at_step(c, layout)
         stage = zero_claims.stage_held_at_step(strategy)
-        paper = analytic.zero_model_states(layout.numel, c.world_size, stage, **analytic.FP32_ADAM).total
+        paper = formulas.zero_model_states(layout.numel, c.world_size, stage, **formulas.FP32_ADAM).total
         return compare(totals[least], sum(by_state.values()), MODEL_STATES_TOL, details={
             "per_rank_total_bytes": totals,
             "breakdown_bytes": held[least],
@@ -69,19 +69,19 @@ def _bytes_by_op(record: dict) -> dict[str, float]:
 
 def comm_volume(strategy: str) -> Callable[[Readings], Outcome]:
     def judge(r: Readings) -> Outcome:
-        from harness.predict import analytic
+        from harness.predict import analytic_data_parallel, formulas
 
         c, ddp = r.cell(strategy), r.cell("ddp")
         mine, base = _bytes_by_op(r.record(c)), _bytes_by_op(r.record(ddp))
         layout = _layout(c)
         stage = zero_claims.zero_stage(strategy)
-        published = analytic.zero_comm_elements(layout.numel, stage) / analytic.zero_comm_elements(layout.numel, 0)
-        engine = (analytic.comm_volume(analytic.comm_bytes_per_step(c, layout))
-                  / analytic.comm_volume(analytic.comm_bytes_per_step(ddp, layout)))
-        measured = analytic.comm_volume(mine) / analytic.comm_volume(base)
+        published = formulas.zero_comm_elements(layout.numel, stage) / formulas.zero_comm_elements(layout.numel, 0)
+        engine = (formulas.comm_volume(analytic_data_parallel.comm_bytes_per_step(c, layout))
+                  / formulas.comm_volume(analytic_data_parallel.comm_bytes_per_step(ddp, layout)))
+        measured = formulas.comm_volume(mine) / formulas.comm_volume(base)
         return compare(measured, published, COMM_TOL, details={
             "bytes_by_op": mine, "ddp_bytes_by_op": base,
-            "volume_bytes": analytic.comm_volume(mine), "ddp_volume_bytes": analytic.comm_volume(base),
+            "volume_bytes": formulas.comm_volume(mine), "ddp_volume_bytes": formulas.comm_volume(base),
             "engine_predicted_ratio": engine,
         })
 
@@ -89,12 +89,12 @@ def comm_volume(strategy: str) -> Callable[[Readings], Outcome]:
 
 
 def ddp_comm_volume(r: Readings) -> Outcome:
-    from harness.predict import analytic
+    from harness.predict import formulas
 
     c = r.cell("ddp")
     by_op = _bytes_by_op(r.record(c))
     psi = _layout(c).numel
-    return compare(analytic.comm_volume(by_op), 4 * analytic.zero_comm_elements(psi, 0), COMM_TOL,
+    return compare(formulas.comm_volume(by_op), 4 * formulas.zero_comm_elements(psi, 0), COMM_TOL,
                    details={"bytes_by_op": by_op, "n_params": psi})
 
 
@@ -104,10 +104,10 @@ def _per_layer(c: CellSpec, checkpointing: str | None = None, value_bytes: int |
     """Korthikanti's per-layer bytes for this cell's model as the harness runs it: no dropout,
     SDPA (fused) attention, GPT-2's GeLU MLP, fp32 values unless told."""
     from harness import models
-    from harness.predict import analytic
+    from harness.predict import formulas
 
     spec = models.get_preset(c.model)
-    return analytic.activation_bytes_per_layer(
+    return formulas.activation_bytes_per_layer(
         spec.tokens_per_sample, c.micro_batch, spec.hidden, spec.n_heads, ffn=spec.ffn, mlp="gelu",
         value_bytes=value_bytes or (4 if c.strategy.precision == "fp32" else 2), dropout=False,
         fused_attention=True, checkpointing=checkpointing or c.strategy.checkpointing)
@@ -175,11 +175,11 @@ def activations_bf16_half(r: Readings) -> Outcome:
 
 
 def selective_recompute_70pct(r: Readings) -> Outcome:
-    from harness.predict import analytic
+    from harness.predict import formulas
 
     s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B's layer, 8-way tensor and sequence parallel
-    none = analytic.activation_bytes_per_layer(s, b, h, a, tensor_parallel=t, sequence_parallel=True)
-    selective = analytic.activation_bytes_per_layer(s, b, h, a, tensor_parallel=t, sequence_parallel=True,
+    none = formulas.activation_bytes_per_layer(s, b, h, a, tensor_parallel=t, sequence_parallel=True)
+    selective = formulas.activation_bytes_per_layer(s, b, h, a, tensor_parallel=t, sequence_parallel=True,
                                                     checkpointing="selective")
     saved = 1 - selective / none
     ok = abs(saved - 0.70) <= 0.005
@@ -190,11 +190,11 @@ def selective_recompute_70pct(r: Readings) -> Outcome:
 
 def eager_attention_scores(r: Readings) -> Outcome:
     from harness import models
-    from harness.predict import analytic
+    from harness.predict import analytic_data_parallel
 
     eager, sdpa = r.cell("ddp", attention="eager"), r.cell("ddp")
     spec = models.get_preset(eager.model)
-    predicted = (analytic.activation_bytes(eager, spec)["layers"] - analytic.activation_bytes(sdpa, spec)["layers"])
+    predicted = (analytic_data_parallel.activation_bytes(eager, spec)["layers"] - analytic_data_parallel.activation_bytes(sdpa, spec)["layers"])
     measured = _activations_at_peak(r, eager) - _activations_at_peak(r, sdpa)
     s, b, a = spec.tokens_per_sample, eager.micro_batch, spec.n_heads
     return compare(measured, predicted, EXACT_TOL, details={
@@ -206,18 +206,18 @@ def eager_attention_scores(r: Readings) -> Outcome:
 # --- pipeline bubble (no cells) -------------------------------------------------------------------
 
 def pipeline_bubble(r: Readings) -> Outcome:
-    from harness.predict import analytic
+    from harness.predict import formulas
 
     p, m = r.world_size, strategies.get("pp_1f1b").options["pp_microbatches"]
     return Outcome(
-        predicted=analytic.pipeline_bubble_fraction(p, m), measured=None, verdict="not measurable here",
+        predicted=formulas.pipeline_bubble_fraction(p, m), measured=None, verdict="not measurable here",
         reason=("a bubble is idle time, read from step times: on this shared 2-core CPU host the stages compete"
                 " for the same cores and gloo's point-to-point waits are scheduler noise, so no step time separates"
                 f" the bubble; the formula's value for p = {p}, m = {m} is shown"),
         details={"stages": p, "microbatches": m,
                  "bubble_over_ideal": (p - 1) / m,
-                 "interleaved_v2": analytic.pipeline_bubble_fraction(p, m, virtual_stages=2),
-                 "gpipe_4p_microbatches": analytic.pipeline_bubble_fraction(p, 4 * p)})
+                 "interleaved_v2": formulas.pipeline_bubble_fraction(p, m, virtual_stages=2),
+                 "gpipe_4p_microbatches": formulas.pipeline_bubble_fraction(p, 4 * p)})
 
 
 # --- tensor parallelism ---------------------------------------------------------------------------
@@ -229,12 +229,12 @@ def tp_strategy_present() -> bool:
 
 def tp_params_split(r: Readings) -> Outcome:
     from harness import models
-    from harness.predict import analytic
+    from harness.predict import analytic_parallel, formulas
 
     c = cell("tp", r.world_size)
     spec = models.get_preset(c.model)
-    numel, sharded = _layout(c).numel, analytic.tp_sharded_numel(spec)
-    predicted = analytic.tp_model_states(sharded, numel - sharded, r.world_size).params
+    numel, sharded = _layout(c).numel, analytic_parallel.tp_sharded_numel(spec)
+    predicted = formulas.tp_model_states(sharded, numel - sharded, r.world_size).params
     details = {"sharded_numel": sharded, "replicated_numel": numel - sharded, "tp": r.world_size,
                "unsplit_params_bytes": 4 * numel}
     if not tp_strategy_present():
@@ -258,18 +258,18 @@ def _optimizer_bytes(r: Readings, c: CellSpec) -> float:
 
 def adamw8bit_quarter(r: Readings) -> Outcome:
     from harness import models
-    from harness.predict import analytic
+    from harness.predict import analytic_data_parallel
 
     c8, c32 = r.cell("ddp", optimizer="adamw8bit"), r.cell("ddp")
     shapes = _layout(c8).shapes
-    formula = analytic.optimizer_state_bytes(shapes, "adamw8bit") / analytic.optimizer_state_bytes(shapes, "adamw")
+    formula = analytic_data_parallel.optimizer_state_bytes(shapes, "adamw8bit") / analytic_data_parallel.optimizer_state_bytes(shapes, "adamw")
     big = models.param_layout(models.get_preset("gpt2-124m")).shapes
-    at_scale = analytic.optimizer_state_bytes(big, "adamw8bit") / analytic.optimizer_state_bytes(big, "adamw")
+    at_scale = analytic_data_parallel.optimizer_state_bytes(big, "adamw8bit") / analytic_data_parallel.optimizer_state_bytes(big, "adamw")
     measured = _optimizer_bytes(r, c8) / _optimizer_bytes(r, c32)
     out = compare(measured, formula, EXACT_TOL, details={
         "adamw8bit_bytes": _optimizer_bytes(r, c8), "adamw_bytes": _optimizer_bytes(r, c32),
-        "formula_adamw8bit_bytes": analytic.optimizer_state_bytes(shapes, "adamw8bit"),
-        "formula_adamw_bytes": analytic.optimizer_state_bytes(shapes, "adamw"),
+        "formula_adamw8bit_bytes": analytic_data_parallel.optimizer_state_bytes(shapes, "adamw8bit"),
+        "formula_adamw_bytes": analytic_data_parallel.optimizer_state_bytes(shapes, "adamw"),
         "formula_ratio_gpt2_124m": at_scale,
     }, note=(f"¼ at scale: the formula gives {at_scale:.3f} for GPT-2 124M; {formula:.3f} here, where tensors"
              " under 4,096 values keep 32-bit state"))
@@ -280,11 +280,11 @@ def adamw8bit_quarter(r: Readings) -> Outcome:
 
 
 def adafactor_factored(r: Readings) -> Outcome:
-    from harness.predict import analytic
+    from harness.predict import analytic_data_parallel
 
     c = r.cell("ddp", optimizer="adafactor")
     shapes = _layout(c).shapes
-    return compare(_optimizer_bytes(r, c), analytic.optimizer_state_bytes(shapes, "adafactor"), EXACT_TOL,
+    return compare(_optimizer_bytes(r, c), analytic_data_parallel.optimizer_state_bytes(shapes, "adafactor"), EXACT_TOL,
                    details={"adamw_bytes": _optimizer_bytes(r, r.cell("ddp"))})
 
 
@@ -292,14 +292,14 @@ def adafactor_factored(r: Readings) -> Outcome:
 
 def powersgd(rank: int) -> Callable[[Readings], Outcome]:
     def judge(r: Readings) -> Outcome:
-        from harness.predict import analytic
+        from harness.predict import formulas
 
         c = r.cell("ddp", compression="powersgd", powersgd_rank=rank)
         by_op = r.record(c)["metrics"].get("comm_by_op") or {}
         if "all_reduce" not in by_op:
             raise NotMeasurable(f"{c.cell_id}: no all_reduce counted", failed=True)
         shapes = _layout(c).shapes
-        predicted = 4 * sum(analytic.powersgd_elements(s, rank) for s in shapes)
+        predicted = 4 * sum(formulas.powersgd_elements(s, rank) for s in shapes)
         ddp = _bytes_by_op(r.record(r.cell("ddp"))).get("all_reduce")
         return compare(by_op["all_reduce"]["bytes"], predicted, EXACT_TOL, details={
             "all_reduce_count": by_op["all_reduce"]["count"], "ddp_all_reduce_bytes": ddp,
@@ -383,12 +383,12 @@ def fp16_loss_scaling(r: Readings) -> Outcome:
 # --- ZeRO Table 1 (no cells) --------------------------------------------------------------------
 
 def zero_table_1(r: Readings) -> Outcome:
-    from harness.predict import analytic
+    from harness.predict import formulas
 
     misses, worst = [], 1.0
     for (psi, stage), row in TABLE_1.items():
         for degree, printed in zip(TABLE_1_DEGREES, row):
-            gb = analytic.zero_model_states(psi, degree, stage).total / 1e9
+            gb = formulas.zero_model_states(psi, degree, stage).total / 1e9
             unit = 10.0 ** -len(printed.split(".")[1]) if "." in printed else 1.0  # last printed digit
             worst = max(worst, gb / float(printed), key=lambda x: abs(x - 1))
             if abs(gb - float(printed)) >= unit:

@@ -244,7 +244,9 @@ STRATEGIES = (
         name="tp_fsdp", summary="tensor parallel inside tp_degree-sized groups, FSDP2 over the groups (2-D mesh)",
         engine="torch", families=("tp", "fsdp"), options={"tp_degree": DEFAULT_TP_DEGREE},
         capabilities=_TP_FSDP_CAPABILITIES, combination_problem=combination_problem,
-        layout_problem=_tp_fsdp_layout_problem, engine_model=EngineModel(analytic="tensor_parallel"),
+        layout_problem=_tp_fsdp_layout_problem,
+        # FSDP2 shards each rank's tensor-parallel part over the data-parallel groups.
+        engine_model=EngineModel(analytic="tensor_parallel", sharded=frozenset({"optimizer", "grads", "params"})),
         prepare=prepare,
     ),
 )

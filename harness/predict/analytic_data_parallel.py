@@ -1,0 +1,243 @@
+"""The analytic model of a data-parallel or sharded cell (DDP, torch ZeRO-1, FSDP2, FSDP1,
+DeepSpeed ZeRO, FairScale), per rank: ZeRO's formulas with what each engine keeps in which
+precision, its buffers and collectives, what offload moves to the host and what exists only
+during forward and backward. Also a cell's activations (Korthikanti et al.), which the
+model-parallel parts (analytic_parallel.py) reuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harness.config import CellSpec
+from harness.distributed import DistEnv, hsdp_shape
+from harness.features.optimizers import BITSANDBYTES
+from harness.models import ModelSpec, ParamLayout
+from harness.predict.formulas import (
+    activation_bytes_per_layer,
+    adafactor_state_bytes,
+    adamw_state_bytes,
+    blockwise_8bit_state_bytes,
+    powersgd_elements,
+)
+from harness import strategies
+from harness.strategies import deepspeed_zero  # its bucket sizing; DeepSpeed itself is imported on use
+from harness.strategies.base import EngineModel
+
+# DeepSpeed's default stage3_max_live_parameters: a model within it stays gathered from
+# forward to backward (measured here: one all-gather per micro-step for the tiny models).
+DS_MAX_LIVE_PARAMETERS = 1e9
+# Bytes of one value in the cell's compute precision.
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _engine(cell: CellSpec) -> EngineModel:
+    """What the cell's strategy declares of how its engine holds and moves the model."""
+    return strategies.get(cell.strategy.name).engine_model
+
+
+def shard_degree(cell: CellSpec, nodes: int = 1) -> int:
+    """Ranks a sharded state is split over: the world, or the shard dimension of HSDP."""
+    if _engine(cell).shard_group == "hsdp_shard":
+        env = DistEnv(rank=0, world_size=cell.world_size, nnodes=nodes, device=None, backend="")
+        return hsdp_shape(env)[1]
+    return cell.world_size
+
+
+def tensor_parallel_degree(cell: CellSpec) -> int:
+    """Ranks a tensor-parallel group splits each layer over: every rank for tp, the inner
+    mesh dimension for tp_fsdp, Megatron's tensor-parallel size for megatron, 1 otherwise."""
+    s = cell.strategy
+    if s.tp_degree is not None:
+        return s.tp_degree
+    return cell.world_size if _engine(cell).analytic == "tensor_parallel" else 1
+
+
+def optimizer_state_bytes(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], optimizer: str) -> float:
+    """Bytes of optimizer state for fp32 parameters of the given shapes under the cell's
+    optimizer (harness/features/optimizers.py), by its paper's formula."""
+    if optimizer == "adamw":
+        return adamw_state_bytes(shapes)
+    if optimizer in BITSANDBYTES:
+        return blockwise_8bit_state_bytes(shapes)
+    if optimizer == "adafactor":
+        return adafactor_state_bytes(shapes)
+    raise ValueError(f"optimizer={optimizer!r}: no state formula")
+
+
+def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> dict[str, float]:
+    """Bytes per rank held when the optimizer step begins, by category.
+
+    ZeRO's formulas with the cell's engine's byte counts: torch's autocast and FSDP's
+    mixed-precision policies keep fp32 parameters and gradients (no master copy: K = the
+    optimizer's own state); DeepSpeed keeps parameters and gradients in the compute
+    precision and an fp32 master partition (K = 4 + the optimizer's state), as the paper.
+    ``buffers``: DDP's flat gradient bucket (one gradient-sized copy; torch DDP,
+    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP); DeepSpeed ZeRO-3's gradient reduce
+    bucket, which stays allocated between steps (reduce_bucket_size elements: the model's
+    size up to DeepSpeed's default, as harness/strategies/deepspeed_zero.py configures it).
+    """
+    s, engine = cell.strategy, _engine(cell)
+    degree = shard_degree(cell, nodes)
+    psi = layout.numel
+    opt = optimizer_state_bytes(layout.shapes, s.optimizer)
+    if engine.fp32_master_partition:
+        param_bytes = grad_bytes = PRECISION_BYTES[s.precision]
+        opt += 4 * psi  # the fp32 master partition
+    else:
+        param_bytes = grad_bytes = 4
+
+    def per_rank(nbytes: float, kind: str) -> float:
+        return nbytes / degree if kind in engine.sharded else nbytes
+
+    grads = psi * grad_bytes
+    buffers = {"none": 0.0, "ddp_bucket": grads,
+               "deepspeed_reduce_bucket": min(psi, deepspeed_zero.DEFAULT_BUCKET_ELEMENTS) * grad_bytes,
+               }[engine.grad_buffer]
+    return {
+        "params": per_rank(psi * param_bytes, "params"),
+        "grads": per_rank(grads, "grads"),
+        "optimizer": per_rank(opt, "optimizer"),
+        "buffers": buffers,
+    }
+
+
+def attention_is_fused(cell: CellSpec) -> bool:
+    """SDPA and flash kernels keep no s×s score matrix; eager attention keeps the softmax
+    output for its backward (Korthikanti's 5·a·s²·b term; Dao et al. 2022, FlashAttention)."""
+    return cell.attention != "eager"
+
+
+def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
+    """Korthikanti's per-layer activations × layers for one micro-batch, plus the logits.
+
+    Text and ViT transformers only (the MLP model has no attention: 0). The models here run
+    without dropout; activations are fp32 under fp32 and, under autocast, mostly 16-bit. The
+    logits term is the fp32 s·b·V output of the LM head that the loss keeps (HF upcasts
+    logits to fp32), which Korthikanti leaves out.
+    The attention follows ``cell.attention``: fused (sdpa, flash) keeps no scores and takes
+    grouped K and V as they are; eager keeps the softmax output, and transformers expands
+    grouped K and V to every head (repeat_kv) before its score matmuls, so it keeps them full
+    width. A tensor-parallel cell divides the TP region's terms by its degree (no sequence
+    parallelism); a mixture of experts keeps each token's expert MLP terms top_k times.
+    """
+    if spec.family == "mlp":
+        return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
+    fused = attention_is_fused(cell)
+    moe = spec.family == "moe"
+    per_layer = activation_bytes_per_layer(
+        spec.tokens_per_sample, cell.micro_batch, spec.hidden, spec.n_heads, ffn=spec.ffn,
+        mlp="swiglu" if spec.family in ("llama", "moe") else "gelu",
+        value_bytes=PRECISION_BYTES[cell.strategy.precision], dropout=False, fused_attention=fused,
+        checkpointing=cell.strategy.checkpointing, tensor_parallel=tensor_parallel_degree(cell),
+        kv_heads=spec.kv_heads if fused else spec.n_heads,
+        experts_per_token=spec.top_k if moe else 1, router_experts=spec.n_experts if moe else 0)
+    logits_width = spec.vocab_size or spec.num_classes
+    return {
+        "per_layer": per_layer,
+        "layers": per_layer * spec.n_layers,
+        "logits": 4.0 * spec.tokens_per_sample * cell.micro_batch * logits_width
+        if spec.family != "vit" else 4.0 * cell.micro_batch * logits_width,
+    }
+
+
+def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> dict[str, float]:
+    """Payload bytes per collective kind per optimizer step, in the harness's convention
+    (harness/measure/comm.py: all-reduce the tensor, all-gather the gathered output,
+    reduce-scatter the full input), so it compares with the counted bytes directly.
+
+    From ZeRO §7 and the FSDP paper §3.2, per engine: DDP all-reduces the gradients once per
+    step (fp32, or half with an fp16 hook; PowerSGD the factors of ``powersgd_elements``);
+    ZeRO-1 over DDP adds a broadcast of the updated parameters (torch and FairScale OSS);
+    FairScale SDP reduces to each owner and broadcasts; FSDP all-gathers the parameters
+    (in the compute dtype) in forward and, resharded, again in backward, and
+    reduce-scatters fp32 gradients; with accumulation the gathers repeat per micro-step
+    while the reduction happens once; FSDP1 keeps the root unit gathered between forward and
+    backward; HSDP also all-reduces each shard over the replicate dimension; DeepSpeed
+    ZeRO-1/2 all-reduces the gradients and all-gathers the updated partitions, ZeRO-3
+    gathers in forward and, when the model exceeds its live-parameter budget
+    (stage3_max_live_parameters), again in backward, and reduce-scatters, each micro-step.
+    Scalars (loss-scale and overflow flags) are left out.
+    """
+    s, engine = cell.strategy, _engine(cell)
+    psi, a = layout.numel, s.accumulation
+    low = PRECISION_BYTES[s.precision]
+    if engine.comm == "all_reduce":
+        if s.compression == "powersgd":
+            reduced = 4 * sum(powersgd_elements(shape, s.powersgd_rank) for shape in layout.shapes)
+        else:
+            reduced = psi * (2 if s.compression in ("fp16", "bf16") else 4)
+        out = {"all_reduce": reduced}
+        if "optimizer" in engine.sharded:  # each rank broadcasts the parameters it updated
+            out["broadcast"] = 4 * psi
+        return out
+    if engine.comm == "reduce_to_owner":
+        return {"reduce": 4 * psi, "broadcast": 4 * psi}
+    if engine.comm == "gather_and_reduce_scatter":
+        gather = low * psi
+        gathers = {"forward": gather, "forward_and_backward": 2 * gather,
+                   "forward_and_backward_but_root": 2 * gather - low * layout.root_numel}[engine.gathers]
+        out = {"all_gather": gathers * a, "reduce_scatter": 4 * psi}
+        if engine.shard_group == "hsdp_shard":
+            out["all_reduce"] = 4 * psi / shard_degree(cell, nodes)
+        return out
+    if engine.comm == "deepspeed":
+        if "params" not in engine.sharded:  # ZeRO-1/2
+            return {"all_reduce": low * psi, "all_gather": low * psi}
+        gathers = 1 if psi <= DS_MAX_LIVE_PARAMETERS else 2
+        return {"all_gather": gathers * low * psi * a, "reduce_scatter": low * psi * a}
+    return {}  # the reference: nothing to communicate
+
+
+def offloaded_bytes(cell: CellSpec, states: dict[str, float]) -> dict[str, float]:
+    """Which model states live in host memory rather than on the device (ZeRO-Offload,
+    Ren et al. 2021; FSDP CPUOffload): parameter offload moves the sharded parameters and
+    gradients, optimizer offload the gradients' fp32 copy, master weights and moments."""
+    o = cell.strategy.offload
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if o in ("params", "optimizer_params"):
+        out["params"] = states["params"]
+        # FSDP's CPU offload keeps the sharded gradients on the host too; DeepSpeed's
+        # offload_param moves the parameters only.
+        if strategies.get(cell.strategy.name).engine != "deepspeed":
+            out["grads"] = states["grads"]
+    if o in ("optimizer", "optimizer_params"):
+        out["optimizer"] = states["optimizer"]
+        out["grads"] = states["grads"]
+    return out
+
+
+def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dict[str, float]:
+    """Tensors that exist only during forward and backward, beside the model states:
+
+    - ``gathered``: sharded parameters gathered for compute (FSDP, ZeRO-3): the root unit
+      (embeddings and head, gathered for the whole step) and two blocks (the one computing
+      and the one prefetched), in the compute dtype (DeepSpeed's ZeRO-3 estimator reserves
+      the largest layer the same way); FSDP's grad_op (SHARD_GRAD_OP) keeps every unit
+      gathered from forward to the end of backward, and so does DeepSpeed ZeRO-3 for a model
+      within its live-parameter budget;
+    - ``autocast_copies``: torch autocast caches a 16-bit copy of every weight it casts
+      for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
+    - ``recompute``: with full checkpointing, one block's activations exist again while its
+      backward recomputes them.
+    """
+    s, engine = cell.strategy, _engine(cell)
+    low = PRECISION_BYTES[s.precision]
+    params_sharded = "params" in engine.sharded
+    gathered = low * (layout.root_numel + 2 * layout.block_numel) if params_sharded else 0.0
+    keeps_all_gathered = engine.keeps_gathered == "always" or (
+        engine.keeps_gathered == "within_live_parameters" and layout.numel <= DS_MAX_LIVE_PARAMETERS)
+    if keeps_all_gathered:
+        gathered = low * layout.numel  # gathered in forward, kept through backward
+    # DeepSpeed casts the model itself (its fp32 master partition is the optimizer's).
+    uses_autocast = s.precision != "fp32" and not params_sharded and not engine.fp32_master_partition
+    return {"gathered": gathered, "autocast_copies": 2.0 * layout.numel if uses_autocast else 0.0,
+            "recompute": recompute_bytes(cell, spec)}
+
+
+def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:
+    """With full checkpointing one block's activations exist again during its backward."""
+    if cell.strategy.checkpointing != "full":
+        return 0.0
+    unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none"))
+    return activation_bytes(unchecked, spec)["per_layer"]

@@ -1,0 +1,414 @@
+"""The analytic model of a cell that splits the model or the sequence rather than (only) the
+batch, per rank: tensor parallelism (tp, tp_fsdp), torch's pipeline schedules, Megatron
+(tp × pp × dp), context parallelism (cp) and DeepSpeed AutoEP's expert parallelism. Each
+strategy's parts (model states, activations, transients, communication) come from the
+formulas and, where the strategy wraps a data-parallel engine, from analytic_data_parallel.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+from harness.config import CellSpec
+from harness.models import ModelSpec, ParamLayout
+from harness.predict.analytic_data_parallel import (
+    PRECISION_BYTES,
+    activation_bytes,
+    comm_bytes_per_step,
+    model_states_at_step,
+    optimizer_state_bytes,
+    recompute_bytes,
+    tensor_parallel_degree,
+    transient_bytes,
+)
+from harness.predict.formulas import (
+    context_parallel_kv_bytes,
+    expert_parallel_all_to_all_bytes,
+    expert_parallel_local_params,
+    expert_parallel_most_received_rows,
+    megatron_model_states,
+    megatron_optimizer_comm_bytes,
+    megatron_tp_all_reduce_bytes,
+    pipeline_bubble_fraction,
+    pipeline_p2p_bytes,
+    pipeline_peak_in_flight,
+    tp_all_reduce_bytes,
+    tp_model_states,
+)
+from harness import strategies
+from harness.strategies import pipeline  # its stage split; the schedules come from torch
+
+# The residual stream that crosses a pipeline boundary stays fp32 under torch autocast.
+_BOUNDARY_BYTES = 4
+
+
+def _embedding_numel(spec: ModelSpec) -> int:
+    return spec.vocab_size * spec.hidden + (spec.seq_len * spec.hidden if spec.family == "gpt2" else 0)
+
+
+def _low_precision_copies(cell: CellSpec, local_params: float) -> float:
+    """torch autocast caches a 16-bit copy of every weight it casts for the forward."""
+    return 2.0 * local_params if cell.strategy.precision != "fp32" else 0.0
+
+
+def _rank_peak(rank: dict) -> float:
+    return sum(rank["states"].values()) + rank["activations"] + sum(rank["transient"].values())
+
+
+# --- tensor parallelism ---------------------------------------------------------------------------
+
+def tp_sharded_numel(spec: ModelSpec) -> int | None:
+    """Parameters of the blocks' column- and row-parallel linear layers (Megatron §3): the
+    attention's Q, K, V (column, their biases split with them) and output projection (row,
+    its bias replicated), the MLP's first linear(s) (column) and second (row). None for the
+    families whose blocks are not a plain attention + MLP pair (mixture of experts: experts
+    are split by expert parallelism, not this)."""
+    h, f, d = spec.hidden, spec.ffn, spec.head_dim
+    if spec.family == "gpt2":
+        per_block = (h * 3 * h + 3 * h) + h * h + (h * f + f) + f * h
+    elif spec.family == "llama":
+        per_block = h * (spec.n_heads + 2 * spec.kv_heads) * d + spec.n_heads * d * h + 3 * h * f
+    else:
+        return None
+    return spec.n_layers * per_block
+
+
+def _sharded_over_data_parallel(cell: CellSpec) -> bool:
+    """tp_fsdp: FSDP2 shards each tensor-parallel part over the data-parallel groups, and casts
+    the parameters to the compute dtype itself (tp computes under torch autocast)."""
+    return "params" in strategies.get(cell.strategy.name).engine_model.sharded
+
+
+def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
+    """tp: Megatron's split with fp32 parameters, gradients and AdamW moments (torch
+    autocast keeps fp32 parameters: no master copy); tp_fsdp: the same, then sharded over
+    the data-parallel dimension (FSDP2 holds ZeRO-3's layout at the optimizer step)."""
+    sharded = tp_sharded_numel(spec)
+    dp = cell.strategy.data_parallel_size(cell.world_size) if _sharded_over_data_parallel(cell) else 1
+    states = tp_model_states(sharded, layout.numel - sharded, tensor_parallel_degree(cell), data_parallel=dp)
+    step_counters = 4 * len(layout.shapes)  # one fp32 step per tensor, split or not
+    return {"params": states.params, "grads": states.grads, "optimizer": states.optimizer + step_counters,
+            "buffers": 0.0}
+
+
+def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
+    """Megatron's four all-reduces per block (``tp_all_reduce_bytes``) per micro-step, each
+    direction in the width noted below; tp_fsdp adds FSDP's gathers (forward and
+    backward) and reduce-scatter of each rank's tensor-parallel part."""
+    s = cell.strategy
+    # tp computes under autocast: the blocks' inputs (norm outputs) stay fp32, so their
+    # gradients, the backward all-reduces, are fp32 (tests/test_tensor_parallel.py: gpt2-tiny
+    # bf16 98,304 B = 4 × 2-byte forward + 4 × 4-byte backward values of b·s·h); tp_fsdp casts
+    # the parameters (FSDP's policy), so there both directions are taken in the compute dtype
+    # (not measured yet). A checkpointed block's recompute stops at its last saved tensor and
+    # repeats one forward all-reduce, the attention's (tests/test_tensor_parallel.py: full
+    # checkpointing, fp32, 163,840 B = 131,072 + 2 blocks × b·s·h × 4 B).
+    low = PRECISION_BYTES[s.precision]
+    out = {"all_reduce": s.accumulation * tp_all_reduce_bytes(
+        cell.micro_batch, spec.tokens_per_sample, spec.hidden, spec.n_layers, forward_bytes=low,
+        backward_bytes=low if _sharded_over_data_parallel(cell) else 4,
+        recomputed_per_block=int(s.checkpointing != "none"))}
+    if _sharded_over_data_parallel(cell):
+        sharded = tp_sharded_numel(spec)
+        local = sharded / s.tp_degree + layout.numel - sharded
+        out["all_gather"] = 2 * low * local * s.accumulation
+        out["reduce_scatter"] = 4 * local
+    return out
+
+
+def _tp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    states = _tp_states(cell, spec, layout)
+    transient = {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, states["params"] / 4),
+                 "recompute": recompute_bytes(cell, spec)}
+    if _sharded_over_data_parallel(cell):  # FSDP2 casts itself; it gathers as fsdp_full does
+        t = tensor_parallel_degree(cell)
+        block = layout.block_numel - tp_sharded_numel(spec) / spec.n_layers * (1 - 1 / t)
+        transient["gathered"] = PRECISION_BYTES[cell.strategy.precision] * (layout.root_numel + 2 * block)
+        transient["autocast_copies"] = 0.0
+    return {"states": states, "activations": activation_bytes(cell, spec), "transient": transient,
+            "comm": _tp_comm(cell, spec, layout), "extra": {}}
+
+
+# --- pipelines (torch's schedules) ----------------------------------------------------------------
+
+def pipeline_stage_layers(layers: int, stages: int) -> list[int]:
+    """Consecutive blocks per stage (GPipe, Huang et al. 2019), as evenly as they go, as
+    harness/strategies/pipeline.py splits them (``stage_blocks``): the remainder goes to the
+    middle stages first, then the first, then the last (the first also embeds, the last also
+    runs the LM head), so the first or the last stage may hold no block; a middle one must."""
+    counts = [len(blocks) for blocks in pipeline.stage_blocks(layers, stages)] if stages >= 1 else []
+    if not counts or 0 in counts[1:-1]:
+        raise ValueError(f"stages={stages}: {layers} layers leave a middle stage empty (or no stage at all)")
+    return counts
+
+
+def pipeline_stage_params(block: int, layers: int, stages: int, *, first: int, last: int) -> list[int]:
+    """Parameters each pipeline stage holds: its blocks (``pipeline_stage_layers``), the
+    embeddings (``first``) on the first stage, the final norm and LM head (``last``) on the
+    last. Each stage's optimizer steps its own, so its model states follow from these."""
+    params = [n * block for n in pipeline_stage_layers(layers, stages)]
+    params[0] += first
+    params[-1] += last
+    return params
+
+
+def interleaved_1f1b_order(rank: int, ranks: int, microbatches: int, virtual_stages: int) -> list[tuple[int, bool]]:
+    """(stage, is_forward) for each computation ``rank`` runs in one step of torch's
+    ScheduleInterleaved1F1B, in order: the schedule's own plan
+    (``_calculate_single_rank_operations``, which reads only these four sizes), not a copy
+    of it. Its rounds (``max(1, m // p)``) make its warm-up differ from Megatron's when p
+    does not divide m."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, microbatches // ranks)  # as ScheduleInterleaved1F1B.__init__ sets them
+    sizes = types.SimpleNamespace(n_local_stages=virtual_stages, pp_group_size=ranks, _n_microbatches=microbatches,
+                                  microbatches_per_round=microbatches // rounds)
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank)
+    return [(a.stage_index, a.computation_type == _ComputationType.FORWARD) for a in actions if a is not None]
+
+
+def pipeline_rank_activations(schedule: str, rank: int, ranks: int, microbatches: int,
+                              bytes_per_microbatch: dict[int, float]) -> float:
+    """Activation bytes ``rank`` holds at its peak, from each of its stages' bytes for one
+    micro-batch: GPipe every micro-batch (Huang et al. 2019); 1F1B p − rank of them
+    (Narayanan et al. 2021 §2.2.1); interleaved 1F1B as torch's schedule orders them
+    (``interleaved_1f1b_order``; ``pipeline_first_stage_layer_activations`` is Megatron's
+    closed form for rank 0)."""
+    if schedule == "gpipe":
+        return microbatches * sum(bytes_per_microbatch.values())
+    if schedule == "1f1b":
+        (stage_bytes,) = bytes_per_microbatch.values()
+        return min(ranks - rank, microbatches) * stage_bytes
+    virtual_stages = len(bytes_per_microbatch)
+    return pipeline_peak_in_flight(interleaved_1f1b_order(rank, ranks, microbatches, virtual_stages),
+                                   bytes_per_microbatch)
+
+
+def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
+    """Each rank's model states (fp32 AdamW), activations at its peak and transfers.
+
+    A rank holds v stages (stage i on rank i mod p: v = 1, or 2 for the interleaved
+    schedule, harness/strategies/pipeline.py). The embeddings sit on the first stage, the
+    final norm and a V×h LM head on the last (a tied head is a copy there: the last stage
+    computes the logits); the last stage also keeps its micro-batches' logits. In flight at a
+    rank's peak: ``pipeline_rank_activations``. Every boundary carries each micro-batch's
+    b·s·h hidden states forward and their gradient back (``pipeline_p2p_bytes``); torch's
+    PipelineStage keeps one receive buffer per micro-batch for each (a non-first stage's
+    inputs, a non-last stage's output gradients) from step to step: the ``buffers``, as
+    many bytes as the rank receives. A tied table's two copies (first and last stage) send
+    each other their gradients once a step."""
+    s, p = cell.strategy, cell.world_size
+    m, schedule = s.pp_microbatches, strategies.get(s.name).engine_model.pipeline_schedule
+    n_stages = pipeline.n_stages(s.name, p)
+    first = _embedding_numel(spec)
+    tied = spec.family == "gpt2" or spec.tie_embeddings
+    last = layout.root_numel - first + (spec.vocab_size * spec.hidden if tied else 0)
+    params = pipeline_stage_params(layout.block_numel, spec.n_layers, n_stages, first=first, last=last)
+    acts = activation_bytes(cell, spec)
+    per_microbatch = [layers * acts["per_layer"] for layers in pipeline_stage_layers(spec.n_layers, n_stages)]
+    per_microbatch[-1] += acts["logits"]
+    ranks = []
+    for rank in range(p):
+        mine = range(rank, n_stages, p)
+        n_params = sum(params[i] for i in mine)
+        received = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, m,
+                                      neighbours=sum((i > 0) + (i < n_stages - 1) for i in mine),
+                                      value_bytes=_BOUNDARY_BYTES)
+        swapped = 4.0 * spec.vocab_size * spec.hidden if tied and rank in (0, p - 1) else 0.0
+        ranks.append({
+            "states": {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params,
+                       "buffers": received},
+            "activations": pipeline_rank_activations(schedule, rank, p, m, {i: per_microbatch[i] for i in mine}),
+            "transient": {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, n_params),
+                          "recompute": recompute_bytes(cell, spec)},
+            "comm": {"send": received + swapped, "recv": received + swapped}})
+    return ranks
+
+
+def _pipeline_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """The rank whose peak is highest."""
+    ranks = _pipeline_ranks(cell, spec, layout)
+    peak = max(ranks, key=_rank_peak)
+    s = cell.strategy
+    virtual_stages = pipeline.n_stages(s.name, cell.world_size) // cell.world_size
+    return {"states": peak["states"],
+            # The last stage's logits are inside its held total.
+            "activations": {"per_layer": activation_bytes(cell, spec)["per_layer"], "layers": peak["activations"],
+                            "logits": 0.0},
+            "transient": peak["transient"], "comm": peak["comm"],
+            "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.pp_microbatches, virtual_stages),
+                      "per_rank_peak_bytes": [_rank_peak(r) for r in ranks]}}
+
+
+# --- Megatron-core (GPTModel, its DDP and distributed optimizer) ----------------------------------
+
+def megatron_split_numel(spec: ModelSpec) -> int:
+    """Parameters Megatron's GPTModel splits over its tensor-parallel ranks: the blocks'
+    column- and row-parallel linears (``tp_sharded_numel``) and, vocabulary-parallel, the
+    token table (VocabParallelEmbedding) and an untied output layer (ColumnParallelLinear; a
+    tied one reuses the table). Position embeddings, norms and row-parallel biases are
+    replicated."""
+    tables = 1 if spec.family == "gpt2" or spec.tie_embeddings else 2
+    return tp_sharded_numel(spec) + tables * spec.vocab_size * spec.hidden
+
+
+def _megatron_stage_params(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[float]:
+    """Parameters each pipeline stage's tensor-parallel rank holds under Megatron: its
+    n_layers / pp blocks with their linears split over tp; the first stage the
+    vocabulary-parallel table (and GPT-2's replicated positions); the last the final norm and
+    the vocabulary-parallel output layer (a tied one is the table itself at pp = 1, a copy of
+    it on the last stage otherwise)."""
+    s, vocab_table = cell.strategy, spec.vocab_size * spec.hidden
+    tp, pp = s.tp_degree, s.pp_degree
+    tied = spec.family == "gpt2" or spec.tie_embeddings
+    split_per_block = tp_sharded_numel(spec) / spec.n_layers
+    block = layout.block_numel - split_per_block * (1 - 1 / tp)
+    norm = layout.root_numel - _embedding_numel(spec) - (0 if tied else vocab_table)
+    first = vocab_table / tp + _embedding_numel(spec) - vocab_table
+    last = norm + (vocab_table / tp if not tied or pp > 1 else 0.0)
+    return pipeline_stage_params(block, spec.n_layers, pp, first=first, last=last)
+
+
+def _megatron_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
+    """Each pipeline stage's model states, activations at its peak and traffic per step.
+
+    With pp > 1 a step is Megatron's 1F1B (forward_backward_pipelining_without_interleaving)
+    over pp_microbatches micro-batches: stage i holds min(pp − i, m) of them
+    (``pipeline_rank_activations``), sends and receives each one's fp32 b·s·h hidden states
+    (pipeline_dtype) and their gradients over its boundaries, and a tied table's first- and
+    last-stage copies all-reduce their fp32 gradients once a step (finalize_model_grads)."""
+    s = cell.strategy
+    tp, pp = s.tp_degree, s.pp_degree
+    forwards = (s.pp_microbatches if pp > 1 else 1) * s.accumulation
+    layers = spec.n_layers // pp
+    tied = spec.family == "gpt2" or spec.tie_embeddings
+    acts = activation_bytes(cell, spec)
+    logits = acts["logits"] / tp  # the cross entropy keeps its vocabulary-parallel fp32 softmax
+    b, seq, h = cell.micro_batch, spec.tokens_per_sample, spec.hidden
+    stages = []
+    for i, n_params in enumerate(_megatron_stage_params(cell, spec, layout)):
+        first, last = i == 0, i == pp - 1
+        states = megatron_model_states(n_params, s.data_parallel_size(cell.world_size))
+        all_reduce = forwards * megatron_tp_all_reduce_bytes(
+            b, seq, h, layers, tp, embeds=first, head=last,
+            recomputed_per_block=2 if s.checkpointing == "full" else 0)
+        if tied and pp > 1 and (first or last):
+            all_reduce += 4.0 * spec.vocab_size * h / tp
+        comm = {"all_reduce": all_reduce, **megatron_optimizer_comm_bytes(n_params)}
+        if pp > 1:
+            p2p = pipeline_p2p_bytes(b, seq, h, forwards, neighbours=(i > 0) + (i < pp - 1))
+            comm |= {"send": p2p, "recv": p2p}
+        per_microbatch = layers * acts["per_layer"] + (logits if last else 0.0)
+        stages.append({
+            "states": {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
+                       "buffers": 0.0},
+            "activations": pipeline_rank_activations("1f1b", i, pp, forwards, {i: per_microbatch}),
+            "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": recompute_bytes(cell, spec)},
+            "comm": comm})
+    return stages
+
+
+def _megatron_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """megatron (fp32 only), the stage whose peak is highest: ``megatron_model_states``,
+    Korthikanti's tensor-parallel activations (eager attention, as Megatron's local layers
+    compute it) and ``megatron_tp_all_reduce_bytes`` per micro-batch,
+    ``megatron_optimizer_comm_bytes`` once a step, and with pp > 1 the schedule's transfers.
+    Not measured (megatron needs CUDA). Omitted: the buffers' padding (each parameter starts
+    at a multiple of 64 elements, each bucket ends at one of lcm(dp, 128)), AdamW's step
+    counters (host tensors on CUDA) and the scalar collectives (gradient norm, loss)."""
+    stages = _megatron_stages(cell, spec, layout)
+    peak = max(stages, key=_rank_peak)
+    acts = activation_bytes(cell, spec)
+    extra = {}
+    if cell.strategy.pp_degree > 1:
+        extra = {"bubble_fraction": pipeline_bubble_fraction(cell.strategy.pp_degree, cell.strategy.pp_microbatches),
+                 "per_stage_peak_bytes": [_rank_peak(st) for st in stages]}
+    return {"states": peak["states"],
+            "activations": {"per_layer": acts["per_layer"], "layers": peak["activations"], "logits": 0.0},
+            "transient": peak["transient"], "comm": peak["comm"], "extra": extra}
+
+
+# --- context parallelism --------------------------------------------------------------------------
+
+def _cp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """cp wraps the replicated model in DDP: DDP's model states, gradient all-reduce and
+    transients; the activations of the rank's s/W tokens (its sequence shard); ring
+    attention's K/V traffic (``context_parallel_kv_bytes``) per micro-step, with K and V at
+    kv_heads wide (transformers passes grouped K and V to SDPA when there is no mask, which
+    the strategy arranges; assumed kept so by the CUDA kernels) and a fully checkpointed
+    block recomputing its attention (the harness's selective policy saves SDPA's outputs).
+    Omitted: the gathered K/V buffer and the ring's partial outputs, which live only within
+    one attention call."""
+    s, degree = cell.strategy, cell.world_size
+    as_ddp = dataclasses.replace(cell, strategy=dataclasses.replace(s, name="ddp"))
+    shard = dataclasses.replace(spec, seq_len=spec.seq_len // degree)
+    ring = context_parallel_kv_bytes(cell.micro_batch, spec.tokens_per_sample, spec.kv_heads * spec.head_dim,
+                                     spec.n_layers, degree, value_bytes=PRECISION_BYTES[s.precision],
+                                     recomputed_per_layer=int(s.checkpointing == "full"))
+    comm = comm_bytes_per_step(as_ddp, layout) | {op: s.accumulation * nbytes for op, nbytes in ring.items()}
+    return {"states": model_states_at_step(as_ddp, layout), "activations": activation_bytes(cell, shard),
+            "transient": transient_bytes(as_ddp, layout, shard), "comm": comm, "extra": {}}
+
+
+# --- expert parallelism ---------------------------------------------------------------------------
+
+Shapes = list[tuple[int, ...]]
+
+
+def _autoep_shapes(spec: ModelSpec, layout: ParamLayout, ep: int) -> tuple[Shapes, Shapes]:
+    """(the non-expert tensors, this rank's expert tensors) as AutoEP holds them: in place of
+    each MoE layer's stacked 3-D gate_up_proj and down_proj (the model's only 3-D weights,
+    harness/models/moe.py) its GroupedExperts' w1, w3 (E/ep × ffn × h) and w2 (E/ep × h × ffn)
+    (deepspeed/moe/ep_experts.py): the same values in three tensors, which counts for the
+    optimizer's per-tensor state."""
+    shared = [shape for shape in layout.shapes if len(shape) != 3]
+    local, h, f = spec.n_experts // ep, spec.hidden, spec.ffn
+    experts = [(local, f, h), (local, h, f), (local, f, h)] * spec.n_layers
+    return shared, experts
+
+
+def _expert_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """deepspeed_autoep (fp32; harness/strategies/expert_parallel.py), every rank alike, its
+    expert-parallel group the whole world:
+    - model states: ``expert_parallel_local_params`` in fp32 with their AdamW moments and
+      step counters (the client optimizer steps the rank's own tensors); ZeRO stage 0 keeps
+      no gradient bucket or master copy (README "Predicted beside measured");
+    - communication: one fp32 all-reduce of every local gradient per step (the non-expert
+      ones over all ranks, the experts' over their expert-data-parallel group: one rank here,
+      still issued and counted) and ``expert_parallel_all_to_all_bytes`` per micro-step for
+      the balanced routing (the mean over ranks; the record holds rank 0's, whose routing may
+      differ by a few rows); the worst case (``expert_parallel_most_received_rows``) is
+      reported beside it as ``all_to_all_worst_case_bytes``;
+    - activations: the mixture of experts' (``activation_bytes``), AutoEP's dispatch buffers
+      left out."""
+    s, ep = cell.strategy, cell.world_size
+    shared, experts = _autoep_shapes(spec, layout, ep)
+    local = expert_parallel_local_params(shared=sum(math.prod(shape) for shape in shared),
+                                         expert=3 * spec.hidden * spec.ffn, n_experts=spec.n_experts,
+                                         layers=spec.n_layers, ep=ep)
+    states = {"params": 4.0 * local, "grads": 4.0 * local,
+              "optimizer": optimizer_state_bytes(shared + experts, s.optimizer), "buffers": 0.0}
+    tokens = cell.micro_batch * spec.tokens_per_sample
+
+    def all_to_all(received_rows: float | None = None) -> float:
+        return s.accumulation * expert_parallel_all_to_all_bytes(
+            tokens, spec.hidden, spec.top_k, spec.n_experts, spec.n_layers, ep, received_rows=received_rows,
+            recomputed_per_layer=int(s.checkpointing != "none"))
+
+    worst = all_to_all(expert_parallel_most_received_rows(tokens, spec.top_k, spec.n_experts, ep))
+    return {"states": states, "activations": activation_bytes(cell, spec),
+            "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": recompute_bytes(cell, spec)},
+            "comm": {"all_reduce": 4.0 * local, "all_to_all": all_to_all()},
+            "extra": {"all_to_all_worst_case_bytes": worst}}
+
+
+# --- one model-parallel cell ----------------------------------------------------------------------
+
+def model_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
+    """States, activations, transients and communication per rank of a cell that splits the
+    model or the sequence rather than (only) the batch."""
+    parts = {"tensor_parallel": _tp_parts, "megatron": _megatron_parts, "context_parallel": _cp_parts,
+             "expert_parallel": _expert_parallel_parts, "pipeline": _pipeline_parts}
+    return parts[strategies.get(cell.strategy.name).engine_model.analytic](cell, spec, layout)

@@ -1,0 +1,72 @@
+"""Activation memory of a transformer layer (Korthikanti et al. 2022)."""
+
+from __future__ import annotations
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, ffn: int | None = None,
+                               mlp: str = "gelu", value_bytes: int = 2, dropout: bool = True,
+                               fused_attention: bool = False, checkpointing: str = "none",
+                               tensor_parallel: int = 1, sequence_parallel: bool = False,
+                               kv_heads: int | None = None, experts_per_token: int = 1,
+                               router_experts: int = 0) -> float:
+    """Activation bytes one transformer layer keeps for backward.
+
+    Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
+    (``value_bytes=2``) and 1-byte dropout masks:
+      attention 11sbh + 5as²b: QKV input 2sbh, Q and K 4sbh, softmax output 2as²b, its
+        dropout mask as²b and output 2as²b, V 2sbh, projection input 2sbh, dropout mask sbh;
+      MLP 19sbh: input 2sbh, GeLU input 8sbh and output 8sbh (4h wide), dropout mask sbh;
+      two LayerNorm inputs 4sbh;
+    in all s·b·h·(34 + 5·a·s/h). Generalised here, each term as the paper derives it:
+      - ``value_bytes`` for every stored value (4 for fp32 activations); masks stay 1 byte;
+      - ``dropout=False`` drops the masks and the dropout outputs (the models here train
+        without dropout): attention 10sbh + 2as²b, MLP 18sbh;
+      - ``ffn`` (default 4h) widens the MLP terms; ``mlp="swiglu"`` (LLaMA) keeps the gate
+        and up projections' outputs, the SiLU output and their product (4 × s·b·ffn) where
+        GeLU keeps 2;
+      - ``fused_attention`` (flash / SDPA kernels) keeps no s×s score matrix: the a·s² terms
+        vanish (the kernel's per-row statistics, 4·a·s·b bytes, are kept instead);
+      - ``checkpointing="full"``: only the layer input, 2sbh (§4.3); "selective": the
+        paper's selective recompute, the attention core (the a·s² terms) recomputed from
+        the kept Q, K, V, leaving 34sbh with dropout;
+      - ``tensor_parallel=t`` divides the terms computed inside the TP region (24sbh and
+        the score terms) by t; ``sequence_parallel`` also the LayerNorm and dropout terms
+        (the remaining 10sbh), giving the table's 34sbh/t;
+      - ``kv_heads`` (grouped-query attention, Ainslie et al. 2023; multi-query, Shazeer
+        2019): K and V are kv_heads/heads as wide as Q, so their terms (2sbh of the paper's
+        Q, K and V 6sbh at 2 bytes) scale by kv_heads/heads;
+      - ``experts_per_token=k`` (a mixture of experts routing every token to k experts, no
+        token dropped: Mixtral, Jiang et al. 2024) keeps the MLP terms k times, and
+        ``router_experts=E`` adds the router's fp32 logits, 4·s·b·E.
+    With every default (GPT, 16-bit, dropout, unfused, no recompute, t = 1) this is exactly
+    the paper's s·b·h·(34 + 5·a·s/h).
+    Korthikanti's "selective" is not the harness's selective policy (which saves every
+    matmul and attention output): the formula is reported beside the measurement, not as
+    its prediction.
+    """
+    if checkpointing not in ("none", "full", "selective"):
+        raise ValueError(f"checkpointing={checkpointing!r}: choose none, full or selective")
+    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
+    f = ffn or 4 * h
+    v, mask = value_bytes, (1 if dropout else 0)
+    sbh = s * b * h
+    if checkpointing == "full":
+        return v * sbh / (t if sequence_parallel else 1)
+    kv_share = (kv_heads or a) / a
+    # Inside the tensor-parallel region (divided by t).
+    qk = v * sbh * (1 + kv_share)  # Q and K, the inputs of the score matmul
+    value_in = v * sbh * kv_share  # V
+    proj_in = v * sbh  # input of the output projection
+    if fused_attention:
+        scores = 4.0 * a * s * b  # the kernel's fp32 log-sum-exp per row, no s×s matrix
+    elif checkpointing == "selective":
+        scores = 0.0  # the attention core is recomputed from Q, K, V
+    else:  # softmax output; with dropout also its mask and output
+        scores = (v + (1 + v if dropout else 0)) * a * s * s * b
+    mlp_kept = (2 if mlp == "gelu" else 4) * v * s * b * f * experts_per_token
+    inside = qk + value_in + proj_in + scores + mlp_kept
+    # Outside it (divided by t only with sequence parallelism): the inputs of the QKV and
+    # the first MLP matmul, the two LayerNorm inputs, the two dropout masks.
+    # The router (replicated, like the LayerNorms) keeps its fp32 logits.
+    outside = v * sbh + v * sbh + 2 * v * sbh + 2 * mask * sbh + 4.0 * s * b * router_experts
+    return inside / t + outside / (t if sequence_parallel else 1)

@@ -109,6 +109,8 @@ STRATEGIES = (
         name="fsdp_grad_op",
         summary="FSDP2 fully_shard keeping parameters unsharded between forward and backward (ZeRO-2-like)",
         engine="torch", families=("fsdp",), zero_idea="zero2", capabilities=CAPABILITIES,
+        # Gathered from forward to the end of backward, resharded after it: at the optimizer
+        # step it holds ZeRO-3's layout.
         engine_model=EngineModel(sharded=_FULLY_SHARDED, comm="gather_and_reduce_scatter", gathers="forward",
                                  keeps_gathered="always"),
         prepare=prepare,

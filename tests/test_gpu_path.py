@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from harness import faults
 from harness.config import CellSpec, StrategySpec
 from harness.measure import flops, memory, summary
 from harness.predict import traced
 from harness.report import figures, html
 from harness.results.store import RunStore, load_records
-from harness.runner import faults, worker
+from harness.runner import worker
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
 
@@ -235,13 +236,13 @@ def test_memory_snapshot_timeline_leak_check_and_report_on_gloo(tmp_path, untrac
     assert list((page.parent / "figures" / "cells").glob("memory-gpt2-tiny_ddp*.svg"))
 
 
-@pytest.mark.skipif("leak" not in faults.FAULTS, reason="harness/runner/faults.py has no 'leak' fault yet")
+@pytest.mark.skipif("leak" not in faults.FAULTS, reason="harness/faults.py has no 'leak' fault yet")
 def test_an_injected_leak_is_flagged(tmp_path, monkeypatch):
     leaking, clean = _gpt2(), _gpt2("zero1")
     monkeypatch.setenv(faults.ENV_VAR, f"{leaking.cell_id}=leak")
     outcomes = {}
     run_batch([leaking, clean], LaunchOptions(), tmp_path, lambda o: outcomes.update({o.cell.cell_id: o}))
-    kept = worker.LEAK_BYTES_PER_STEP * (leaking.timed_steps - 1)
+    kept = faults.LEAK_BYTES_PER_STEP * (leaking.timed_steps - 1)
     assert summary.memory_growth(outcomes[leaking.cell_id].per_rank) == kept  # exactly what was kept
     assert summary.memory_growth(outcomes[clean.cell_id].per_rank) <= 0  # same launch, no fault
 

@@ -58,17 +58,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness import models, strategies
+from harness import faults, models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv, init_from_torchrun
 from harness.features import checkpointing, precision
 from harness.measure import comm, memory, timing
-from harness.runner import faults
 from harness.strategies.base import Prepared
 
 TRACEBACK_LINES = 15
-# What the "leak" fault (faults.py) keeps from every timed step.
-LEAK_BYTES_PER_STEP = 2**20
 
 
 def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv, data_rank: int) -> list[list[dict]]:
@@ -270,7 +267,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
     built, prep = session.built, session.prep
     # The "leak" fault (faults.py) keeps a tensor from every timed step, as a leaking loop would.
     leaked: list[torch.Tensor] = []
-    leak_bytes = LEAK_BYTES_PER_STEP if faults.planned().get(cell.cell_id) == "leak" else 0
+    leak_bytes = faults.LEAK_BYTES_PER_STEP if faults.planned().get(cell.cell_id) == faults.LEAK else 0
     # Filled in place: a list of per-step losses would grow the memory the leak check watches.
     losses = torch.zeros(cell.steps, device=env.device)
     for i in range(cell.warmup):

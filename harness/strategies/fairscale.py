@@ -18,11 +18,11 @@ import dataclasses
 
 from torch import nn
 
+from harness import faults
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.features.precision import DTYPES
-from harness.runner import faults
 from harness.strategies import ddp
 from harness.strategies.base import Capabilities, Prepared
 

@@ -32,7 +32,6 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import groupby
 from pathlib import Path
 
 from harness.runner.node_spec import DEFAULT_MASTER_PORT, NodeSpec
@@ -178,8 +177,7 @@ def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str]
     ended ok, else 1."""
     # Imported here, by the one caller that launches: the CLI imports this module to check its
     # arguments (resolve), and the launch machinery brings the strategies and transformers.
-    from harness.runner.launcher import run_batch
-    from harness.runner.matrix import human_duration, launch_dir_name
+    from harness.runner.matrix import human_duration, launch_round
 
     rounds = plan.rounds
     total = sum(map(len, rounds))
@@ -195,8 +193,7 @@ def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str]
         progress(f"[{len(statuses):>3}/{total}] {outcome.status:<11} {outcome.cell.cell_id:<58} {first}")
 
     for trial, cells in enumerate(rounds):
-        for world_size, group in groupby(cells, key=lambda c: c.world_size):
-            run_batch(list(group), options, launch_dir / launch_dir_name(world_size, trial), on_outcome)
+        launch_round(cells, trial, options, launch_dir, on_outcome)
     bad = sum(s not in ("ok", "oom") for s in statuses)
     progress(f"shardbench: node {options.nodes.node_rank}: {len(statuses) - bad} ok, {bad} not ok"
              f" in {human_duration(time.monotonic() - started)}")

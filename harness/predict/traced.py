@@ -10,10 +10,11 @@ dtypes and storages but no data) in a fake process group of the cell's world siz
 with the variables torchrun would set), as harness.training.run_cell does on every rank:
 training.prepare_cell (models.build → checkpointing.apply_checkpointing →
 strategies.module(name).prepare, and training.local_batches) → ``cell.warmup`` steps of
-training.train_step → the memory-tracked step (memory.track_step_memory) with the same trackers (MemTracker; FSDPMemTracker for FSDP2). The
-trackers count storages and a fake storage has the size the real one would have, so the
-numbers are the measurement's wherever the traced step allocates what the real step
-allocates: on the default suite, every traced cell to the byte but those listed below.
+training.train_step → the memory-tracked step (memory.track_step_memory) with the same
+trackers (MemTracker; FSDPMemTracker for FSDP2). The trackers count storages and a fake
+storage has the size the real one would have, so the numbers are the measurement's wherever
+the traced step allocates what the real step allocates: on the default suite, every traced
+cell to the byte but those listed below.
 A tiny cell takes 0.4-1.5 s (DeepSpeed ZeRO-3 with accumulation up to 8 s); gpt2-1.5b and
 llama3-8b under fsdp_full at 64 ranks, micro-batch 1, 11-20 s at under 400 MB of RSS.
 

@@ -1,6 +1,6 @@
 """Several nodes: where this launcher stands in the job (a NodeSpec, runner/node_spec.py), read
-from the command line or from SLURM, how node 0 tells the others what to run, and what a launcher on a node other than
-node 0 does.
+from the command line or from SLURM, how node 0 tells the others what to run, and what a
+launcher on a node other than node 0 does.
 
 One ``python -m harness run`` per node. The cells whose world size spans the nodes go through
 torchrun's c10d rendezvous at ``master_addr:port`` (node 0's torchrun hosts the store); the
@@ -175,8 +175,8 @@ def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str]
     launched as node 0 launches them (one torchrun per world size and trial, named alike: the
     name is part of the rendezvous id). Nothing under results/; returns 0 when every cell
     ended ok, else 1."""
-    # Imported here, by the one caller that launches: the CLI imports this module to check its
-    # arguments (resolve), and the launch machinery brings the strategies and transformers.
+    # Imported here, not at the top: the CLI imports this module to check its arguments
+    # (resolve), and the matrix brings in the strategies and transformers (seconds).
     from harness.runner.matrix import human_duration, launch_round
 
     rounds = plan.rounds

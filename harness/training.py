@@ -188,9 +188,12 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
     # Filled in place: a list of per-step losses would grow the memory the leak check watches.
     losses = torch.zeros(cell.steps, device=env.device)
 
+    # Warm-up, not measured: the first steps make what later steps reuse (optimizer state,
+    # allocator caches, DDP's rebuilt buckets).
     for i in range(cell.warmup):
         losses[i] = session.step(i)
 
+    # The memory-tracked step; with a snapshot folder, also its timeline (and CUDA's snapshot).
     i = cell.warmup
     timeline_file, pickle_file = (snapshot_files(snapshot_dir, cell.cell_id, env.rank) if snapshot_dir
                                   else (None, None))
@@ -200,8 +203,10 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
                 else {"memory_timeline": None, "memory_snapshot": None, "memory_snapshot_reason": "not asked for"})
     enforce_cpu_memory_cap(mem.peak_bytes, mem_cap_bytes, env)
 
+    # The comm-counted step.
     losses[i + 1], comm_by_op = session.counted_step(i + 1)
 
+    # The timed steps; the memory held after the first and after the last is the leak check.
     step_times: list[float] = []
     live_after: list[int] = []
     first_timed = cell.warmup + cell.probe_steps

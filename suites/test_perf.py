@@ -22,12 +22,11 @@ import psutil
 import pytest
 import torch
 
-from harness import distributed, models, strategies, suites
+from harness import distributed, models, strategies, suites, training
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
 from harness.features import optimizers, precision
 from harness.results.store import RunStore
-from harness.runner import worker
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun, human_bytes
 
@@ -54,12 +53,12 @@ def _bare_step():
 
 
 def _harness_step():
-    """The worker's own train_step, with the strategy and precision plumbing it always has."""
+    """The harness's own train_step (harness/training.py), with the strategy and precision plumbing it always has."""
     built = models.build(models.get_preset(CELL.model), seed=CELL.seed)
     prep = strategies.get("single").prepare(built.module, built.block_type, CELL, ENV)
     scaler = precision.grad_scaler(CELL.strategy.precision, ENV.device)
-    micro_batches = worker.local_batches(built, CELL, ENV, ENV.rank)[0]
-    return lambda: worker.train_step(built, prep, CELL, ENV, micro_batches, scaler)
+    micro_batches = training.local_batches(built, CELL, ENV, ENV.rank)[0]
+    return lambda: training.train_step(built, prep, CELL, ENV, micro_batches, scaler)
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import faults
 from harness.config import CellSpec, StrategySpec
 from harness.results.store import RunStore
-from harness.runner import faults
 from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
 
@@ -32,7 +32,7 @@ OK_CELLS = [
 ]
 FSDP = gpt2("fairscale_fsdp")
 # Its own seed so that its cell id differs from the right way's; set_to_none is injected
-# through the fault mechanism (harness/runner/faults.py), not a user-visible option.
+# through the fault mechanism (harness/faults.py), not a user-visible option.
 SDP_SET_TO_NONE = gpt2("fairscale_sdp", seed=1)
 
 

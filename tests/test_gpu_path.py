@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from harness import faults, training
 from harness.config import CellSpec, StrategySpec
 from harness.measure import flops, memory, summary
 from harness.predict import traced
 from harness.report import figures, html
 from harness.results.store import RunStore, load_records
-from harness.runner import faults, worker
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
 
@@ -50,8 +50,8 @@ def test_cuda_live_bytes_are_the_allocators_count(monkeypatch):
 
 
 def test_growth_needs_two_measurements():
-    assert worker.growth([100, 4196]) == 4096
-    assert worker.growth([100]) is None
+    assert training.growth([100, 4196]) == 4096
+    assert training.growth([100]) is None
 
 
 def test_growth_is_the_most_any_rank_grew_and_the_report_flags_it():
@@ -108,18 +108,18 @@ def test_expandable_segments_are_on_for_the_cell_only_and_off_after(monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: calls.append(s))
-    with worker.expandable_segments(True, torch.device("cuda", 0)):
+    with training.expandable_segments(True, torch.device("cuda", 0)):
         calls.append("cell")
     # The cache is emptied before the setting changes each way: a segment keeps its kind.
     assert calls == ["synchronize", "empty_cache", "expandable_segments:True", "cell",
                      "synchronize", "empty_cache", "expandable_segments:False"]
     calls.clear()
     with pytest.raises(RuntimeError):
-        with worker.expandable_segments(True, torch.device("cuda", 0)):
+        with training.expandable_segments(True, torch.device("cuda", 0)):
             raise RuntimeError("the cell failed")
     assert calls[-1] == "expandable_segments:False"  # a failed cell does not leave it on
     calls.clear()
-    with worker.expandable_segments(False, torch.device("cuda", 0)):
+    with training.expandable_segments(False, torch.device("cuda", 0)):
         pass
     assert calls == []
 
@@ -127,8 +127,8 @@ def test_expandable_segments_are_on_for_the_cell_only_and_off_after(monkeypatch)
 def test_expandable_segments_in_use_reads_the_devices_segments(monkeypatch):
     segments = [{"device": 0, "is_expandable": False}, {"device": 1, "is_expandable": True}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert worker.expandable_segments_in_use(torch.device("cuda", 1))
-    assert not worker.expandable_segments_in_use(torch.device("cuda", 0))
+    assert training.expandable_segments_in_use(torch.device("cuda", 1))
+    assert not training.expandable_segments_in_use(torch.device("cuda", 0))
 
 
 # --- memory timeline -----------------------------------------------------------------------
@@ -235,13 +235,13 @@ def test_memory_snapshot_timeline_leak_check_and_report_on_gloo(tmp_path, untrac
     assert list((page.parent / "figures" / "cells").glob("memory-gpt2-tiny_ddp*.svg"))
 
 
-@pytest.mark.skipif("leak" not in faults.FAULTS, reason="harness/runner/faults.py has no 'leak' fault yet")
+@pytest.mark.skipif("leak" not in faults.FAULTS, reason="harness/faults.py has no 'leak' fault yet")
 def test_an_injected_leak_is_flagged(tmp_path, monkeypatch):
     leaking, clean = _gpt2(), _gpt2("zero1")
     monkeypatch.setenv(faults.ENV_VAR, f"{leaking.cell_id}=leak")
     outcomes = {}
     run_batch([leaking, clean], LaunchOptions(), tmp_path, lambda o: outcomes.update({o.cell.cell_id: o}))
-    kept = worker.LEAK_BYTES_PER_STEP * (leaking.timed_steps - 1)
+    kept = faults.LEAK_BYTES_PER_STEP * (leaking.timed_steps - 1)
     assert summary.memory_growth(outcomes[leaking.cell_id].per_rank) == kept  # exactly what was kept
     assert summary.memory_growth(outcomes[clean.cell_id].per_rank) <= 0  # same launch, no fault
 

@@ -194,13 +194,13 @@ def test_what_future_callbacks_allocate_is_never_counted(where):
 
 
 def _fsdp2_peaks(rank: int, store: str, steps: int, out: dict) -> None:
-    """One rank of vit-tiny's FSDP2 cell, prepared as the worker prepares it: the peak and
+    """One rank of vit-tiny's FSDP2 cell, prepared as every rank prepares it (harness/training.py): the peak and
     the off-thread frees of ``steps`` memory-tracked steps after the warm-up."""
     import torch.distributed as dist
 
     from harness.config import CellSpec, StrategySpec
     from harness.distributed import DistEnv
-    from harness.runner.worker import prepare_cell
+    from harness.training import prepare_cell
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     cell = CellSpec(model="vit-tiny", strategy=StrategySpec(name="fsdp_full"), micro_batch=2, world_size=2,

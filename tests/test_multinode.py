@@ -21,7 +21,7 @@ from harness.cli import main as cli_main
 from harness.config import CellSpec, StrategySpec
 from harness.predict import traced
 from harness.results.store import RunStore, load_records
-from harness.runner import launcher, nodes
+from harness.runner import launcher, node_spec, nodes
 from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
 
@@ -133,7 +133,7 @@ def test_a_world_of_one_is_refused_with_the_reason_recorded(tmp_path, monkeypatc
     monkeypatch.setattr(launcher, "torchrun_args", lambda world_size, *rest: standalone(1))
     monkeypatch.setattr(traced, "trace_cells", lambda cells: {})  # predictions are not the point
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), micro_batch=2, world_size=2)
-    spec = nodes.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    spec = node_spec.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
     store = RunStore(tmp_path, "refused")
     MatrixRun([cell], store, LaunchOptions(cell_timeout_s=120, nodes=spec), device_type="cpu",
               device_name=None, progress=print).run()
@@ -146,7 +146,7 @@ def test_a_world_of_one_is_refused_with_the_reason_recorded(tmp_path, monkeypatc
 
 def test_torchrun_arguments():
     assert launcher.torchrun_args(2) == ["--standalone", "--nproc-per-node", "2"]
-    spec = nodes.NodeSpec(nnodes=2, node_rank=1, master_addr="n01", master_port=1234)
+    spec = node_spec.NodeSpec(nnodes=2, node_rank=1, master_addr="n01", master_port=1234)
     assert launcher.torchrun_args(1, spec)[0] == "--standalone"  # references: node 0 alone
     args = launcher.torchrun_args(8, spec, "shardbench-ws8-1", 600)
     assert args[:4] == ["--nnodes", "2", "--nproc-per-node", "4"]
@@ -167,11 +167,11 @@ def test_slurm_variables():
     env = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[12-15]",
            "SLURM_NTASKS_PER_NODE": "1", "MASTER_PORT": "4242"}
     spec = nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None, environ=env)
-    assert spec == nodes.NodeSpec(nnodes=4, node_rank=2, master_addr="gpu12", master_port=4242)
+    assert spec == node_spec.NodeSpec(nnodes=4, node_rank=2, master_addr="gpu12", master_port=4242)
     # Options win over SLURM; --nnodes 1 is one node whatever the allocation.
-    assert nodes.resolve(nnodes=1, node_rank=None, master_addr=None, master_port=None, environ=env) == nodes.SINGLE_NODE
+    assert nodes.resolve(nnodes=1, node_rank=None, master_addr=None, master_port=None, environ=env) == node_spec.SINGLE_NODE
     alone = nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None, environ={})
-    assert alone == nodes.SINGLE_NODE
+    assert alone == node_spec.SINGLE_NODE
     with pytest.raises(ValueError, match="one launcher per node"):
         nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None,
                       environ={**env, "SLURM_NTASKS_PER_NODE": "8(x4)"})
@@ -193,7 +193,7 @@ def test_node_options_are_checked_before_anything_launches(argv, message, capsys
 
 
 def test_a_follower_takes_node_0s_plan_and_refuses_other_code():
-    spec = nodes.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    spec = node_spec.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
     cells = [CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name), micro_batch=2, world_size=2)
              for name in ("ddp", "fsdp_full")]
     plan = nodes.Plan(run_id="r1", rounds=[cells, cells[1:]], cell_timeout_s=90.0, mem_cap_bytes=2**30)
@@ -214,7 +214,7 @@ def test_a_follower_takes_node_0s_plan_and_refuses_other_code():
 
 
 def test_a_follower_without_node_0_gives_up_with_the_reason():
-    spec = nodes.NodeSpec(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=_free_port())
+    spec = node_spec.NodeSpec(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=_free_port())
     with pytest.raises(ValueError, match=r"no run plan from node 0 at 127\.0\.0\.1:\d+ within 2 s"):
         nodes.fetch_plan(spec, "abc", wait_s=2)
 
@@ -222,7 +222,7 @@ def test_a_follower_without_node_0_gives_up_with_the_reason():
 def test_a_refusal_ends_node_0s_launches_that_span_the_nodes(tmp_path):
     """A follower that refused never joins: node 0 records the spanning cells `failed` with its
     reason, ending the launch that waits at the rendezvous and starting none after it."""
-    spec = nodes.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    spec = node_spec.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
     waiting, later = (CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name), micro_batch=2, world_size=2)
                       for name in ("ddp", "fsdp_full"))
     reason = "node 1 refused the run: it runs harness code xyz, node 0 abc"

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import training
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
 from harness.measure.memory import BREAKDOWN_KEYS
 from harness.predict import traced
-from harness.runner import worker
 
 
 def _cell(strategy: str, world_size: int, model: str = "gpt2-tiny", **options) -> CellSpec:
@@ -29,13 +29,13 @@ def _assert_prediction(result: dict) -> None:
 
 
 def test_single_equals_the_workers_real_step():
-    """The same cell run for real by worker.run_cell (one gloo rank in this process) and
+    """The same cell run for real by training.run_cell (one gloo rank in this process) and
     traced under FakeTensorMode: the same peak, byte for byte, in every category."""
     cell = _cell("single", 1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         env = DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
-        measured = worker.run_cell(cell, env)
+        measured = training.run_cell(cell, env)
     finally:
         dist.destroy_process_group()
     predicted = traced.trace(cell)

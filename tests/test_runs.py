@@ -6,9 +6,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness import faults
 from harness.config import CellSpec, StrategySpec
 from harness.results.store import RunStore, load_records
-from harness.runner import faults
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
 

@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
+from harness import faults
 from harness.config import CellSpec, StrategySpec
-from harness.runner import faults, timeouts
+from harness.runner import timeouts
 from harness.runner.launcher import LaunchOptions, run_batch
 
 CELL = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))

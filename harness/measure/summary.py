@@ -17,7 +17,7 @@
 - mfu: only against a known peak for the detected device; None otherwise, never a guess.
   mfu_suspect is set when it exceeds 1: a measuring error, not a fast run.
 - memory_growth_bytes: the most any rank's held memory grew from the first timed step to
-  the last (worker.py, measure/memory.py ``live_bytes``); more than 0 is a leak: both
+  the last (harness/training.py, measure/memory.py ``live_bytes``); more than 0 is a leak: both
   measures (CUDA's allocator count, the CPU tensor bytes Python holds) stay put from step to
   step unless something is kept.
 - comm_*: counted on rank 0's comm step; every rank runs the same collectives. busbw_gbps

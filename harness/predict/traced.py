@@ -7,13 +7,14 @@ reports for the cell run on the CPU with gloo.
 How: the harness's own code runs the cell under ``FakeTensorMode`` (tensors carry shapes,
 dtypes and storages but no data) in a fake process group of the cell's world size
 (``torch.testing._internal.distributed.fake_pg``; this process is rank 0 of W, one node,
-with the variables torchrun would set), as harness.runner.worker.run_cell does:
-models.build → checkpointing.apply_checkpointing → strategies.get(name).prepare →
-``cell.warmup`` steps of worker.train_step on worker.local_batches → one step inside
-memory.track_step_memory with the same trackers (MemTracker; FSDPMemTracker for FSDP2). The
-trackers count storages and a fake storage has the size the real one would have, so the
-numbers are the measurement's wherever the traced step allocates what the real step
-allocates: on the default suite, every traced cell to the byte but those listed below.
+with the variables torchrun would set), as harness.training.run_cell does on every rank:
+training.prepare_cell (models.build → checkpointing.apply_checkpointing →
+strategies.get(name).prepare, and training.local_batches) → ``cell.warmup`` steps of
+training.train_step → the memory-tracked step (memory.track_step_memory) with the same
+trackers (MemTracker; FSDPMemTracker for FSDP2). The trackers count storages and a fake
+storage has the size the real one would have, so the numbers are the measurement's wherever
+the traced step allocates what the real step allocates: on the default suite, every traced
+cell to the byte but those listed below.
 A tiny cell takes 0.4-1.5 s (DeepSpeed ZeRO-3 with accumulation up to 8 s); gpt2-1.5b and
 llama3-8b under fsdp_full at 64 ranks, micro-batch 1, 11-20 s at under 400 MB of RSS.
 
@@ -100,11 +101,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from harness import distributed, strategies
+from harness import distributed, strategies, training
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.measure import memory
-from harness.runner import worker
 from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -285,9 +285,9 @@ def _rebuild_ddp_buckets(model: torch.nn.Module) -> None:
 
 
 def _run(cell: CellSpec, env: DistEnv) -> memory.StepMemory:
-    """The worker's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP would
-    make it, before the second step)."""
-    session = worker.prepare_cell(cell, env)
+    """The training step's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP
+    would make it, before the second step)."""
+    session = training.prepare_cell(cell, env)
     for i in range(cell.warmup):
         if i == 1:
             _rebuild_ddp_buckets(session.prep.model)

@@ -29,7 +29,7 @@ import psutil
 
 from harness.config import CellSpec
 from harness.runner import timeouts
-from harness.runner.nodes import SINGLE_NODE, NodeSpec
+from harness.runner.node_spec import SINGLE_NODE, NodeSpec
 
 LOG_TAIL_LINES = 30
 POLL_S = 0.2
@@ -41,7 +41,7 @@ class LaunchOptions:
     # launch is declared hung; launch start-up counts against the first cell. None: each
     # cell's own limit, scaled to it (runner/timeouts.py).
     cell_timeout_s: float | None = None
-    # Where this launcher stands in a multi-node job (runner/nodes.py); one node by default.
+    # Where this launcher stands in a multi-node job (runner/node_spec.py); one node by default.
     nodes: NodeSpec = SINGLE_NODE
     # Where the cells run: the scaled timeouts read the device's FLOP rate.
     device_type: str = "cpu"

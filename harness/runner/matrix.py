@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from itertools import groupby
+from pathlib import Path
 
 from harness import equivalence, markers, strategies
 from harness.config import CellSpec
@@ -54,6 +55,14 @@ def launch_dir_name(world_size: int, trial: int) -> str:
     """The folder of one round's launches of one world size, under launches/ (a follower node
     names its own the same: the name is part of the rendezvous id)."""
     return f"ws{world_size}" if trial == 0 else f"ws{world_size}-trial{trial}"
+
+
+def launch_round(cells: list[CellSpec], trial: int, options: LaunchOptions, launches_dir: Path,
+                 on_outcome: Callable[[CellOutcome], None]) -> None:
+    """One round's cells, one run_batch per world size in the order given, each in its folder
+    under ``launches_dir``: how node 0 launches them, and so how a follower node must."""
+    for world_size, group in groupby(cells, key=lambda c: c.world_size):
+        run_batch(list(group), options, launches_dir / launch_dir_name(world_size, trial), on_outcome)
 
 
 class MatrixRun:
@@ -130,9 +139,7 @@ class MatrixRun:
                                          reason=self._unsupported[cell.cell_id],
                                          predicted=accuracy.prediction(cell, None), trial=trial))
         runnable = [c for c in cells if not self._unsupported[c.cell_id]]
-        for world_size, group in groupby(runnable, key=lambda c: c.world_size):
-            run_batch(list(group), self.options, self.store.path / "launches" / launch_dir_name(world_size, trial),
-                      partial(self._on_outcome, trial=trial))
+        launch_round(runnable, trial, self.options, self.store.path / "launches", partial(self._on_outcome, trial=trial))
 
     def _reference_record(self, cell: CellSpec, trial: int) -> dict | None:
         """The reference's record of the same trial, else of its earliest recorded trial."""

@@ -1,6 +1,6 @@
-"""Several nodes: where this launcher stands in the job, read from the command line or from
-SLURM, how node 0 tells the others what to run, and what a launcher on a node other than
-node 0 does.
+"""Several nodes: where this launcher stands in the job (a NodeSpec, runner/node_spec.py), read
+from the command line or from SLURM, how node 0 tells the others what to run, and what a
+launcher on a node other than node 0 does.
 
 One ``python -m harness run`` per node. The cells whose world size spans the nodes go through
 torchrun's c10d rendezvous at ``master_addr:port`` (node 0's torchrun hosts the store); the
@@ -32,60 +32,16 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import groupby
 from pathlib import Path
 
-DEFAULT_MASTER_PORT = 29500
-# Node 0 serves the plan one port above the rendezvous (which its torchrun binds per launch).
-PLAN_PORT_OFFSET = 1
+from harness.runner.node_spec import DEFAULT_MASTER_PORT, NodeSpec
+
 PLAN_KEY = "shardbench/plan"
 # The first follower to refuse node 0's plan writes why here (node 0 reads it while it runs).
 REFUSAL_KEY = "shardbench/refused"
 # How long a follower waits for node 0's plan unless --cell-timeout says more: node 0 may be
 # started later by hand, or still be setting up (environment record, bandwidth sweep).
 PLAN_WAIT_S = 1800.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class NodeSpec:
-    """This launcher's place in the job. ``nnodes == 1`` is today's single node: torchrun
-    --standalone, a private rendezvous on a free port."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int = DEFAULT_MASTER_PORT
-
-    def __post_init__(self) -> None:
-        if self.nnodes < 1:
-            raise ValueError(f"--nnodes {self.nnodes}: must be 1 or more")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank {self.node_rank}: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}")
-        if self.nnodes > 1 and not self.master_addr:
-            raise ValueError(f"--nnodes {self.nnodes}: --master-addr is required (node 0's address, the same on"
-                             " every node)")
-        if not 1 <= self.master_port <= 65535 - PLAN_PORT_OFFSET:
-            raise ValueError(f"--master-port {self.master_port}: must be in 1-{65535 - PLAN_PORT_OFFSET}"
-                             f" (node 0 also listens on the port above it)")
-
-    @property
-    def multi(self) -> bool:
-        return self.nnodes > 1
-
-    @property
-    def is_leader(self) -> bool:
-        return self.node_rank == 0
-
-    @property
-    def plan_port(self) -> int:
-        return self.master_port + PLAN_PORT_OFFSET
-
-    def to_dict(self) -> dict:
-        return {"nnodes": self.nnodes, "node_rank": self.node_rank, "master_addr": self.master_addr,
-                "master_port": self.master_port}
-
-
-SINGLE_NODE = NodeSpec()
 
 
 def first_host(nodelist: str) -> str:
@@ -219,8 +175,9 @@ def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str]
     launched as node 0 launches them (one torchrun per world size and trial, named alike: the
     name is part of the rendezvous id). Nothing under results/; returns 0 when every cell
     ended ok, else 1."""
-    from harness.runner.launcher import run_batch
-    from harness.runner.matrix import human_duration, launch_dir_name
+    # Imported here, not at the top: the CLI imports this module to check its arguments
+    # (resolve), and the matrix brings in the strategies and transformers (seconds).
+    from harness.runner.matrix import human_duration, launch_round
 
     rounds = plan.rounds
     total = sum(map(len, rounds))
@@ -236,8 +193,7 @@ def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str]
         progress(f"[{len(statuses):>3}/{total}] {outcome.status:<11} {outcome.cell.cell_id:<58} {first}")
 
     for trial, cells in enumerate(rounds):
-        for world_size, group in groupby(cells, key=lambda c: c.world_size):
-            run_batch(list(group), options, launch_dir / launch_dir_name(world_size, trial), on_outcome)
+        launch_round(cells, trial, options, launch_dir, on_outcome)
     bad = sum(s not in ("ok", "oom") for s in statuses)
     progress(f"shardbench: node {options.nodes.node_rank}: {len(statuses) - bad} ok, {bad} not ok"
              f" in {human_duration(time.monotonic() - started)}")

@@ -17,8 +17,9 @@ from harness.results import provenance
 from harness.results.store import RunStore, new_run_id
 from harness.runner import resume
 from harness.runner.launcher import LaunchOptions, nodes_of, run_bandwidth_sweep
-from harness.runner.nodes import NodeSpec, Plan, PlanServer
 from harness.runner.matrix import MatrixRun, human_bytes
+from harness.runner.node_spec import NodeSpec
+from harness.runner.nodes import Plan, PlanServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SELECTED = pytest.StashKey[list]()
@@ -38,7 +39,7 @@ def world_size(gpus: int | None, nnodes: int = 1) -> int:
 
 
 def node_spec(config: pytest.Config) -> NodeSpec:
-    """This launcher's place in a multi-node job (runner/nodes.py), from the pytest options."""
+    """This launcher's place in a multi-node job (runner/node_spec.py), from the pytest options."""
     return NodeSpec(nnodes=config.getoption("nnodes"), node_rank=config.getoption("node_rank"),
                     master_addr=config.getoption("master_addr"), master_port=config.getoption("master_port"))
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from harness import faults
 from harness.features import optimizers
 from harness.features.precision import DTYPES
-from harness.runner import faults
 from harness.strategies import ddp
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 

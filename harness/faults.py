@@ -1,5 +1,8 @@
 """Fault injection for the harness's own tests: make a named cell fail on purpose.
 
+Below everything that honours a fault (the training step, a strategy), so none of them
+imports the runner to learn what was asked.
+
 Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` with FAULT:
 - ``raise``: every rank raises before training (the cell is recorded ``failed``; the
   launch goes on with the next cell).
@@ -14,8 +17,8 @@ Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` 
   ShardedDataParallel zeroes gradients the torch 2 default way (set to None), which it
   silently mishandles; the equivalence gate must fail the cell (tests/test_fairscale.py).
   Honoured by harness/strategies/fairscale.py; ignored by other strategies.
-- ``leak``: every rank keeps a 1 MiB tensor from each timed step (worker.py
-  LEAK_BYTES_PER_STEP); the record's memory_growth_bytes must show it (tests/test_gpu_path.py).
+- ``leak``: every rank keeps a 1 MiB tensor (LEAK_BYTES_PER_STEP) from each timed step,
+  as a leaking loop would; the record's memory_growth_bytes must show it (tests/test_gpu_path.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ ENV_VAR = "SHARDBENCH_FAULT"
 GRADS_SET_TO_NONE = "grads_set_to_none"
 LEAK = "leak"
 FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE, LEAK)
+# What the "leak" fault keeps from every timed step.
+LEAK_BYTES_PER_STEP = 2**20
 
 
 class InjectedFault(RuntimeError):

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-
 DEVICE_ENV_VAR = "SHARDBENCH_DEVICE"
 DEVICES = ("cpu", "cuda")
 

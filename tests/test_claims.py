@@ -24,7 +24,7 @@ def test_suite_is_exactly_the_cells_the_claims_read():
         cells = suites.cells_of("claims", world_size)
         assert [c.cell_id for c in cells] == [c.cell_id for c in catalogue.cells(world_size)]
         assert all(c.steps == STEPS and c.model == MODEL for c in cells)
-        assert STEPS == max(c.min_steps for c in cells)
+        assert max(c.min_steps for c in cells) == STEPS
     ids = {c.cell_id for c in suites.cells_of("claims", 2)}
     assert "gpt2-tiny/deepspeed_zero3/fp32/ckpt_none/mb2/ws2/seed0" in ids
     assert "gpt2-tiny/ddp/fp32/ckpt_none/compress_powersgd-r4/mb2/ws2/seed0" in ids

@@ -54,7 +54,8 @@ SUITE_FILES = {
         (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80GiB", "--micro-batch", "0"],
          "--micro-batch 0: must be at least 1"),
         (["run", "--nnodes", "0"], "--nnodes 0: must be 1 or more"),
-        (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "--node-rank 2: must be in [0, 2)"),
+        (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
+         "--node-rank 2: must be in [0, 2)"),
         (["run", "--nnodes", "2", "--node-rank", "0"], "--master-addr is required"),
         (["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "70000"],
          "--master-port 70000: must be in 1-65534"),
@@ -168,5 +169,6 @@ def test_bad_input_against_the_gpus_present(tmp_path, capsys, monkeypatch, args,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU 80GB")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=80 * 2**30))
     _assert_refused(cli.main(["run", *args, "--out", str(tmp_path)]), capsys.readouterr().err, message, tmp_path)

@@ -96,7 +96,7 @@ def test_specs_are_frozen():
 
 
 def test_unknown_model_names_the_presets():
-    with pytest.raises(ValueError, match="model='gpt3': choose one of .*gpt2-tiny"):
+    with pytest.raises(ValueError, match=r"model='gpt3': choose one of .*gpt2-tiny"):
         cell(model="gpt3")
 
 

@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from harness import models, strategies  # noqa: E402
-from harness.config import CellSpec, StrategySpec  # noqa: E402
-from harness.results.store import RunStore  # noqa: E402
-from harness.runner.launcher import LaunchOptions  # noqa: E402
-from harness.runner.matrix import MatrixRun  # noqa: E402
-from harness.strategies import deepspeed_zero  # noqa: E402
+from harness import models, strategies
+from harness.config import CellSpec, StrategySpec
+from harness.results.store import RunStore
+from harness.runner.launcher import LaunchOptions
+from harness.runner.matrix import MatrixRun
+from harness.strategies import deepspeed_zero
 
 
 def cell(model: str, strategy: str, **options) -> CellSpec:
@@ -61,7 +61,8 @@ def test_parameter_offload_is_refused_below_stage_3():
         assert why and "ZeRO-3 feature" in why
         assert strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero3", offload=offload)) is None
     assert strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero1", offload="optimizer")) is None
-    assert "optimizer=adafactor" in strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero2", optimizer="adafactor"))
+    adafactor = cell("gpt2-tiny", "deepspeed_zero2", optimizer="adafactor")
+    assert "optimizer=adafactor" in strategies.incompatibility(adafactor)
     # Optimizer offload runs DeepSpeed's CPU Adam: an 8-bit cell would silently train AdamW.
     why = strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero2", optimizer="adamw8bit", offload="optimizer"))
     assert why and "runs its own CPU Adam" in why

@@ -8,13 +8,13 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from harness import models, strategies  # noqa: E402
-from harness.config import CellSpec, StrategySpec  # noqa: E402
-from harness.markers import markers_of  # noqa: E402
-from harness.results.store import RunStore  # noqa: E402
-from harness.runner.launcher import LaunchOptions  # noqa: E402
-from harness.runner.matrix import MatrixRun  # noqa: E402
-from harness.strategies import expert_parallel  # noqa: E402
+from harness import models, strategies
+from harness.config import CellSpec, StrategySpec
+from harness.markers import markers_of
+from harness.results.store import RunStore
+from harness.runner.launcher import LaunchOptions
+from harness.runner.matrix import MatrixRun
+from harness.strategies import expert_parallel
 
 MOE = "moe-tiny"  # 2 MoE layers of 4 experts, top-2
 

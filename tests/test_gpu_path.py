@@ -3,7 +3,6 @@ memory timeline (--memory-snapshot), the leak check and MFU. CUDA calls are fake
 code only reads them; the CPU measurements run for real, one of them on 2 gloo ranks."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +44,8 @@ def test_cpu_live_bytes_see_a_kept_tensor_once_and_not_a_freed_one():
 
 
 def test_cuda_live_bytes_are_the_allocators_count(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12345 if device == torch.device("cuda", 1) else -1)
+    monkeypatch.setattr(torch.cuda, "memory_allocated",
+                        lambda device=None: 12345 if device == torch.device("cuda", 1) else -1)
     assert memory.live_bytes(torch.device("cuda", 1)) == 12345
 
 
@@ -58,7 +58,8 @@ def test_growth_is_the_most_any_rank_grew_and_the_report_flags_it():
     ranks = [{"rank": 0, "memory_growth_bytes": -16640}, {"rank": 1, "memory_growth_bytes": 2**20}]
     assert summary.memory_growth(ranks) == 2**20
     assert summary.memory_growth([{"rank": 0, "memory_growth_bytes": None}]) is None
-    leaking = html._row({"cell_id": "c", "status": "ok", "metrics": {"peak_mem_bytes": 2**20, "memory_growth_bytes": 2**20}})
+    leaking = html._row({"cell_id": "c", "status": "ok",
+                         "metrics": {"peak_mem_bytes": 2**20, "memory_growth_bytes": 2**20}})
     assert "leak: +1,048,576 B" in leaking["cols"][0][0]
     freed = html._row({"cell_id": "c", "status": "ok", "metrics": {"peak_mem_bytes": 2**20, "memory_growth_bytes": -5}})
     assert "leak" not in freed["cols"][0][0]
@@ -114,9 +115,8 @@ def test_expandable_segments_are_on_for_the_cell_only_and_off_after(monkeypatch)
     assert calls == ["synchronize", "empty_cache", "expandable_segments:True", "cell",
                      "synchronize", "empty_cache", "expandable_segments:False"]
     calls.clear()
-    with pytest.raises(RuntimeError):
-        with training.expandable_segments(True, torch.device("cuda", 0)):
-            raise RuntimeError("the cell failed")
+    with pytest.raises(RuntimeError), training.expandable_segments(True, torch.device("cuda", 0)):
+        raise RuntimeError("the cell failed")
     assert calls[-1] == "expandable_segments:False"  # a failed cell does not leave it on
     calls.clear()
     with training.expandable_segments(False, torch.device("cuda", 0)):

@@ -1,9 +1,9 @@
 """reports/index.html across runs, and publish."""
 
 import pytest
-from test_report import write_synthetic_run
 
 from harness.report import history, html
+from test_report import write_synthetic_run
 
 
 def test_index_lists_every_run_and_charts_cells_measured_twice(tmp_path):

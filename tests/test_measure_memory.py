@@ -84,9 +84,8 @@ def test_no_leak_between_calls():
 
 def test_device_is_a_required_keyword():
     model, opt = _setup()
-    with pytest.raises(TypeError, match="device"):
-        with track_step_memory(model, opt, fsdp2=False):
-            pass
+    with pytest.raises(TypeError, match="device"), track_step_memory(model, opt, fsdp2=False):
+        pass
 
 
 class _FakeCuda:

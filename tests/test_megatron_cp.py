@@ -18,7 +18,8 @@ from harness import markers, strategies, suites
 from harness.config import CellSpec, StrategySpec
 from harness.strategies import context_parallel, megatron
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
+                 and importlib.util.find_spec("megatron.core") is not None)
 
 
 def cell(strategy: str, model: str = "llama-tiny", precision: str = "fp32", checkpointing: str = "none",
@@ -126,7 +127,8 @@ def test_megatron_cell_ids_show_the_layout():
         return cell("megatron", model="gpt2-tiny", attention="eager", world_size=world_size, **layout).cell_id
 
     assert cell_id(2) == "gpt2-tiny/megatron/fp32/ckpt_none/tp2/pp1/attn_eager/mb2/ws2/seed0"
-    assert cell_id(2, tp_degree=1, pp_degree=2) == "gpt2-tiny/megatron/fp32/ckpt_none/tp1/pp2/pmb4/attn_eager/mb2/ws2/seed0"
+    assert (cell_id(2, tp_degree=1, pp_degree=2)
+            == "gpt2-tiny/megatron/fp32/ckpt_none/tp1/pp2/pmb4/attn_eager/mb2/ws2/seed0")
     ids = [cell_id(4), cell_id(4, tp_degree=1), cell_id(4, pp_degree=2), cell_id(4, pp_degree=2, pp_microbatches=8),
            cell_id(4, tp_degree=1, pp_degree=2)]
     assert len(set(ids)) == len(ids)

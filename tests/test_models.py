@@ -153,7 +153,7 @@ def test_tokens_per_sample() -> None:
 
 
 def test_get_preset_lists_names() -> None:
-    with pytest.raises(ValueError, match="unknown model 'gpt3': choose one of .*gpt2-124m"):
+    with pytest.raises(ValueError, match=r"unknown model 'gpt3': choose one of .*gpt2-124m"):
         get_preset("gpt3")
 
 

@@ -150,7 +150,7 @@ def test_torchrun_arguments():
     assert launcher.torchrun_args(1, spec)[0] == "--standalone"  # references: node 0 alone
     args = launcher.torchrun_args(8, spec, "shardbench-ws8-1", 600)
     assert args[:4] == ["--nnodes", "2", "--nproc-per-node", "4"]
-    assert ["--rdzv-backend", "c10d"] == args[4:6] and "n01:1234" in args and "shardbench-ws8-1" in args
+    assert args[4:6] == ["--rdzv-backend", "c10d"] and "n01:1234" in args and "shardbench-ws8-1" in args
     assert "is_host=false,read_timeout=600,join_timeout=600" in args
 
 

@@ -11,6 +11,7 @@ import torch
 from harness.claims.published import TABLE_1, TABLE_1_DEGREES  # the paper's Table 1 as printed, kept once
 from harness.predict.formulas import FP32_ADAM, zero_comm_elements, zero_model_states
 
+
 def _printed_precision(entry: str) -> float:
     """One unit in the last printed digit: the paper rounds small values to 3 significant
     digits and cuts large ones to whole GB, so a correct formula lands within one unit."""
@@ -514,7 +515,8 @@ def test_grouped_query_attention_shrinks_k_and_v():
     mqa = formulas.activation_bytes_per_layer(s, b, h, a, value_bytes=4, dropout=False, fused_attention=True,
                                               kv_heads=1)
     assert full - mqa == 2 * 4 * s * b * h * (1 - 1 / 4)  # K and V at 1/a of Q's width
-    assert formulas.activation_bytes_per_layer(s, b, h, a, kv_heads=a) == formulas.activation_bytes_per_layer(s, b, h, a)
+    assert (formulas.activation_bytes_per_layer(s, b, h, a, kv_heads=a)
+            == formulas.activation_bytes_per_layer(s, b, h, a))
 
 
 @pytest.mark.parametrize("model, per_layer", [
@@ -555,7 +557,8 @@ def test_eager_minus_sdpa_measured(model):
     spec = models.get_preset(model)
     eager, sdpa = (CellSpec(model=model, strategy=StrategySpec(name="single"), world_size=1, attention=att)
                    for att in ("eager", "sdpa"))
-    assert measured == activation_bytes(eager, spec)["layers"] - activation_bytes(sdpa, spec)["layers"]
+    assert measured == (activation_bytes(eager, spec)["layers"]
+                        - activation_bytes(sdpa, spec)["layers"])
 
 
 # --- pipeline receive buffers against torch's PipelineStage (2 gloo ranks) ---------------------------

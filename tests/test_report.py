@@ -155,7 +155,8 @@ def test_run_without_ok_cells_or_run_json_renders(tmp_path):
     run_dir = tmp_path / "results" / "r"
     run_dir.mkdir(parents=True)
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))
-    (run_dir / "cells.jsonl").write_text(json.dumps(make_record(cell, markers=[], status="timeout", reason="hung")) + "\n")
+    record = make_record(cell, markers=[], status="timeout", reason="hung")
+    (run_dir / "cells.jsonl").write_text(json.dumps(record) + "\n")
     page = html.write_run_report(run_dir, tmp_path / "reports" / "r")
     text = page.read_text()
     assert cell.cell_id in text and "hung" in text and "No figures" in text

@@ -49,7 +49,8 @@ def page(report_page):
 def _rows(pg, visible_only: bool = True) -> list[list[str]]:
     return pg.eval_on_selector_all(
         "#cells-table tbody tr",
-        "(rows, vis) => rows.filter(r => !vis || !r.hidden).map(r => Array.from(r.cells).map(c => c.getAttribute('data-v')))",
+        "(rows, vis) => rows.filter(r => !vis || !r.hidden)"
+        ".map(r => Array.from(r.cells).map(c => c.getAttribute('data-v')))",
         visible_only)
 
 

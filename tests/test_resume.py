@@ -181,8 +181,8 @@ def test_a_run_keeps_its_repeat_on_resume_and_another_is_refused(tmp_path):
     (run_dir / "run.json").write_text(json.dumps({**info, "repeat": 3}))
     original = resume.original_selection(run_dir)
     resume.check_same_selection(run_dir, original, {"repeat": 3})
-    with pytest.raises(ValueError, match="^cannot resume run-a with --repeat 2: it ran with --repeat 3; resume"
-                                         " without --repeat, or start a new run$"):
+    with pytest.raises(ValueError, match=r"^cannot resume run-a with --repeat 2: it ran with --repeat 3; resume"
+                                         r" without --repeat, or start a new run$"):
         resume.check_same_selection(run_dir, original, {"repeat": 2})
 
 
@@ -193,7 +193,7 @@ def test_a_run_over_two_nodes_is_resumed_on_two_and_ranks_per_node_named_as_give
     original = resume.original_selection(run_dir)
     resume.check_same_selection(run_dir, original, {"nnodes": 2, "world_size": 4})
     # The node count first: with one node, any --gpus would name a different world size.
-    with pytest.raises(ValueError, match="^cannot resume run-a on 1 node\\(s\\): it ran on 2; start as many nodes"):
+    with pytest.raises(ValueError, match=r"^cannot resume run-a on 1 node\(s\): it ran on 2; start as many nodes"):
         resume.check_same_selection(run_dir, original, {"nnodes": 1, "world_size": 2})
     with pytest.raises(ValueError, match="with --gpus 1: it ran with --gpus 2;"):  # per node, as typed
         resume.check_same_selection(run_dir, original, {"nnodes": 2, "world_size": 2})

@@ -3,7 +3,6 @@ import pytest
 from harness import markers, strategies, suites
 from harness.config import CellSpec, StrategySpec
 
-
 # Markers the default suite leaves to other suites: world sizes other than its own, the
 # accumulation depths between 1 and 4, and tp_fsdp (a 2-D mesh: from 4 ranks on).
 NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8", "tp_fsdp"}
@@ -39,7 +38,8 @@ def test_suite_single_cells_are_the_references_of_the_distributed_ones():
 
 def test_incompatible_combinations_are_refused_with_the_reason():
     fsdp_fp16 = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fsdp_full", precision="fp16"))
-    assert "fsdp_full with precision=fp16: fp16 with FSDP needs a sharded GradScaler" in strategies.incompatibility(fsdp_fp16)
+    assert ("fsdp_full with precision=fp16: fp16 with FSDP needs a sharded GradScaler"
+            in strategies.incompatibility(fsdp_fp16))
     compress_fsdp = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fsdp_full", compression="fp16"))
     assert "compression=fp16" in strategies.incompatibility(compress_fsdp)
     offload_ddp = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", offload="params"))
@@ -65,7 +65,7 @@ def test_unknown_suite_and_too_few_ranks():
 
 def test_marker_expressions_are_checked():
     markers.check_marker_expression("fsdp and bf16 and not ckpt_full or (zero1)")
-    with pytest.raises(ValueError, match="unknown marker.*zero4"):
+    with pytest.raises(ValueError, match=r"unknown marker.*zero4"):
         markers.check_marker_expression("zero4 and bf16")
 
 

@@ -135,8 +135,8 @@ def records(tmp_path_factory) -> dict[str, dict]:
     """One matrix run (traced first, as every run is) of the tp cells at 2 ranks and tp_fsdp
     at 4, with their references."""
     store = RunStore(Path(tmp_path_factory.mktemp("tp")) / "results", "run")
-    return MatrixRun([GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, GPT2_TP_BF16, GPT2_TP_CKPT], store, LaunchOptions(), device_type="cpu",
-                     device_name=None, progress=print).run()
+    return MatrixRun([GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, GPT2_TP_BF16, GPT2_TP_CKPT], store, LaunchOptions(),
+                     device_type="cpu", device_name=None, progress=print).run()
 
 
 @pytest.mark.parametrize("cell", [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP], ids=lambda c: c.cell_id)

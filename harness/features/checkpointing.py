@@ -8,6 +8,7 @@ deepspeed's wrappers) silently drops or changes gradients on transformers-5 deco
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str
     """Wrap each ``block_type`` submodule in place. Must run before data-parallel wrapping."""
     if mode == "none":
         return
-    kwargs = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
+    kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
     apply_activation_checkpointing(

@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,7 @@ def time_per_call(call: Callable[[], None], env: DistEnv) -> float:
     return float(elapsed.item())
 
 
-def sweep(env: DistEnv, sizes: tuple[int, ...]) -> list[dict]:
+def sweep(env: DistEnv, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     """One row per (collective, size): bytes, time per call, algbw and busbw in GB/s."""
     rows = []
     for op in OPS:

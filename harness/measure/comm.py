@@ -46,12 +46,14 @@ Bytes convention (this rank's payload, per op)
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -67,7 +69,7 @@ class OpStats:
     # kernel carries no shapes): counted and timed, their bytes missing from ``bytes``.
     unsized: int = 0
 
-    def to_record(self) -> dict:
+    def to_record(self) -> dict[str, int | float]:
         """The record's entry; ``unsized`` only where there were such calls."""
         return {"count": self.count, "bytes": self.bytes, "time_s": self.time_s,
                 **({"unsized": self.unsized} if self.unsized else {})}
@@ -75,7 +77,8 @@ class OpStats:
 
 # op name -> (kind, where the counted bytes are, where the input tensors are).
 # Positions index the op's args; "out" is the op's return value (functional ops).
-_C10D = {
+_OpSpec = tuple[str, int | Literal["out"] | None, int | None]
+_C10D: dict[str, _OpSpec] = {
     "allreduce_": ("all_reduce", 0, 0),
     "allreduce_coalesced_": ("all_reduce", 0, 0),
     "allgather_": ("all_gather", 0, 1),
@@ -97,7 +100,7 @@ _C10D = {
     "barrier": ("barrier", None, None),
     "monitored_barrier_": ("barrier", None, None),
 }
-_FUNCTIONAL = {
+_FUNCTIONAL: dict[str, _OpSpec] = {
     "all_reduce": ("all_reduce", 0, 0),
     "all_reduce_": ("all_reduce", 0, 0),
     "all_reduce_coalesced": ("all_reduce", 0, 0),
@@ -148,7 +151,7 @@ def busbw_factor(op: str, world_size: int) -> float:
     raise ValueError(f"no bus-bandwidth factor for {op!r}")
 
 
-def _tensors(x) -> list[torch.Tensor]:
+def _tensors(x: object) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
@@ -167,11 +170,12 @@ class _Op:
 
 class _CommDispatchMode(TorchDispatchMode):
     def __init__(self, ops: list[_Op] | None = None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         # Shared with the modes that count on callback threads (one list per step).
         self.ops: list[_Op] = [] if ops is None else ops
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Collection[type],
+                           args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         # Let tensor subclasses (DTensor, AsyncCollectiveTensor) desugar first: the plain-tensor
         # collectives they issue then come back through this mode.
         if any(t not in (torch.Tensor, nn.Parameter) for t in types):
@@ -180,7 +184,10 @@ class _CommDispatchMode(TorchDispatchMode):
         spec = _TABLES.get(func.namespace, {}).get(func._opname)
         if spec is not None:
             kind, at_bytes, at_input = spec
-            src = lambda at: out if at == "out" else args[at]  # noqa: E731
+
+            def src(at: int | Literal["out"]) -> Any:
+                return out if at == "out" else args[at]
+
             nbytes = 0 if at_bytes is None else sum(t.nbytes for t in _tensors(src(at_bytes)))
             numel = None if at_input is None else sum(t.numel() for t in _tensors(src(at_input)))
             self.ops.append(_Op(kind, nbytes, numel))
@@ -193,21 +200,26 @@ def _profiler_kind(name: str) -> str | None:
     for prefix in ("ncclDevKernel_", "ncclKernel_"):
         if name.startswith(prefix):
             # "AllReduce_Sum_f32_RING_LL", "SendRecv(ncclDevKernelArgsStorage<4096ul>)"
-            return _PROFILER_KIND.get(re.match(r"[A-Za-z]*", name[len(prefix):]).group())
+            letters = re.match(r"[A-Za-z]*", name[len(prefix):])
+            assert letters is not None  # [A-Za-z]* matches every string (if only by its empty prefix)
+            return _PROFILER_KIND.get(letters.group())
     return None
 
 
-def _event_numel_bytes(event) -> tuple[int | None, int | None]:
+def _event_numel_bytes(event: FunctionEvent) -> tuple[int | None, int | None]:
     shapes = [s for s in (event.input_shapes or []) if s]
     if not shapes:
         return None, None
-    numels = [int(torch.Size(s).numel()) for s in shapes]
+    # Each entry is one input's shape: torch annotates input_shapes as tuple[int, ...], but its
+    # docstring (and the profiler) give List[List[int]].
+    numels = [int(torch.Size(s).numel()) for s in shapes]  # type: ignore[arg-type]
     sizes = [_DTYPE_BYTES.get(d) for d in event.input_dtypes[: len(numels)]]
-    nbytes = None if None in sizes else sum(n * s for n, s in zip(numels, sizes))
+    known = [s for s in sizes if s is not None]
+    nbytes = None if len(known) < len(sizes) else sum(n * s for n, s in zip(numels, known))
     return sum(numels), nbytes
 
 
-def _summarise(ops: list[_Op], events) -> dict[str, OpStats]:
+def _summarise(ops: list[_Op], events: Iterable[FunctionEvent]) -> dict[str, OpStats]:
     seen_kinds = {op.kind for op in ops}
     extra: dict[str, list[float]] = {}  # profiler-only kind -> [count, bytes, time, unsized]
     comm_events = sorted(

@@ -9,6 +9,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -56,18 +57,19 @@ def nvidia_driver() -> tuple[str | None, str]:
     return (version.decode() if isinstance(version, bytes) else version), ""
 
 
-def hardware() -> dict:
-    info = {
+def hardware() -> dict[str, Any]:
+    gpus: list[dict[str, Any]] = []
+    info: dict[str, Any] = {
         "machine": platform.machine(),
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "memory_bytes": psutil.virtual_memory().total,
-        "gpus": [],
+        "gpus": gpus,
     }
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            info["gpus"].append({"name": props.name, "memory_bytes": props.total_memory})
+            gpus.append({"name": props.name, "memory_bytes": props.total_memory})
         info["cuda"] = torch.version.cuda
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         info["driver"], driver_reason = nvidia_driver()
@@ -76,7 +78,7 @@ def hardware() -> dict:
     return info
 
 
-def collect(repo: Path) -> dict:
+def collect(repo: Path) -> dict[str, Any]:
     status = _git(repo, "status", "--porcelain")
     return {
         "hardware": hardware(),

@@ -14,33 +14,34 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 
 @contextmanager
-def callbacks_under(context: Callable[[], AbstractContextManager]) -> Iterator[None]:
+def callbacks_under(context: Callable[[], AbstractContextManager[object]]) -> Iterator[None]:
     future_cls = torch._C.Future
     original_then = future_cls.__dict__["then"]
     active = [True]
 
-    def then(self, callback):
+    def then(self: torch.Future[Any], callback: Callable[[torch.Future[Any]], Any]) -> torch.Future[Any]:
         @functools.wraps(callback)
-        def wrapped(fut):
+        def wrapped(fut: torch.Future[Any]) -> Any:
             if not active[0]:
                 return callback(fut)
             with context():
                 return callback(fut)
 
-        return original_then(self, wrapped)
+        return original_then(self, wrapped)  # type: ignore[no-any-return]  # from the class's __dict__
 
-    future_cls.then = then
+    future_cls.then = then  # type: ignore[method-assign]  # patched for the block, restored below
     try:
         yield
     finally:
         active[0] = False
-        future_cls.then = original_then
+        future_cls.then = original_then  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -127,15 +127,21 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
 
 from harness.measure import futures
+
+if TYPE_CHECKING:  # imported where used: torch.distributed._tools loads on the first tracked step
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType, _WeakRefInfo
+    from torch.distributed.distributed_c10d import Work
 
 BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
 
@@ -160,12 +166,30 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
 
+class CudaStats(TypedDict):
+    """The step's CUDA allocator numbers (module docstring, "Where the numbers come from")."""
+
+    max_allocated: int
+    max_reserved: int
+    fragmentation: int
+    alloc_retries: int
+    num_ooms: int
+    allocated: int
+    reserved: int
+    nvml_used: int | None
+    nvml_reason: str
+
+
+# One tracker event: [seconds since the step began, breakdown key, signed bytes].
+TimelineEvent = list[float | str]
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepMemory:
     peak_bytes: int
     breakdown_bytes: dict[str, int]
     rss_peak_bytes: int | None
-    cuda: dict[str, int] | None
+    cuda: CudaStats | None
     tracker: str  # "MemTracker" | "FSDPMemTracker" | "cuda"
     # What was held, by category, at the moment the optimizer step began (every gradient
     # reduced, activations freed): the model states the ZeRO formulas describe. None when
@@ -174,7 +198,7 @@ class StepMemory:
     # Bytes freed during the step on another thread (module docstring): the peak's play.
     async_freed_bytes: int = 0
     # The step's tracker events (module docstring, "Timeline"); None unless asked for.
-    timeline: list[list] | None = None
+    timeline: list[TimelineEvent] | None = None
     timeline_truncated: bool = False
 
 
@@ -193,7 +217,7 @@ def _rss_peak() -> int:
     raise RuntimeError("VmHWM missing from /proc/self/status")
 
 
-def _repeated_forward_mem_tracker():
+def _repeated_forward_mem_tracker() -> MemTracker:
     """A MemTracker that takes a module forwarded again at the top level within one step (a
     pipeline stage, once per micro-batch) as a first call, forgetting its per-module
     statistics; torch's raises "does not support memory tracking for multiple iterative
@@ -201,7 +225,7 @@ def _repeated_forward_mem_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class RepeatedForwardMemTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 name = self._mod_tracker.get_known_fqn(module)
                 if set(self._mod_tracker.parents) - {name} == {"Global"}:
@@ -212,24 +236,24 @@ def _repeated_forward_mem_tracker():
 
 
 def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp2: bool,
-                  held: Sequence[torch.Tensor]):
+                  held: Sequence[torch.Tensor]) -> tuple[MemTracker, str]:
     if fsdp2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        tracker = FSDPMemTracker(module, optimizer)
-        tracker.track_external(*held)
-        return tracker, "FSDPMemTracker"
+        fsdp_tracker = FSDPMemTracker(module, optimizer)
+        fsdp_tracker.track_external(*held)
+        return fsdp_tracker, "FSDPMemTracker"
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     tracker = _repeated_forward_mem_tracker()
     # ZeroRedundancyOptimizer keeps the real (sharded) state in its local optimizer.
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim
-    tracker.track_external(module, optimizer, *held)
+    tracker.track_external(module, optimizer, *held)  # type: ignore[arg-type]  # None is skipped; torch's annotation omits it
     return tracker, "MemTracker"
 
 
-def _breakdown(snapshot: dict) -> dict[str, int]:
+def _breakdown(snapshot: dict[str, int]) -> dict[str, int]:
     out = dict.fromkeys(BREAKDOWN_KEYS, 0)
     for category, nbytes in snapshot.items():
         if category != "Total":
@@ -249,7 +273,7 @@ def nvml_used(device: torch.device) -> tuple[int | None, str]:
         return None, f"NVML: {type(error).__name__}: {error}"
 
 
-def _cuda_stats(device: torch.device) -> dict[str, int | str | None]:
+def _cuda_stats(device: torch.device) -> CudaStats:
     """The step's allocator numbers for `device` (its stats were reset before the step)."""
     stats = torch.cuda.memory_stats(device)
     allocated = torch.cuda.max_memory_allocated(device)
@@ -319,8 +343,8 @@ class _Timeline:
     """Records every change the tracker makes to ``device``'s current bytes, as
     [seconds, breakdown key, signed bytes]; ``_update_snap`` is where every one passes."""
 
-    def __init__(self, tracker, device: torch.device) -> None:
-        self.events: list[list] = []
+    def __init__(self, tracker: MemTracker, device: torch.device) -> None:
+        self.events: list[TimelineEvent] = []
         self.truncated = False
         self._start = time.perf_counter()
         update_snap = tracker._update_snap
@@ -328,7 +352,7 @@ class _Timeline:
         # What the tracker registered before this (the module and optimizer, at construction).
         self._record({}, snapshots.get(device, {}))
 
-        def recording_update_snap(u_type, winfo, *args, **kwargs) -> None:
+        def recording_update_snap(u_type: _UpdateType, winfo: _WeakRefInfo, *args: Any, **kwargs: Any) -> None:
             if winfo.device != device:
                 update_snap(u_type, winfo, *args, **kwargs)
                 return
@@ -336,9 +360,10 @@ class _Timeline:
             update_snap(u_type, winfo, *args, **kwargs)
             self._record(before, snapshots.get(device, {}))
 
-        tracker._update_snap = recording_update_snap
+        # The instance attribute shadows the method: every update comes through here.
+        tracker._update_snap = recording_update_snap  # type: ignore[method-assign]
 
-    def _record(self, before: dict, after: dict) -> None:
+    def _record(self, before: dict[str, int], after: dict[str, int]) -> None:
         at = round(time.perf_counter() - self._start, 6)
         for category in set(before) | set(after):
             delta = after.get(category, 0) - before.get(category, 0)
@@ -355,18 +380,19 @@ class _AsyncFrees:
     while ``counting``. The tracker's weakref callback (``_delete_callback``, looked up on the
     instance as each storage is first seen) is the one place every free passes through."""
 
-    def __init__(self, tracker) -> None:
+    def __init__(self, tracker: MemTracker) -> None:
         self.bytes = 0
         self.counting = False
         self._thread = threading.get_ident()
         tracker_callback = tracker._delete_callback
 
-        def delete_callback(winfo, w_st) -> None:
+        def delete_callback(winfo: _WeakRefInfo, w_st: weakref.ref[torch.UntypedStorage]) -> None:
             if self.counting and threading.get_ident() != self._thread:
                 self.bytes += winfo.mem_consumed
             tracker_callback(winfo, w_st)
 
-        tracker._delete_callback = delete_callback
+        # The instance attribute shadows the method (looked up on the instance, as above).
+        tracker._delete_callback = delete_callback  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -376,19 +402,19 @@ def _pause_after_waits(pause_s: float) -> Iterator[None]:
 
     original_wait = Work.__dict__["wait"]
 
-    def wait(self, *args, **kwargs):
-        completed = original_wait(self, *args, **kwargs)
+    def wait(self: Work, *args: Any, **kwargs: Any) -> bool:
+        completed: bool = original_wait(self, *args, **kwargs)
         time.sleep(pause_s)
         return completed
 
-    Work.wait = wait
+    Work.wait = wait  # type: ignore[method-assign]  # patched for the block, restored below
     try:
         yield
     finally:
-        Work.wait = original_wait
+        Work.wait = original_wait  # type: ignore[method-assign]
 
 
-def _untracked():
+def _untracked() -> AbstractContextManager[None]:
     """This thread's dispatch modes less the memory tracker's (every tracker here is a
     MemTracker)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -399,7 +425,7 @@ def _untracked():
 class MemoryProbe:
     """What ``track_step_memory`` yields: a hook for accumulation boundaries, and the result."""
 
-    def __init__(self, tracker, device: torch.device) -> None:
+    def __init__(self, tracker: MemTracker, device: torch.device) -> None:
         self._tracker = tracker
         self._device = device
         self._result: StepMemory | None = None
@@ -467,7 +493,8 @@ def track_step_memory(
     # collecting here, while the model is still alive, lets the caller free it by refcount.
     del tracker, probe._tracker
     gc.collect()
-    recorded = {} if events is None else {"timeline": events.events, "timeline_truncated": events.truncated}
+    timeline_events = None if events is None else events.events
+    timeline_truncated = False if events is None else events.truncated
 
     if on_cuda:
         torch.cuda.synchronize(device)
@@ -480,10 +507,10 @@ def track_step_memory(
         probe._result = StepMemory(peak_bytes=cuda["max_allocated"], breakdown_bytes=breakdown,
                                    rss_peak_bytes=rss, cuda=cuda, tracker="cuda",
                                    at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes,
-                                   **recorded)
+                                   timeline=timeline_events, timeline_truncated=timeline_truncated)
     else:
         breakdown = _breakdown(peaks.get(torch.device("cpu"), {"Total": 0}))
         probe._result = StepMemory(peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
                                    rss_peak_bytes=rss, cuda=None, tracker=name,
                                    at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes,
-                                   **recorded)
+                                   timeline=timeline_events, timeline_truncated=timeline_truncated)

@@ -26,14 +26,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from harness.config import CellSpec
 from harness.measure.comm import busbw_factor
 from harness.measure.memory import BREAKDOWN_KEYS
 from harness.measure.timing import median_iqr
 
 
-
-def _with_busbw(comm_by_op: dict, world_size: int) -> dict:
+def _with_busbw(comm_by_op: dict[str, dict[str, Any]], world_size: int) -> dict[str, dict[str, Any]]:
     out = {}
     for op, stats in comm_by_op.items():
         busbw = None
@@ -46,17 +47,17 @@ def _with_busbw(comm_by_op: dict, world_size: int) -> dict:
     return out
 
 
-def _at_optimizer_step(per_rank: list[dict]) -> dict | None:
-    held = [r["at_optimizer_step_bytes"] for r in per_rank if r.get("at_optimizer_step_bytes")]
+def _at_optimizer_step(per_rank: list[dict[str, Any]]) -> dict[str, int] | None:
+    held: list[dict[str, int]] = [r["at_optimizer_step_bytes"] for r in per_rank if r.get("at_optimizer_step_bytes")]
     return min(held, key=lambda b: sum(b.values())) if held else None
 
 
-def memory_growth(per_rank: list[dict]) -> int | None:
+def memory_growth(per_rank: list[dict[str, Any]]) -> int | None:
     """The most any rank's held memory grew over the timed steps; None where unmeasured."""
     return max((r["memory_growth_bytes"] for r in per_rank if r.get("memory_growth_bytes") is not None), default=None)
 
 
-def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float | None) -> dict:
+def summarize(cell: CellSpec, per_rank: list[dict[str, Any]], peak_flops_per_rank: float | None) -> dict[str, Any]:
     peak_rank = max(per_rank, key=lambda r: r["peak_mem_bytes"])
     slowest_per_step = [max(times) for times in zip(*(r["step_times_s"] for r in per_rank))]
     step_time, step_iqr = median_iqr(slowest_per_step)
@@ -85,7 +86,7 @@ def summarize(cell: CellSpec, per_rank: list[dict], peak_flops_per_rank: float |
     }
 
 
-def per_rank_view(per_rank: list[dict]) -> list[dict]:
+def per_rank_view(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-rank numbers a reader wants next to the maxima (no losses: they are global)."""
     rows = []
     for r in per_rank:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 
 @contextmanager
-def timed(device: torch.device, samples: list[float]):
+def timed(device: torch.device, samples: list[float]) -> Iterator[None]:
     """Append the duration of the block to ``samples``. On CUDA, kernels still queued when
     the block ends belong to it, so synchronise at both edges."""
     if device.type == "cuda":

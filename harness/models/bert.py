@@ -17,10 +17,11 @@ TYPE_VOCAB = 2  # segment A / B
 
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
-    config = BertConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden, num_hidden_layers=spec.n_layers,
-        num_attention_heads=spec.n_heads, intermediate_size=spec.ffn,
-        max_position_embeddings=spec.seq_len, type_vocab_size=TYPE_VOCAB,
+    # attn_implementation goes through the config's **kwargs, which its dataclass signature does not declare.
+    config = BertConfig(  # type: ignore[call-arg]
+        vocab_size=spec.required("vocab_size"), hidden_size=spec.hidden, num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.required("n_heads"), intermediate_size=spec.ffn,
+        max_position_embeddings=spec.required("seq_len"), type_vocab_size=TYPE_VOCAB,
         # Dropout draws from each rank's RNG, which would break equality with the 1-process run.
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         pad_token_id=0,
@@ -30,7 +31,7 @@ def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
 
 
 def n_masked(spec: ModelSpec) -> int:
-    return max(1, round(MASK_FRACTION * spec.seq_len))
+    return max(1, round(MASK_FRACTION * spec.required("seq_len")))
 
 
 def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:
@@ -40,10 +41,10 @@ def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> 
     the global batch equals the mean of per-rank means, as data-parallel training assumes.
     The last vocabulary id stands for [MASK] and is never drawn as an ordinary token.
     """
-    mask_id = spec.vocab_size - 1
-    tokens = torch.randint(mask_id, (batch_size, spec.seq_len), generator=generator)
+    mask_id, seq_len = spec.required("vocab_size") - 1, spec.required("seq_len")
+    tokens = torch.randint(mask_id, (batch_size, seq_len), generator=generator)
     # The first n_masked positions of a random permutation per sample: distinct, uniform.
-    order = torch.rand(batch_size, spec.seq_len, generator=generator).argsort(dim=1)
+    order = torch.rand(batch_size, seq_len, generator=generator).argsort(dim=1)
     masked = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, order[:, : n_masked(spec)], True)
     return {
         "input_ids": tokens.masked_fill(masked, mask_id),
@@ -52,11 +53,10 @@ def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> 
 
 
 def count_params(spec: ModelSpec) -> ParamCount:
-    h, f = spec.hidden, spec.ffn
+    h, f, v = spec.hidden, spec.ffn, spec.required("vocab_size")
     block = 4 * linear(h, h) + 2 * h + linear(h, f) + linear(f, h) + 2 * h
-    embedding = (spec.vocab_size + spec.seq_len + TYPE_VOCAB) * h
+    embedding = (v + spec.required("seq_len") + TYPE_VOCAB) * h
     # Embedding LayerNorm; MLM head: transform dense + LayerNorm, decoder tied but its own bias.
-    extra = 2 * h + linear(h, h) + 2 * h + spec.vocab_size
+    extra = 2 * h + linear(h, h) + 2 * h + v
     # The decoder's weight is the token table, yet the decoder is a V x h matmul every forward.
-    return ParamCount(embedding + spec.n_layers * block + extra, embedding,
-                      tied_head=spec.vocab_size * h)
+    return ParamCount(embedding + spec.n_layers * block + extra, embedding, tied_head=v * h)

@@ -47,9 +47,9 @@ def linear(n_in: int, n_out: int, bias: bool = True) -> int:
 
 def grouped_query_attention_params(spec: ModelSpec) -> int:
     """q and o over all heads, k and v over the key/value heads; no biases (Llama, Mixtral)."""
-    d = spec.head_dim
-    return (linear(spec.hidden, spec.n_heads * d, False) + 2 * linear(spec.hidden, spec.kv_heads * d, False)
-            + linear(spec.n_heads * d, spec.hidden, False))
+    d, n_heads = spec.head_dim, spec.required("n_heads")
+    return (linear(spec.hidden, n_heads * d, False) + 2 * linear(spec.hidden, spec.kv_heads * d, False)
+            + linear(n_heads * d, spec.hidden, False))
 
 
 def causal_lm_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:
@@ -58,7 +58,7 @@ def causal_lm_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int
     Every sample has seq_len - 1 predicted tokens, so the mean over a batch equals the mean
     of the per-slice means over equal slices of it.
     """
-    input_ids = torch.randint(spec.vocab_size, (batch_size, spec.seq_len), generator=generator)
+    input_ids = torch.randint(spec.required("vocab_size"), (batch_size, spec.required("seq_len")), generator=generator)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 

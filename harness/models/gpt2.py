@@ -15,9 +15,10 @@ loss = hf_loss
 
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
-    config = GPT2Config(
-        vocab_size=spec.vocab_size, n_positions=spec.seq_len, n_embd=spec.hidden,
-        n_layer=spec.n_layers, n_head=spec.n_heads, n_inner=spec.ffn,
+    # attn_implementation goes through the config's **kwargs, which its dataclass signature does not declare.
+    config = GPT2Config(  # type: ignore[call-arg]
+        vocab_size=spec.required("vocab_size"), n_positions=spec.required("seq_len"), n_embd=spec.hidden,
+        n_layer=spec.n_layers, n_head=spec.required("n_heads"), n_inner=spec.ffn,
         # Dropout draws from each rank's RNG, which would break equality with the 1-process run.
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
@@ -32,9 +33,8 @@ def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
 
 
 def count_params(spec: ModelSpec) -> ParamCount:
-    h, f = spec.hidden, spec.ffn
+    h, f, v = spec.hidden, spec.ffn, spec.required("vocab_size")
     block = 2 * h + linear(h, 3 * h) + linear(h, h) + 2 * h + linear(h, f) + linear(f, h)
-    embedding = spec.vocab_size * h + spec.seq_len * h
+    embedding = v * h + spec.required("seq_len") * h
     # The LM head is tied to the token table (no parameters of its own) but still a V x h matmul.
-    return ParamCount(embedding + spec.n_layers * block + 2 * h, embedding,
-                      tied_head=spec.vocab_size * h)
+    return ParamCount(embedding + spec.n_layers * block + 2 * h, embedding, tied_head=v * h)

@@ -15,10 +15,11 @@ loss = hf_loss
 
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
-        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.seq_len,
+    # attn_implementation goes through the config's **kwargs, which its dataclass signature does not declare.
+    config = LlamaConfig(  # type: ignore[call-arg]
+        vocab_size=spec.required("vocab_size"), hidden_size=spec.hidden, intermediate_size=spec.ffn,
+        num_hidden_layers=spec.n_layers, num_attention_heads=spec.required("n_heads"),
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.required("seq_len"),
         tie_word_embeddings=spec.tie_embeddings,
         use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
         bos_token_id=None, eos_token_id=None,  # the defaults lie outside tiny vocabularies
@@ -28,13 +29,13 @@ def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
 
 
 def count_params(spec: ModelSpec) -> ParamCount:
-    h, f = spec.hidden, spec.ffn
+    h, f, v = spec.hidden, spec.ffn, spec.required("vocab_size")
     attention = grouped_query_attention_params(spec)
     block = h + attention + h + 3 * linear(h, f, False)  # two RMSNorms, SwiGLU gate/up/down
-    embedding = spec.vocab_size * h
+    embedding = v * h
     # The LM head is a V x h matmul either way: untied it has its own parameters; tied it has
     # none, but is credited with the same FLOPs, so tied and untied models compare.
-    head = spec.vocab_size * h
+    head = v * h
     if spec.tie_embeddings:
         return ParamCount(embedding + spec.n_layers * block + h, embedding, tied_head=head)
     return ParamCount(embedding + spec.n_layers * block + h + head, embedding)

@@ -29,14 +29,14 @@ BLOCK_TYPE = MLPBlock
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     # No attention to implement: CellSpec refuses anything but the default for mlp.
     blocks = [MLPBlock(spec.hidden, spec.ffn) for _ in range(spec.n_layers)]
-    return nn.Sequential(*blocks, nn.LayerNorm(spec.hidden), nn.Linear(spec.hidden, spec.num_classes))
+    return nn.Sequential(*blocks, nn.LayerNorm(spec.hidden), nn.Linear(spec.hidden, spec.required("num_classes")))
 
 
 def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:
     """Random inputs with random class targets: a classification task to fit."""
     return {
         "inputs": torch.randn(batch_size, spec.hidden, generator=generator),
-        "targets": torch.randint(spec.num_classes, (batch_size,), generator=generator),
+        "targets": torch.randint(spec.required("num_classes"), (batch_size,), generator=generator),
     }
 
 
@@ -47,4 +47,4 @@ def loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def count_params(spec: ModelSpec) -> ParamCount:
     h, f = spec.hidden, spec.ffn
     block = 2 * h + linear(h, f) + linear(f, h)
-    return ParamCount(spec.n_layers * block + 2 * h + linear(h, spec.num_classes), 0)
+    return ParamCount(spec.n_layers * block + 2 * h + linear(h, spec.required("num_classes")), 0)

@@ -17,11 +17,13 @@ loss = hf_loss
 
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
-    config = MixtralConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
-        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.seq_len,
-        num_local_experts=spec.n_experts, num_experts_per_tok=spec.top_k,
+    # attn_implementation and experts_implementation go through the config's **kwargs, which its dataclass
+    # signature does not declare.
+    config = MixtralConfig(  # type: ignore[call-arg]
+        vocab_size=spec.required("vocab_size"), hidden_size=spec.hidden, intermediate_size=spec.ffn,
+        num_hidden_layers=spec.n_layers, num_attention_heads=spec.required("n_heads"),
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.required("seq_len"),
+        num_local_experts=spec.required("n_experts"), num_experts_per_tok=spec.required("top_k"),
         # The loss is the plain LM loss, without the load-balancing auxiliary loss: that loss
         # multiplies the batch's fraction of tokens per expert by its mean router probability,
         # which is not a mean over samples, so the loss of a global batch would no longer be
@@ -45,12 +47,12 @@ def _experts(spec: ModelSpec, n: int) -> int:
 
 
 def count_params(spec: ModelSpec) -> ParamCount:
-    h = spec.hidden
+    h, v, n_experts = spec.hidden, spec.required("vocab_size"), spec.required("n_experts")
     attention = grouped_query_attention_params(spec)
-    router = linear(h, spec.n_experts, False)
-    block = h + attention + h + router + _experts(spec, spec.n_experts)  # two RMSNorms
-    embedding = spec.vocab_size * h
-    head = spec.vocab_size * h  # untied, as in Mixtral
+    router = linear(h, n_experts, False)
+    block = h + attention + h + router + _experts(spec, n_experts)  # two RMSNorms
+    embedding = v * h
+    head = v * h  # untied, as in Mixtral
     # Each token runs through top_k experts; the other n_experts - top_k hold no FLOPs for it.
-    inactive = spec.n_layers * _experts(spec, spec.n_experts - spec.top_k)
+    inactive = spec.n_layers * _experts(spec, n_experts - spec.required("top_k"))
     return ParamCount(embedding + spec.n_layers * block + h + head, embedding, inactive=inactive)

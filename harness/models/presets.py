@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from .spec import ModelSpec
 
-_TINY_TEXT = dict(n_layers=2, hidden=64, n_heads=4, seq_len=32, vocab_size=512)
+
+class _TextSizes(TypedDict):
+    n_layers: int
+    hidden: int
+    n_heads: int
+    seq_len: int
+    vocab_size: int
+
+
+_TINY_TEXT = _TextSizes(n_layers=2, hidden=64, n_heads=4, seq_len=32, vocab_size=512)
 
 _SPECS = [
     # Tiny: for tests and CPU smoke runs.

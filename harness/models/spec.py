@@ -25,8 +25,9 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "mlp": ("ffn_hidden",),
     "moe": ("ffn_hidden", "n_kv_heads"),
 }
-_SIZES = ("n_heads", "n_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
-          "image_size", "patch_size", "num_classes", "n_experts", "top_k")
+SizeField = Literal["n_heads", "n_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
+                    "image_size", "patch_size", "num_classes", "n_experts", "top_k"]
+_SIZES: tuple[SizeField, ...] = get_args(SizeField)
 
 VIT_CHANNELS = 3  # RGB images
 
@@ -77,13 +78,23 @@ class ModelSpec:
                              f"({self.family!r} ties or has no LM head by construction); leave it False")
         if self.n_heads is not None and self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by n_heads={self.n_heads}")
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+        # The `is not None` tests narrow only: where n_kv_heads, image_size or top_k applies, the
+        # size each is checked against is required (above).
+        if self.n_kv_heads is not None and self.n_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
-        if self.family == "vit" and self.image_size % self.patch_size:
+        if self.image_size is not None and self.patch_size is not None and self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
-        if self.top_k is not None and self.top_k > self.n_experts:
+        if self.top_k is not None and self.n_experts is not None and self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be at most n_experts={self.n_experts}:"
                              f" a token is routed to top_k distinct experts")
+
+    def required(self, field: SizeField) -> int:
+        """A size the family needs (``__post_init__`` has checked it is set); asked of a family
+        that has no such size, a ValueError saying so."""
+        value: int | None = getattr(self, field)
+        if value is None:
+            raise ValueError(f"{field}: model {self.name!r} of family {self.family!r} has none")
+        return value
 
     @property
     def head_dim(self) -> int:
@@ -106,7 +117,7 @@ class ModelSpec:
     @property
     def tokens_per_sample(self) -> int:
         if self.family == "vit":
-            return (self.image_size // self.patch_size) ** 2 + 1  # patches + class token
+            return (self.required("image_size") // self.required("patch_size")) ** 2 + 1  # patches + class token
         if self.family == "mlp":
             return 1
-        return self.seq_len
+        return self.required("seq_len")

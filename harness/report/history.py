@@ -37,8 +37,10 @@ def _runs(results_dir: Path) -> list[dict]:
 
 def _measured(record: dict | None) -> bool:
     """ok, with the two numbers a history shows (a record from a broken writer may lack them)."""
-    metrics = (record or {}).get("metrics") or {}
-    return (bool(record) and record["status"] == "ok"
+    if not record:
+        return False
+    metrics = record.get("metrics") or {}
+    return (record["status"] == "ok"
             and metrics.get("peak_mem_bytes") is not None and metrics.get("step_time_s") is not None)
 
 

@@ -161,7 +161,7 @@ def _claim_rows(run_dir: Path) -> list[dict]:
             "measured": claim_records.format_value(r.get("measured"), unit),
             "unit": unit, "ratio": "" if ratio is None else f"{ratio:.3f}",
             "tolerance": r.get("tolerance") or "", "verdict": r.get("verdict") or "?",
-            "verdict_class": _CLAIM_VERDICT_CLASS.get(r.get("verdict"), ""),
+            "verdict_class": _CLAIM_VERDICT_CLASS.get(r.get("verdict") or "", ""),
             "explained": bool(r.get("explained")), "reason": r.get("reason") or "",
         })
     return rows
@@ -177,9 +177,8 @@ def _claim_selecting(cell_id: str, world_size: int | None) -> str | None:
     best = None
     for claim in catalogue.CLAIMS.values():
         read = claim.cells(world_size)
-        if any(cell_id in (c.cell_id, c.reference().cell_id) for c in read):
-            if best is None or len(read) < best[0]:
-                best = (len(read), claim.claim_id)
+        if any(cell_id in (c.cell_id, c.reference().cell_id) for c in read) and (best is None or len(read) < best[0]):
+            best = (len(read), claim.claim_id)
     return best and best[1]
 
 

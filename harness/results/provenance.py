@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from harness.config import CellSpec
 
@@ -39,7 +40,7 @@ def harness_code_hash() -> str:
     return h.hexdigest()[:_HASH_CHARS]
 
 
-def of(cell: CellSpec) -> dict:
+def of(cell: CellSpec) -> dict[str, Any]:
     """The record's ``provenance`` entry."""
     config, code = config_hash(cell), harness_code_hash()
     return {"config_hash": config, "harness_code_hash": code,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from harness import strategies
 from harness.config import CellSpec
@@ -15,6 +16,9 @@ from harness.results import provenance
 
 SCHEMA_VERSION = 2
 STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
+
+# A cell record as json.loads gives it back: its fields are described in README "Results format".
+Record = dict[str, Any]
 
 
 def _finite_or_none(values: list[float]) -> list[float | None]:
@@ -30,14 +34,14 @@ def make_record(
     reason: str = "",
     n_params: int | None = None,
     attn_implementation: str | None = None,
-    metrics: dict | None = None,
-    per_rank: list[dict] | None = None,
+    metrics: dict[str, Any] | None = None,
+    per_rank: list[dict[str, Any]] | None = None,
     losses: list[float] | None = None,
-    equivalence: dict | None = None,
-    predicted: dict | None = None,
+    equivalence: dict[str, Any] | None = None,
+    predicted: dict[str, Any] | None = None,
     wall_s: float | None = None,
     trial: int = 0,
-) -> dict:
+) -> Record:
     if status not in STATUSES:
         raise ValueError(f"status={status!r}: choose one of {', '.join(STATUSES)}")
     return {
@@ -50,7 +54,7 @@ def make_record(
         "world_size": cell.world_size,
         "zero_idea": strategies.get(cell.strategy.name).zero_idea,
         "model": {"name": cell.model, "n_params": n_params, "attn_implementation": attn_implementation},
-        "strategy": {k: v for k, v in cell.to_dict()["strategy"].items()},
+        "strategy": dict(cell.to_dict()["strategy"]),
         "precision": cell.strategy.precision,
         "cell": cell.to_dict(),
         "provenance": provenance.of(cell),
@@ -71,11 +75,11 @@ class UnreadableRecord(ValueError):
 # MIGRATIONS[v] turns a version-v record into a version-(v + 1) record; ``migrate`` applies
 # them in order. A change of SCHEMA_VERSION from N to N + 1 registers MIGRATIONS[N] in the
 # same commit (``@migration(N)``), so every released version stays readable.
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+MIGRATIONS: dict[int, Callable[[Record], Record]] = {}
 
 
-def migration(from_version: int) -> Callable[[Callable[[dict], dict]], Callable[[dict], dict]]:
-    def register(step: Callable[[dict], dict]) -> Callable[[dict], dict]:
+def migration(from_version: int) -> Callable[[Callable[[Record], Record]], Callable[[Record], Record]]:
+    def register(step: Callable[[Record], Record]) -> Callable[[Record], Record]:
         if from_version in MIGRATIONS:
             raise ValueError(f"a migration from schema_version={from_version} is already registered")
         MIGRATIONS[from_version] = step
@@ -84,7 +88,7 @@ def migration(from_version: int) -> Callable[[Callable[[dict], dict]], Callable[
     return register
 
 
-def migrate(record: dict) -> dict:
+def migrate(record: Record) -> Record:
     """Bring a record of any released schema version up to SCHEMA_VERSION, one version at a
     time; the record given is not modified."""
     version = record.get("schema_version")
@@ -105,7 +109,7 @@ def migrate(record: dict) -> dict:
 
 
 @migration(1)
-def _trials(record: dict) -> dict:
+def _trials(record: Record) -> Record:
     """2 added ``trial`` (``--repeat N`` records each run of a cell): a run before it ran each
     cell once."""
     return {**record, "trial": 0}

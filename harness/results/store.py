@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.results.schema import UnreadableRecord, migrate
+from harness.results.schema import Record, UnreadableRecord, migrate
 
 
 def new_run_id() -> str:
@@ -38,12 +38,12 @@ class RunStore:
         tmp.symlink_to(self.run_id)
         tmp.replace(results_dir / "latest")
 
-    def write_run_info(self, info: dict) -> None:
+    def write_run_info(self, info: dict[str, Any]) -> None:
         tmp = self.path / "run.json.tmp"
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
         tmp.replace(self.path / "run.json")
 
-    def append(self, record: dict) -> None:
+    def append(self, record: Record) -> None:
         """One cell record, appended to cells.jsonl by append_json_line."""
         append_json_line(self.cells_path, record)
 
@@ -84,7 +84,7 @@ def _skip(message: str, skipped: list[str] | None) -> None:
         skipped.append(message)
 
 
-def load_run_info(run_dir: Path, skipped: list[str] | None = None) -> dict:
+def load_run_info(run_dir: Path, skipped: list[str] | None = None) -> dict[str, Any]:
     """run.json as a dict; {} when it is missing or unreadable (a killed run, an old layout),
     with a DamagedResultsWarning (appended to ``skipped`` when given)."""
     path = run_dir / "run.json"
@@ -102,7 +102,7 @@ def load_run_info(run_dir: Path, skipped: list[str] | None = None) -> dict:
     return info
 
 
-def load_records(run_dir: Path, skipped: list[str] | None = None) -> list[dict]:
+def load_records(run_dir: Path, skipped: list[str] | None = None) -> list[Record]:
     """The run's cell records, migrated to SCHEMA_VERSION: every trial of every cell (``--repeat
     N`` records N per cell), the last record of each (cell, trial) (a resumed run with
     --retry-failed appends a new one), in order of each one's first record. Readers that want
@@ -117,7 +117,7 @@ def load_records(run_dir: Path, skipped: list[str] | None = None) -> list[dict]:
         text = path.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return []
-    records: dict[tuple[str, int], dict] = {}
+    records: dict[tuple[str, int], Record] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue

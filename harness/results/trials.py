@@ -32,27 +32,30 @@ is recorded once) passes through unchanged but for ``trials`` (n = 1, spread 0).
 from __future__ import annotations
 
 import statistics
+from typing import Any, TypeGuard
+
+from harness.results.schema import Record
 
 
-def _number(value) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _metric(record: dict, key: str) -> float | None:
+def _metric(record: Record, key: str) -> float | None:
     value = (record.get("metrics") or {}).get(key)
     return value if _number(value) else None
 
 
-def by_cell(records: list[dict]) -> dict[str, list[dict]]:
+def by_cell(records: list[Record]) -> dict[str, list[Record]]:
     """Each cell's trial records in trial order, cells in order of their first record. Of two
     records of one (cell, trial) the later one stands, as in the loader."""
-    cells: dict[str, dict[int, dict]] = {}
+    cells: dict[str, dict[int, Record]] = {}
     for record in records:
         cells.setdefault(record["cell_id"], {})[record["trial"]] = record
     return {cell_id: [trials[t] for t in sorted(trials)] for cell_id, trials in cells.items()}
 
 
-def _summary(trials: list[dict], ok: list[dict]) -> dict:
+def _summary(trials: list[Record], ok: list[Record]) -> dict[str, Any]:
     times = [t for t in (_metric(r, "step_time_s") for r in ok) if t is not None]
     peaks = [p for p in (_metric(r, "peak_mem_bytes") for r in ok) if p is not None]
     median_time = statistics.median(times) if times else None
@@ -68,33 +71,34 @@ def _summary(trials: list[dict], ok: list[dict]) -> dict:
     }
 
 
-def _shown(ok: list[dict]) -> dict:
+def _shown(ok: list[Record]) -> Record:
     """The ok trial whose step time is nearest the median (the earliest on a tie)."""
-    timed = [r for r in ok if _metric(r, "step_time_s") is not None]
+    timed = [(r, t) for r in ok if (t := _metric(r, "step_time_s")) is not None]
     if not timed:
         return ok[0]
-    median = statistics.median(_metric(r, "step_time_s") for r in timed)
-    return min(timed, key=lambda r: abs(_metric(r, "step_time_s") - median))
+    median = statistics.median(t for _, t in timed)
+    return min(timed, key=lambda rt: abs(rt[1] - median))[0]
 
 
-def _median_metrics(ok: list[dict], shown: dict) -> dict:
+def _median_metrics(ok: list[Record], shown: Record) -> dict[str, Any]:
     metrics = dict(shown.get("metrics") or {})
     for key in metrics:
-        values = [_metric(r, key) for r in ok]
-        if all(v is not None for v in values):
+        values = [v for v in (_metric(r, key) for r in ok) if v is not None]
+        if len(values) == len(ok):
             metrics[key] = statistics.median(values)
     return metrics
 
 
-def _worst_equivalence(ok: list[dict], shown: dict) -> dict | None:
-    verdicts = [r["equivalence"] for r in ok if r.get("equivalence") is not None]
+def _worst_equivalence(ok: list[Record], shown: Record) -> dict[str, Any] | None:
+    verdicts: list[dict[str, Any]] = [r["equivalence"] for r in ok if r.get("equivalence") is not None]
     if not verdicts:
-        return shown.get("equivalence")
+        equivalence: dict[str, Any] | None = shown.get("equivalence")
+        return equivalence
     failed = [v for v in verdicts if not v.get("passed")]
     return failed[0] if failed else max(verdicts, key=lambda v: v.get("max_rel_loss_diff") or 0.0)
 
 
-def combine(trials: list[dict]) -> dict:
+def combine(trials: list[Record]) -> Record:
     """One cell's record from its trial records (by_cell's lists), as the module says."""
     ok = [r for r in trials if r["status"] == "ok"]
     walls = [r["wall_s"] for r in trials if _number(r.get("wall_s"))]
@@ -110,6 +114,6 @@ def combine(trials: list[dict]) -> dict:
             "equivalence": _worst_equivalence(ok, shown)}
 
 
-def aggregate(records: list[dict]) -> list[dict]:
+def aggregate(records: list[Record]) -> list[Record]:
     """One record per cell (``combine``), in order of each cell's first record."""
     return [combine(trials) for trials in by_cell(records).values()]

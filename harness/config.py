@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from harness import strategies
 from harness.features.compression import POWERSGD_START_ITER
@@ -36,7 +36,7 @@ REFERENCE = "single"
 MIN_WARMUP = 2
 
 
-def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
+def _check_choice(field_name: str, value: object, allowed: tuple[object, ...]) -> None:
     if value not in allowed:
         choices = ", ".join(str(a) for a in allowed)
         raise ValueError(f"{field_name}={value!r}: choose one of {choices}")
@@ -116,6 +116,14 @@ class StrategySpec:
         else:
             _check_positive(option, value)
 
+    def layout(self, option: Literal["tp_degree", "pp_degree", "pp_microbatches"]) -> int:
+        """A layout option's value where it applies (resolved to its declared default when the
+        spec was made); asking for one that does not apply is a mistake in the caller."""
+        value = getattr(self, option)
+        if value is None:
+            raise ValueError(f"{option}: does not apply to strategy={self.name}")
+        return int(value)
+
     @property
     def pipelined(self) -> bool:
         """A pipeline schedule cuts each step into pp_microbatches micro-batches."""
@@ -164,7 +172,7 @@ class CellSpec:
         least = min_warmup(self.strategy)
         if self.warmup is None:
             object.__setattr__(self, "warmup", least)  # frozen: set once, here
-        if self.warmup < least:
+        if self.warmup_steps < least:
             # DDP rebuilds its buckets during the first steps, PowerSGD starts compressing
             # late: memory measured before then is not the steady state (cpu-gloo-facts.md,
             # "Measuring on CPU").
@@ -196,20 +204,27 @@ class CellSpec:
                              " micro-batches; set pp_microbatches instead")
 
     @property
+    def warmup_steps(self) -> int:
+        """``warmup`` as resolved when the cell was made (never None after that)."""
+        if self.warmup is None:
+            raise RuntimeError("CellSpec.warmup is resolved in __post_init__")
+        return self.warmup
+
+    @property
     def min_steps(self) -> int:
         """The fewest steps this cell accepts: warm-up, the probes and 2 timed steps."""
-        return self.warmup + self.probe_steps + 2
+        return self.warmup_steps + self.probe_steps + 2
 
     @property
     def timed_steps(self) -> int:
-        return self.steps - self.warmup - self.probe_steps
+        return self.steps - self.warmup_steps - self.probe_steps
 
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step, over all data-parallel ranks and micro-steps."""
         s = self.strategy
         return (self.micro_batch * s.data_parallel_size(self.world_size) * s.accumulation
-                * (s.pp_microbatches if s.pipelined else 1))
+                * (s.layout("pp_microbatches") if s.pipelined else 1))
 
     @property
     def cell_id(self) -> str:
@@ -253,13 +268,13 @@ class CellSpec:
             expandable_segments=False,
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("probe_steps")
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> CellSpec:
+    def from_dict(cls, d: dict[str, Any]) -> CellSpec:
         d = dict(d)
         d["strategy"] = StrategySpec(**d["strategy"])
         return cls(**d)

@@ -20,8 +20,20 @@ if TYPE_CHECKING:
 @functools.cache
 def _declarations() -> dict[str, Strategy]:
     # The strategy files load torch: imported on the first lookup, not with this package.
-    from harness.strategies import (context_parallel, ddp, deepspeed_zero, expert_parallel, fairscale, fsdp, fsdp1,
-                                    megatron, pipeline, single, tensor_parallel, torch_zero)
+    from harness.strategies import (
+        context_parallel,
+        ddp,
+        deepspeed_zero,
+        expert_parallel,
+        fairscale,
+        fsdp,
+        fsdp1,
+        megatron,
+        pipeline,
+        single,
+        tensor_parallel,
+        torch_zero,
+    )
 
     # The order strategies are listed in (messages, help, the marker catalogue): the
     # reference, data parallelism and its sharded forms by engine, then the strategies that

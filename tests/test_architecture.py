@@ -85,6 +85,37 @@ def test_no_import_cycle_among_harness_modules():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# The layers, top to bottom (README "How a run works"): a module imports its own layer's
+# modules or lower layers', never a higher one.
+LAYERS = (
+    ("harness.__main__", "harness.cli"),  # the commands: cli.py and cli_*.py
+    ("harness.runner",),
+    ("harness.report",),
+    ("harness.suites", "harness.suite_files"),
+    ("harness.claims",),
+    ("harness.predict",),
+    ("harness.training",),
+    ("harness.results", "harness.measure", "harness.markers", "harness.equivalence", "harness.suite_cell"),
+    ("harness.config",),
+    ("harness.strategies",),
+    ("harness.features", "harness.models", "harness.distributed", "harness.faults"),
+)
+
+
+def _layer(module: str) -> int:
+    found = {i for i, layer in enumerate(LAYERS) for prefix in layer if module.startswith(prefix)}
+    if len(found) != 1:
+        raise AssertionError(f"{module} is in layers {sorted(found)} of LAYERS: place it in one")
+    return found.pop()
+
+
+def test_every_module_imports_only_its_own_layer_or_lower_ones():
+    graph = import_graph(HARNESS)
+    upward = [f"{a} -> {b}" for a, targets in graph.items() if a != "harness"  # the package's own __init__
+              for b in targets if _layer(b) < _layer(a)]
+    assert upward == []
+
+
 def test_the_cycle_check_finds_a_planted_cycle_through_a_function_level_import(tmp_path):
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)

@@ -78,7 +78,7 @@ def combination_problem(cell: CellSpec) -> str | None:
     if cell.attention != "sdpa":
         # Any other attention would run on the local shard alone: a silent wrong answer.
         return f"attention={cell.attention}: context parallel replaces SDPA, so it needs attention='sdpa'"
-    if spec.seq_len % (2 * cell.world_size):
+    if spec.required("seq_len") % (2 * cell.world_size):
         return (f"model {cell.model}: seq_len={spec.seq_len} must be divisible by 2 x world_size ="
                 f" {2 * cell.world_size} (the causal load balancer cuts it into 2W chunks)")
     return None
@@ -100,7 +100,7 @@ class ContextParallelStep:
         self.world_size = env.world_size
         self.accumulation = cell.strategy.accumulation
 
-    def __call__(self, batch: dict) -> torch.Tensor:
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         input_ids = batch["input_ids"].clone()  # sharded in place: keep the step's batch intact
         n_tokens = input_ids.shape[0] * (input_ids.shape[1] - 1)  # predicted tokens in the whole batch
         targets = _shifted_targets(input_ids)

@@ -61,7 +61,7 @@ import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -71,6 +71,8 @@ from harness.strategies import deepspeed_zero
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from harness.config import CellSpec
     from harness.distributed import DistEnv
 
@@ -94,6 +96,9 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     found = importlib.util.find_spec("deepspeed")
     if found is None:
         return "DeepSpeed is not installed: pip install deepspeed (AutoEP is in 0.19.8)"
+    if found.origin is None:  # a namespace package: an installed DeepSpeed has its __init__.py
+        raise RuntimeError("deepspeed is importable only as a namespace package (no deepspeed/__init__.py):"
+                           " reinstall it: pip install deepspeed")
     if not (Path(found.origin).parent / "module_inject" / "auto_ep.py").exists():
         return (f"DeepSpeed {importlib.metadata.version('deepspeed')} has no AutoEP"
                 " (deepspeed.module_inject.auto_ep): install a release that has it (0.19.8 does)")
@@ -106,7 +111,7 @@ def combination_problem(cell: CellSpec) -> str | None:
     return None
 
 
-def ds_config(cell: CellSpec) -> dict:
+def ds_config(cell: CellSpec) -> dict[str, Any]:
     """The DeepSpeed config of an expert-parallel cell (module docstring)."""
     return {
         "train_micro_batch_size_per_gpu": cell.micro_batch,
@@ -127,13 +132,13 @@ def ds_config(cell: CellSpec) -> dict:
     }
 
 
-def _expert_layers(module: nn.Module) -> list[nn.Module]:
+def _expert_layers(module: nn.Module) -> list[Any]:  # DeepSpeed's AutoEPMoELayer (untyped)
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
     return [m for m in module.modules() if isinstance(m, AutoEPMoELayer)]
 
 
-def expert_layout(module: nn.Module) -> dict:
+def expert_layout(module: nn.Module) -> dict[str, int]:
     """What this rank holds of the experts, counted from its parameters."""
     layers = _expert_layers(module)
     expert_params = {id(p): p for layer in layers for p in layer.experts.parameters()}
@@ -162,10 +167,12 @@ def _registry_lookup_by_class_name() -> Iterator[None]:
     registry = output_capturing._CAN_RECORD_REGISTRY
     by_model = registry.get
 
-    def get(key, *default):
+    def get(key: str | PreTrainedModel, *default: object) -> object:
         return dict.get(registry, key, *default) if isinstance(key, str) else by_model(key)
 
-    registry.get = get
+    # A broader get (string keys, a default) than transformers' get(model): patched for the
+    # conversion, restored below.
+    registry.get = get  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -185,7 +192,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 
     steps = deepspeed_zero.EngineSteps(engine, cell)
 
-    def engine_report() -> dict:
+    def engine_report() -> dict[str, Any]:
         return {
             "name": "deepspeed_autoep",
             "version": deepspeed.__version__,
@@ -209,7 +216,8 @@ def _layout_problem(cell: CellSpec) -> str | None:
 
 STRATEGIES = (
     Strategy(
-        name="deepspeed_autoep", summary="expert parallel: DeepSpeed's AutoEP splits a MoE model's experts over the ranks",
+        name="deepspeed_autoep",
+        summary="expert parallel: DeepSpeed's AutoEP splits a MoE model's experts over the ranks",
         engine="deepspeed", families=("ep", "deepspeed"), capabilities=CAPABILITIES,
         combination_problem=combination_problem, layout_problem=_layout_problem,
         unsupported_reason=unsupported_reason, engine_model=EngineModel(analytic="expert_parallel"),

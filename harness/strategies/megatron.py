@@ -74,8 +74,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,8 @@ from harness.models.spec import ModelSpec
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+
     from harness.config import CellSpec, StrategySpec
     from harness.distributed import DistEnv
 
@@ -124,6 +126,16 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     return None
 
 
+def _layout(spec: StrategySpec, option: Literal["tp_degree", "pp_degree"]) -> int:
+    """A degree megatron declares: StrategySpec resolved it to the declared default where the
+    cell left it unset, so None means the spec was made around that resolution."""
+    value: int | None = getattr(spec, option)
+    if value is None:
+        raise ValueError(f"{option}=None with strategy={spec.name}: StrategySpec resolves it to the declared"
+                         " default; make the spec through StrategySpec(...)")
+    return value
+
+
 def combination_problem(cell: CellSpec) -> str | None:
     """Cells GPTModel in this tensor × pipeline layout cannot express exactly. (CellSpec has
     checked that the layout fits the world size and the model's depth.)"""
@@ -133,8 +145,9 @@ def combination_problem(cell: CellSpec) -> str | None:
     if cell.attention != "eager":
         return (f"attention={cell.attention}: Megatron-core's local layer spec computes attention unfused"
                 " (DotProductAttention), which is HF's eager; set attention='eager'")
-    tp, pp = cell.strategy.tp_degree, cell.strategy.pp_degree
-    sizes = {"n_heads": spec.n_heads, "n_kv_heads": spec.kv_heads, "ffn": spec.ffn, "vocab_size": spec.vocab_size}
+    tp, pp = _layout(cell.strategy, "tp_degree"), _layout(cell.strategy, "pp_degree")
+    sizes = {"n_heads": spec.required("n_heads"), "n_kv_heads": spec.kv_heads, "ffn": spec.ffn,
+             "vocab_size": spec.required("vocab_size")}
     for name, size in sizes.items():
         if size % tp:
             # Padding the vocabulary would add logits the reference does not have.
@@ -167,11 +180,12 @@ def _seed_rng_tracker(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(spec: ModelSpec, hf_config, tp_size: int, pp_size: int = 1, checkpointing: str = "none"):
+def transformer_config(spec: ModelSpec, hf_config: PreTrainedConfig, tp_size: int, pp_size: int = 1,
+                       checkpointing: str = "none") -> Any:
     """A TransformerConfig with the HF model's sizes and maths (module docstring)."""
     from megatron.core.transformer import TransformerConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         num_layers=spec.n_layers, hidden_size=spec.hidden, num_attention_heads=spec.n_heads,
         num_query_groups=spec.kv_heads, ffn_hidden_size=spec.ffn,
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
@@ -202,7 +216,7 @@ def transformer_config(spec: ModelSpec, hf_config, tp_size: int, pp_size: int = 
     return TransformerConfig(**common, **family)
 
 
-def build_gpt_model(spec: ModelSpec, hf_config, config) -> nn.Module:
+def build_gpt_model(spec: ModelSpec, hf_config: PreTrainedConfig, config: Any) -> nn.Module:
     """This rank's pipeline stage of the GPTModel: the embedding on the first stage, the head
     and the loss on the last, the stage's share of the layers (parallel_state's stage)."""
     from megatron.core import parallel_state
@@ -211,7 +225,7 @@ def build_gpt_model(spec: ModelSpec, hf_config, config) -> nn.Module:
 
     llama = spec.family == "llama"
     with torch.random.fork_rng(devices=[]):  # its throw-away init must not move the caller's RNG
-        return GPTModel(
+        gpt: nn.Module = GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
             vocab_size=spec.vocab_size,
@@ -222,6 +236,7 @@ def build_gpt_model(spec: ModelSpec, hf_config, config) -> nn.Module:
             position_embedding_type="rope" if llama else "learned_absolute",
             rotary_base=int(hf_config.rope_parameters["rope_theta"]) if llama else 10000,
         )
+    return gpt
 
 
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
@@ -234,10 +249,16 @@ def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: i
     return torch.cat([by_group(q), by_group(k), by_group(v)], dim=1).reshape(-1, *q.shape[1:])
 
 
-def _gpt2_tensors(hf: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+# The HF model's tree, walked by attribute name below: its blocks may be the checkpoint
+# wrappers of features/checkpointing.py, which forward attributes to the block they wrap, so
+# no static type describes what the walk reaches.
+_HFTree = Any
+
+
+def _gpt2_tensors(hf: PreTrainedModel, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """(Megatron name, full tensor) for GPT-2, layers by their index in the whole model. HF's
     Conv1D stores weights as [in, out]."""
-    t = hf.transformer
+    t: _HFTree = hf.transformer
     yield "embedding.word_embeddings.weight", t.wte.weight
     yield "embedding.position_embeddings.weight", t.wpe.weight
     for i, block in enumerate(t.h):
@@ -260,10 +281,10 @@ def _gpt2_tensors(hf: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.T
     yield "decoder.final_layernorm.bias", t.ln_f.bias
 
 
-def _llama_tensors(hf: nn.Module, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def _llama_tensors(hf: PreTrainedModel, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """(Megatron name, full tensor) for Llama, layers by their index in the whole model;
     linear_fc1 is [gate; up] before the rank split."""
-    m = hf.model
+    m: _HFTree = hf.model
     yield "embedding.word_embeddings.weight", m.embed_tokens.weight
     for i, layer in enumerate(m.layers):
         p = f"decoder.layers.{i}."
@@ -295,19 +316,21 @@ def _stage_name(name: str, gpt: nn.Module, local_layer: dict[int, int]) -> str |
     return None if local is None else f"decoder.layers.{local}.{rest}"
 
 
-def _rank_slice(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's part of a full tensor, split where Megatron splits the parameter."""
+def _rank_slice(full: torch.Tensor, param: Any, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's part of a full tensor, split where Megatron splits the parameter (a torch
+    Parameter carrying the tensor_model_parallel / partition_dim attributes Megatron sets)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full  # replicated: norms, position embeddings, row-parallel biases
     return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
 
 
 @torch.no_grad()
-def copy_hf_weights(hf: nn.Module, gpt: nn.Module, spec: ModelSpec, tp_rank: int, tp_size: int) -> None:
+def copy_hf_weights(hf: PreTrainedModel, gpt: Any, spec: ModelSpec, tp_rank: int, tp_size: int) -> None:
     """Overwrite every parameter of ``gpt`` (this pipeline stage's layers and ends, this
     tensor-parallel rank's shard of them) with the HF model's weights; a parameter left unset
     or a shape that does not fit is an error."""
-    tensors = _gpt2_tensors(hf, spec) if spec.family == "gpt2" else _llama_tensors(hf, spec)
+    tensors: Iterable[tuple[str, torch.Tensor]] = (
+        _gpt2_tensors(hf, spec) if spec.family == "gpt2" else _llama_tensors(hf, spec))
     # The head: HF's lm_head, which is the embedding table itself where the model ties them.
     tensors = [*tensors, ("output_layer.weight", hf.get_output_embeddings().weight)]
     # TransformerLayer.layer_number counts from 1 over the whole model (the stage's offset added).
@@ -361,7 +384,8 @@ class MegatronCausalLM(nn.Module):
         return CausalLMOutput(loss=mean_predicted_loss(self.gpt(**gpt_inputs(input_ids, labels))))
 
 
-def forward_step(data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]], model: nn.Module):
+def forward_step(data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]], model: nn.Module
+                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
     """Megatron's forward_step_func: one micro-batch through this stage. The last stage's
     output is the per-token loss, which the schedule hands to the returned loss function."""
     input_ids, labels = next(data_iterator)
@@ -401,10 +425,11 @@ class _PipelineStep:
         return torch.stack([loss["loss"] for loss in losses]).mean()
 
 
-def _torch_optimizer(megatron_optimizer) -> torch.optim.Optimizer:
+def _torch_optimizer(megatron_optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside get_megatron_optimizer's ChainedOptimizer (one dense group)."""
     (inner,) = megatron_optimizer.chained_optimizers
-    return inner.optimizer
+    optimizer: torch.optim.Optimizer = inner.optimizer
+    return optimizer
 
 
 class _OptimizerStepper:
@@ -412,7 +437,7 @@ class _OptimizerStepper:
     gradient reductions (unless the pipeline schedule has), step, zero the DDP gradient
     buffers (Megatron-LM's train_step order)."""
 
-    def __init__(self, ddp_model, optimizer, accumulation: int, finish_grads: bool):
+    def __init__(self, ddp_model: Any, optimizer: Any, accumulation: int, finish_grads: bool):
         self.ddp_model, self.optimizer, self.accumulation = ddp_model, optimizer, accumulation
         self.finish_grads = finish_grads
         self.micro_steps = 0
@@ -434,9 +459,14 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from transformers import PreTrainedModel  # loaded with the model already; a registry lookup need not
 
+    # combination_problem admits gpt2 and llama only, which harness.models builds with transformers.
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"{type(model).__name__}: megatron copies the weights of a transformers causal LM"
+                        f" ({', '.join(FAMILIES)})")
     spec = get_preset(cell.model)
-    tp, pp = cell.strategy.tp_degree, cell.strategy.pp_degree
+    tp, pp = _layout(cell.strategy, "tp_degree"), _layout(cell.strategy, "pp_degree")
     use_layout(tp, pp)
     _seed_rng_tracker(cell.seed)
     config = transformer_config(spec, model.config, tp, pp, cell.strategy.checkpointing)
@@ -481,7 +511,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 def _layout_problem(cell: CellSpec) -> str | None:
     """world_size = tp_degree × pp_degree × data-parallel size (at least 1), and a layer or
     more per pipeline stage."""
-    tp, pp = cell.strategy.tp_degree, cell.strategy.pp_degree
+    tp, pp = _layout(cell.strategy, "tp_degree"), _layout(cell.strategy, "pp_degree")
     if cell.world_size % (tp * pp):
         return (f"world_size={cell.world_size} with megatron tp_degree={tp} × pp_degree={pp}: the world size must"
                 f" be a multiple of tp_degree × pp_degree ({tp * pp}, {2 * tp * pp}, ...)")
@@ -492,12 +522,13 @@ def _layout_problem(cell: CellSpec) -> str | None:
 
 
 def _pipelined(spec: StrategySpec) -> bool:
-    return spec.pp_degree > 1
+    return _layout(spec, "pp_degree") > 1
 
 
 def _layout_families(spec: StrategySpec) -> tuple[str, ...]:
     """tp where it splits the layers, pp where it pipelines them."""
-    return tuple(family for family, degree in (("tp", spec.tp_degree), ("pp", spec.pp_degree)) if degree > 1)
+    degrees = (("tp", _layout(spec, "tp_degree")), ("pp", _layout(spec, "pp_degree")))
+    return tuple(family for family, degree in degrees if degree > 1)
 
 
 STRATEGIES = (

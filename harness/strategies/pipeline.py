@@ -35,7 +35,8 @@ the last rank.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,9 @@ from harness.features import optimizers
 from harness.strategies.base import ALL_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy, always
 
 if TYPE_CHECKING:
-    from harness.config import CellSpec
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
+
+    from harness.config import CellSpec, StrategySpec
     from harness.distributed import DistEnv
 
 CAPABILITIES = Capabilities(
@@ -79,6 +82,16 @@ def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
     return [range(start, start + count) for start, count in zip(starts, counts)]
 
 
+def _layout(spec: StrategySpec, option: Literal["pp_microbatches"]) -> int:
+    """A layout option the pipelines declare: StrategySpec resolved it to the declared default
+    where the cell left it unset, so None means the spec was made around that resolution."""
+    value: int | None = getattr(spec, option)
+    if value is None:
+        raise ValueError(f"{option}=None with strategy={spec.name}: StrategySpec resolves it to the declared"
+                         " default; make the spec through StrategySpec(...)")
+    return value
+
+
 def combination_problem(cell: CellSpec) -> str | None:
     from harness.models.presets import PRESETS
 
@@ -92,7 +105,7 @@ def combination_problem(cell: CellSpec) -> str | None:
     if empty:
         return (f"model={cell.model} at world_size={world}: {spec.n_layers} blocks cannot fill {stages} stages"
                 f" (stages {empty} would hold nothing); use a deeper model or fewer ranks")
-    n_micro = cell.strategy.pp_microbatches
+    n_micro = _layout(cell.strategy, "pp_microbatches")
     if name == "pp_1f1b" and n_micro < stages:
         return f"pp_microbatches={n_micro}: Schedule1F1B needs at least one micro-batch per stage ({stages})"
     rounds = max(1, n_micro // world)
@@ -109,7 +122,11 @@ class _Stage(nn.Module):
     last stage, logits. The family subclasses say how to embed, what else a block needs and
     how to apply the head."""
 
-    def __init__(self, config, blocks: list[nn.Module], first: bool, last: bool):
+    # What the family subclasses define: the first stage's embedding, the last stage's head.
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+    def __init__(self, config: PreTrainedConfig, blocks: list[nn.Module], first: bool, last: bool):
         super().__init__()
         self.config = config
         self.blocks = nn.ModuleList(blocks)
@@ -125,12 +142,12 @@ class _Stage(nn.Module):
             hidden = block(hidden, attention_mask=mask, position_ids=positions, **extra)
         return self.head(hidden) if self.last else hidden
 
-    def block_kwargs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+    def block_kwargs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         return {}
 
 
 class _GPT2Stage(_Stage):
-    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+    def __init__(self, model: GPT2LMHeadModel, blocks: range, first: bool, last: bool):
         body = model.transformer
         super().__init__(model.config, [body.h[i] for i in blocks], first, last)
         if first:
@@ -140,14 +157,16 @@ class _GPT2Stage(_Stage):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
+        embedded: torch.Tensor = self.drop(self.wte(input_ids) + self.wpe(positions))
+        return embedded
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
+        logits: torch.Tensor = self.lm_head(self.ln_f(hidden))
+        return logits
 
 
 class _LlamaStage(_Stage):
-    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+    def __init__(self, model: LlamaForCausalLM, blocks: range, first: bool, last: bool):
         body = model.model
         super().__init__(model.config, [body.layers[i] for i in blocks], first, last)
         self.rotary_emb = body.rotary_emb  # no parameters: every stage computes its own
@@ -157,19 +176,22 @@ class _LlamaStage(_Stage):
             self.norm, self.lm_head = body.norm, model.lm_head
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        embedded: torch.Tensor = self.embed_tokens(input_ids)
+        return embedded
 
-    def block_kwargs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+    def block_kwargs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         return {"position_embeddings": self.rotary_emb(hidden, position_ids=positions)}
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits
 
 
-_STAGE_CLASSES = {"GPT2LMHeadModel": _GPT2Stage, "LlamaForCausalLM": _LlamaStage}
+# Keyed by the model's class name: each stage class takes the model class it is keyed by.
+_STAGE_CLASSES: dict[str, Callable[..., _Stage]] = {"GPT2LMHeadModel": _GPT2Stage, "LlamaForCausalLM": _LlamaStage}
 
 
-def build_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+def build_stage(model: PreTrainedModel, stage: int, n_stages: int) -> nn.Module:
     """Stage ``stage`` of ``n_stages`` of ``model`` (its modules, not copies: checkpoint
     wrappers applied to the blocks stay)."""
     cls = _STAGE_CLASSES[type(model).__name__]
@@ -177,7 +199,7 @@ def build_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     return cls(model, blocks, first=stage == 0, last=stage == n_stages - 1)
 
 
-def _ties_embeddings(model: nn.Module) -> bool:
+def _ties_embeddings(model: PreTrainedModel) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
@@ -223,6 +245,9 @@ class PipelineStep:
 def _add_peer_gradient(weight: nn.Parameter, peer: int) -> None:
     """Exchange ``weight``'s gradient with ``peer`` and add the peer's: both ranks end with
     the same sum (addition commutes), the gradient of the one tied weight."""
+    if weight.grad is None:
+        raise RuntimeError(f"the tied embedding has no gradient after the schedule's backward: nothing to send"
+                           f" to rank {peer}")
     received = torch.empty_like(weight.grad)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, weight.grad, peer),
                                     dist.P2POp(dist.irecv, received, peer)])
@@ -232,11 +257,19 @@ def _add_peer_gradient(weight: nn.Parameter, peer: int) -> None:
 
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    from transformers import PreTrainedModel  # loaded with the model already; a registry lookup need not
+
+    # combination_problem admits the causal LMs only, which harness.models builds with transformers.
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"{type(model).__name__}: the pipeline split takes a transformers causal LM"
+                        f" ({', '.join(_FAMILIES)})")
     stages_total = n_stages(cell.strategy.name, env.world_size)
     # Stage i runs on rank i mod world (the schedules' "loop" placement).
     mine = {i: build_stage(model, i, stages_total).to(env.device)
             for i in range(env.rank, stages_total, env.world_size)}
     tied = model.get_input_embeddings().weight if _ties_embeddings(model) else None
+    if not isinstance(tied, nn.Parameter | None):
+        raise TypeError(f"{type(tied).__name__}: {type(model).__name__}'s token table is not an nn.Parameter")
     step = PipelineStep(mine, stages_total, cell, env, model.config.vocab_size, tied)
     held = nn.ModuleList(mine.values())
     return Prepared(
@@ -251,6 +284,13 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 
 # Micro-batches one optimizer step is cut into, unless a cell sets pp_microbatches.
 DEFAULT_PP_MICROBATCHES = 4
+# (strategy, the schedule's name in the analytic predictor, summary)
+_DECLARED: tuple[tuple[str, Literal["gpipe", "1f1b", "interleaved_1f1b"], str], ...] = (
+    ("pp_gpipe", "gpipe", "pipeline parallel, GPipe schedule (torch.distributed.pipelining)"),
+    ("pp_1f1b", "1f1b", "pipeline parallel, 1F1B schedule (torch.distributed.pipelining)"),
+    ("pp_interleaved_1f1b", "interleaved_1f1b",
+     "pipeline parallel, interleaved 1F1B schedule, two stages per rank (torch.distributed.pipelining)"),
+)
 STRATEGIES = tuple(
     Strategy(
         name=name, summary=summary, engine="torch", families=("pp",), splits_batch=False,
@@ -258,10 +298,5 @@ STRATEGIES = tuple(
         combination_problem=combination_problem,
         engine_model=EngineModel(analytic="pipeline", pipeline_schedule=schedule), prepare=prepare,
     )
-    for name, schedule, summary in (
-        ("pp_gpipe", "gpipe", "pipeline parallel, GPipe schedule (torch.distributed.pipelining)"),
-        ("pp_1f1b", "1f1b", "pipeline parallel, 1F1B schedule (torch.distributed.pipelining)"),
-        ("pp_interleaved_1f1b", "interleaved_1f1b",
-         "pipeline parallel, interleaved 1F1B schedule, two stages per rank (torch.distributed.pipelining)"),
-    )
+    for name, schedule, summary in _DECLARED
 )

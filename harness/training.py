@@ -106,7 +106,7 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
             else:
                 with precision.autocast(cell.strategy.precision, env.device, enabled=prep.use_autocast):
                     loss = built.loss(prep.model, batch) / n_micro
-                if prep.owns_optimizer_step:
+                if prep.backward is not None:  # prep.owns_optimizer_step
                     prep.backward(loss)
                 else:
                     scaler.scale(loss).backward()
@@ -176,6 +176,9 @@ def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
 
 
 def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, snapshot_dir: Path | None) -> dict:
+    warmup = cell.warmup
+    if warmup is None:
+        raise RuntimeError(f"cell {cell.cell_id}: warmup=None (CellSpec resolves it when the cell is made)")
     faults.inject(cell.cell_id, env)  # nothing unless SHARDBENCH_FAULT names this cell
     if env.is_cuda:
         torch.cuda.reset_peak_memory_stats(env.device)  # an OOM reports this cell's peak
@@ -190,11 +193,11 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
 
     # Warm-up, not measured: the first steps make what later steps reuse (optimizer state,
     # allocator caches, DDP's rebuilt buckets).
-    for i in range(cell.warmup):
+    for i in range(warmup):
         losses[i] = session.step(i)
 
     # The memory-tracked step; with a snapshot folder, also its timeline (and CUDA's snapshot).
-    i = cell.warmup
+    i = warmup
     timeline_file, pickle_file = (snapshot_files(snapshot_dir, cell.cell_id, env.rank) if snapshot_dir
                                   else (None, None))
     with memory.cuda_memory_history(pickle_file) if env.is_cuda and pickle_file else nullcontext():
@@ -209,7 +212,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
     # The timed steps; the memory held after the first and after the last is the leak check.
     step_times: list[float] = []
     live_after: list[int] = []
-    first_timed = cell.warmup + cell.probe_steps
+    first_timed = warmup + cell.probe_steps
     for i in range(first_timed, cell.steps):
         with timing.timed(env.device, step_times):
             losses[i] = session.step(i)
@@ -276,7 +279,7 @@ def enforce_cpu_memory_cap(peak_bytes: int, cap_bytes: int | None, env: DistEnv)
     none is left waiting in a collective of the next step."""
     if cap_bytes is None or env.is_cuda:  # CUDA: the allocator enforces it (the worker sets it)
         return
-    peaks: list[int | None] = [None] * env.world_size
+    peaks = [0] * env.world_size  # every entry is replaced by a rank's peak
     dist.all_gather_object(peaks, peak_bytes)
     over = [rank for rank, peak in enumerate(peaks) if peak > cap_bytes]
     if over:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,8 @@ from harness.measure import comm, memory, timing
 from harness.strategies.base import Prepared
 
 
-def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv, data_rank: int) -> list[list[dict]]:
+def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv,
+                  data_rank: int) -> list[list[dict[str, torch.Tensor]]]:
     """Every step's micro-batches for this rank, drawn before anything is timed.
 
     The global batch of a step comes from a generator seeded with the cell's seed, never the
@@ -84,7 +86,7 @@ def _no_op() -> None:
 
 
 def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: DistEnv,
-               micro_batches: list[dict], scaler: torch.amp.GradScaler,
+               micro_batches: list[dict[str, torch.Tensor]], scaler: torch.amp.GradScaler,
                between_micro_steps: Callable[[], None] = _no_op,
                before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
     """One optimizer step. Returns this rank's mean loss over its micro-batches (detached).
@@ -131,7 +133,7 @@ class PreparedCell:
     built: models.BuiltModel
     prep: Prepared
     scaler: torch.amp.GradScaler
-    batches: list[list[dict]]
+    batches: list[list[dict[str, torch.Tensor]]]
 
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
              before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
@@ -169,13 +171,14 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
 
 
 def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
-             snapshot_dir: Path | None = None) -> dict:
+             snapshot_dir: Path | None = None) -> dict[str, Any]:
     """Train one cell and return this rank's measurements."""
     with expandable_segments(cell.expandable_segments and env.is_cuda, env.device):
         return _train_and_measure(cell, env, mem_cap_bytes, snapshot_dir)
 
 
-def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, snapshot_dir: Path | None) -> dict:
+def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
+                       snapshot_dir: Path | None) -> dict[str, Any]:
     warmup = cell.warmup
     if warmup is None:
         raise RuntimeError(f"cell {cell.cell_id}: warmup=None (CellSpec resolves it when the cell is made)")
@@ -296,7 +299,8 @@ def snapshot_files(snapshot_dir: Path, cell_id: str, rank: int) -> tuple[Path, P
     return folder / f"rank{rank}.json", folder / f"rank{rank}.pickle"
 
 
-def write_memory_snapshot(mem: memory.StepMemory, timeline_file: Path, cell: CellSpec, env: DistEnv) -> dict:
+def write_memory_snapshot(mem: memory.StepMemory, timeline_file: Path, cell: CellSpec,
+                          env: DistEnv) -> dict[str, str | None]:
     """The timeline as JSON next to the pickle; the record's fields naming both, relative to
     the run folder (the snapshot folder's parent)."""
     run_dir = timeline_file.parents[2]

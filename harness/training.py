@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,8 @@ from harness.measure import comm, memory, timing
 from harness.strategies.base import Prepared
 
 
-def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv, data_rank: int) -> list[list[dict]]:
+def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv,
+                  data_rank: int) -> list[list[dict[str, torch.Tensor]]]:
     """Every step's micro-batches for this rank, drawn before anything is timed.
 
     The global batch of a step comes from a generator seeded with the cell's seed, never the
@@ -84,7 +86,7 @@ def _no_op() -> None:
 
 
 def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: DistEnv,
-               micro_batches: list[dict], scaler: torch.amp.GradScaler,
+               micro_batches: list[dict[str, torch.Tensor]], scaler: torch.amp.GradScaler,
                between_micro_steps: Callable[[], None] = _no_op,
                before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
     """One optimizer step. Returns this rank's mean loss over its micro-batches (detached).
@@ -106,7 +108,7 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
             else:
                 with precision.autocast(cell.strategy.precision, env.device, enabled=prep.use_autocast):
                     loss = built.loss(prep.model, batch) / n_micro
-                if prep.owns_optimizer_step:
+                if prep.backward is not None:  # prep.owns_optimizer_step
                     prep.backward(loss)
                 else:
                     scaler.scale(loss).backward()
@@ -131,7 +133,7 @@ class PreparedCell:
     built: models.BuiltModel
     prep: Prepared
     scaler: torch.amp.GradScaler
-    batches: list[list[dict]]
+    batches: list[list[dict[str, torch.Tensor]]]
 
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
              before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
@@ -169,13 +171,17 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
 
 
 def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
-             snapshot_dir: Path | None = None) -> dict:
+             snapshot_dir: Path | None = None) -> dict[str, Any]:
     """Train one cell and return this rank's measurements."""
     with expandable_segments(cell.expandable_segments and env.is_cuda, env.device):
         return _train_and_measure(cell, env, mem_cap_bytes, snapshot_dir)
 
 
-def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, snapshot_dir: Path | None) -> dict:
+def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
+                       snapshot_dir: Path | None) -> dict[str, Any]:
+    warmup = cell.warmup
+    if warmup is None:
+        raise RuntimeError(f"cell {cell.cell_id}: warmup=None (CellSpec resolves it when the cell is made)")
     faults.inject(cell.cell_id, env)  # nothing unless SHARDBENCH_FAULT names this cell
     if env.is_cuda:
         torch.cuda.reset_peak_memory_stats(env.device)  # an OOM reports this cell's peak
@@ -190,11 +196,11 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
 
     # Warm-up, not measured: the first steps make what later steps reuse (optimizer state,
     # allocator caches, DDP's rebuilt buckets).
-    for i in range(cell.warmup):
+    for i in range(warmup):
         losses[i] = session.step(i)
 
     # The memory-tracked step; with a snapshot folder, also its timeline (and CUDA's snapshot).
-    i = cell.warmup
+    i = warmup
     timeline_file, pickle_file = (snapshot_files(snapshot_dir, cell.cell_id, env.rank) if snapshot_dir
                                   else (None, None))
     with memory.cuda_memory_history(pickle_file) if env.is_cuda and pickle_file else nullcontext():
@@ -209,7 +215,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None, 
     # The timed steps; the memory held after the first and after the last is the leak check.
     step_times: list[float] = []
     live_after: list[int] = []
-    first_timed = cell.warmup + cell.probe_steps
+    first_timed = warmup + cell.probe_steps
     for i in range(first_timed, cell.steps):
         with timing.timed(env.device, step_times):
             losses[i] = session.step(i)
@@ -276,7 +282,7 @@ def enforce_cpu_memory_cap(peak_bytes: int, cap_bytes: int | None, env: DistEnv)
     none is left waiting in a collective of the next step."""
     if cap_bytes is None or env.is_cuda:  # CUDA: the allocator enforces it (the worker sets it)
         return
-    peaks: list[int | None] = [None] * env.world_size
+    peaks = [0] * env.world_size  # every entry is replaced by a rank's peak
     dist.all_gather_object(peaks, peak_bytes)
     over = [rank for rank, peak in enumerate(peaks) if peak > cap_bytes]
     if over:
@@ -293,7 +299,8 @@ def snapshot_files(snapshot_dir: Path, cell_id: str, rank: int) -> tuple[Path, P
     return folder / f"rank{rank}.json", folder / f"rank{rank}.pickle"
 
 
-def write_memory_snapshot(mem: memory.StepMemory, timeline_file: Path, cell: CellSpec, env: DistEnv) -> dict:
+def write_memory_snapshot(mem: memory.StepMemory, timeline_file: Path, cell: CellSpec,
+                          env: DistEnv) -> dict[str, str | None]:
     """The timeline as JSON next to the pickle; the record's fields naming both, relative to
     the run folder (the snapshot folder's parent)."""
     run_dir = timeline_file.parents[2]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -168,7 +168,7 @@ def _no_op() -> None:
     pass
 
 
-def _nothing_to_report() -> dict:
+def _nothing_to_report() -> dict[str, Any]:
     return {}
 
 
@@ -177,7 +177,7 @@ class Prepared:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     # Entered around forward+backward of every micro-step but the last of an optimizer step.
-    no_sync: Callable[[], AbstractContextManager] = nullcontext
+    no_sync: Callable[[], AbstractContextManager[None]] = nullcontext
     # False where the strategy casts parameters itself (FSDP mixed-precision policies).
     use_autocast: bool = True
     # FSDP2 models are measured with FSDPMemTracker, which knows their sharded parameters.
@@ -199,7 +199,7 @@ class Prepared:
     memory_held: Callable[[], list[torch.Tensor]] = list
     # Engine-specific measurements for the record's per-rank ``engine`` entry (DeepSpeed's
     # comms_logger and memory estimators), read after the last step.
-    engine_report: Callable[[], dict] = _nothing_to_report
+    engine_report: Callable[[], dict[str, Any]] = _nothing_to_report
     # Which share of each step's samples this rank takes: the index of its data-parallel
     # group (None: its rank). Ranks that split the model rather than the batch (tensor and
     # pipeline parallel) share an index; how many groups there are is the cell's
@@ -210,7 +210,7 @@ class Prepared:
     # backpropagates that micro-step's loss already divided by the accumulation count (as the
     # worker's own path does) and returns it on the ranks that compute one (``holds_loss``),
     # None on the others. None: the worker's own forward and backward.
-    forward_backward: Callable[[dict], torch.Tensor | None] | None = None
+    forward_backward: Callable[[dict[str, torch.Tensor]], torch.Tensor | None] | None = None
     holds_loss: bool = True
 
     @property

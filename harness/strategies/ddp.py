@@ -20,12 +20,12 @@ if TYPE_CHECKING:
 def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParallel:
     """DDP on the cell's device with its compression hook; shared with ZeRO-1."""
     model = model.to(env.device)
-    kwargs = {}
+    bucket_cap_mb: int | None = None  # DDP's default (25 MiB)
     if compression.needs_single_bucket(cell.strategy.compression, env.backend):
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kwargs["bucket_cap_mb"] = math.ceil(param_bytes / 2**20) + 1
+        bucket_cap_mb = math.ceil(param_bytes / 2**20) + 1
     ddp_model = DistributedDataParallel(
-        model, device_ids=[env.device.index] if env.is_cuda else None, **kwargs
+        model, device_ids=[env.device.index] if env.is_cuda else None, bucket_cap_mb=bucket_cap_mb
     )
     compression.register(ddp_model, cell.strategy.compression, cell.strategy.powersgd_rank)
     return ddp_model

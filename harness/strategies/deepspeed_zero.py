@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -125,11 +124,11 @@ _GATHERED_BY_INPUT = {"all_gather_into_tensor", "allgather_fn"}
 DEFAULT_BUCKET_ELEMENTS = 500_000_000
 
 
-def _bucket_config(model: nn.Module, stage: int) -> dict:
+def _bucket_config(model: nn.Module, stage: int) -> dict[str, Any]:
     # No bigger than the model: the defaults would allocate ~1.9 GiB of fp32 buffers for a
     # model of a few MB.
     n_elements = min(sum(p.numel() for p in model.parameters()), DEFAULT_BUCKET_ELEMENTS)
-    zero = {
+    zero: dict[str, Any] = {
         "reduce_bucket_size": n_elements,
         "allgather_bucket_size": n_elements,
     }
@@ -146,16 +145,16 @@ def _bucket_config(model: nn.Module, stage: int) -> dict:
     return zero
 
 
-def ds_config(model: nn.Module, cell: CellSpec) -> dict:
+def ds_config(model: nn.Module, cell: CellSpec) -> dict[str, Any]:
     """The DeepSpeed config of a cell."""
     s = cell.strategy
     stage = STAGES[s.name]
-    zero: dict = {"stage": stage, **_bucket_config(model, stage)}
+    zero: dict[str, Any] = {"stage": stage, **_bucket_config(model, stage)}
     if s.offload in ("optimizer", "optimizer_params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if s.offload in ("params", "optimizer_params"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
-    config: dict = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cell.micro_batch,
         "gradient_accumulation_steps": s.accumulation,
         "train_batch_size": cell.global_batch,
@@ -184,12 +183,13 @@ def _client_optimizer(model: nn.Module, cell: CellSpec) -> torch.optim.Optimizer
 
         # Built (or loaded from the cache) here, inside prepare: before the warm-up steps,
         # so the compile never lands in a measured step.
-        return DeepSpeedCPUAdam(model.parameters(), lr=cell.lr, adamw_mode=True,
-                                bias_correction=True, **_ADAMW_DEFAULTS)
+        cpu_adam: torch.optim.Optimizer = DeepSpeedCPUAdam(  # untyped; a torch.optim.Optimizer subclass
+            model.parameters(), lr=cell.lr, adamw_mode=True, bias_correction=True, **_ADAMW_DEFAULTS)
+        return cpu_adam
     return optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr)
 
 
-def _estimates(model: nn.Module, cell: CellSpec) -> dict:
+def _estimates(model: nn.Module, cell: CellSpec) -> dict[str, Any]:
     """DeepSpeed's model-states memory estimators for this cell's layout (bytes).
 
     ZeRO-1 has no estimator of its own; the ZeRO-2 one is reported for it (it assumes
@@ -215,7 +215,7 @@ def _estimates(model: nn.Module, cell: CellSpec) -> dict:
                 "estimate_zero3_per_rank_bytes": per_rank, "estimate_zero3_cpu_bytes": cpu,
                 "estimate_zero3_largest_layer_bytes": largest,
                 "estimate_total_params": total}
-    total = sum(dict((p.data_ptr(), p.numel()) for p in model.parameters()).values())
+    total = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
     cpu, per_rank = estimate_zero2_model_states_mem_needs(
         total, num_gpus_per_node=cell.world_size, num_nodes=1, cpu_offload=offload_opt)
     return {"estimator": "estimate_zero2_model_states_mem_needs",
@@ -231,7 +231,7 @@ def _comms_snapshot() -> dict[str, tuple[int, int]]:
             for name, sizes in comms_logger.comms_dict.items()}
 
 
-def _delta(after: dict, before: dict) -> dict[str, dict]:
+def _delta(after: dict[str, tuple[int, int]], before: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
     out = {}
     for name, (count, nbytes) in after.items():
         c0, b0 = before.get(name, (0, 0))
@@ -244,7 +244,9 @@ class EngineSteps:
     """The engine's backward and step as the worker calls them, and comms_logger's totals at
     each optimizer-step boundary, from which the step the worker counts is read."""
 
-    def __init__(self, engine, cell: CellSpec):
+    def __init__(self, engine: Any, cell: CellSpec) -> None:  # a DeepSpeedEngine: untyped
+        if cell.warmup is None:
+            raise RuntimeError(f"cell {cell.cell_id}: warmup=None (CellSpec resolves it when the cell is made)")
         self.engine = engine
         self.accumulation = cell.strategy.accumulation
         self.comm_step = cell.warmup + 1  # the step the worker counts with harness.measure.comm
@@ -260,7 +262,7 @@ class EngineSteps:
         if self._micro_steps % self.accumulation == 0:
             self._snapshots.append(_comms_snapshot())
 
-    def prepared(self, optimizer, **extra) -> Prepared:
+    def prepared(self, optimizer: Any, **extra: Any) -> Prepared:
         """What every DeepSpeed engine hands the worker: the engine (it casts and scales the
         loss itself: no autocast), its backward and step, and for the memory tracker the
         module and the torch optimizer inside DeepSpeed's wrapper (the wrappers themselves
@@ -269,17 +271,17 @@ class EngineSteps:
                         after_micro_step=self.after_micro_step, memory_module=self.engine.module,
                         memory_optimizer=getattr(optimizer, "optimizer", optimizer), **extra)
 
-    def comms_by_step(self) -> list[dict[str, dict]]:
+    def comms_by_step(self) -> list[dict[str, dict[str, int]]]:
         return [_delta(b, a) for a, b in zip(self._snapshots, self._snapshots[1:])]
 
-    def comms_of_counted_step(self) -> dict[str, dict]:
+    def comms_of_counted_step(self) -> dict[str, dict[str, int]]:
         per_step = self.comms_by_step()
         return per_step[self.comm_step] if self.comm_step < len(per_step) else {}
 
 
-def as_harness_ops(ds_ops: dict[str, dict], world_size: int) -> dict[str, dict]:
+def as_harness_ops(ds_ops: dict[str, dict[str, int]], world_size: int) -> dict[str, dict[str, int]]:
     """comms_logger's per-record counts/bytes in the harness's op kinds and byte convention."""
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, int]] = {}
     for name, v in ds_ops.items():
         kind = _DS_KIND.get(name, name)
         factor = world_size if name in _GATHERED_BY_INPUT else 1
@@ -289,7 +291,7 @@ def as_harness_ops(ds_ops: dict[str, dict], world_size: int) -> dict[str, dict]:
     return out
 
 
-def import_deepspeed(device: torch.device):
+def import_deepspeed(device: torch.device) -> Any:  # the deepspeed module: untyped
     """DeepSpeed, its accelerator the cell's device. It picks the accelerator once per process,
     from DS_ACCELERATOR or else CUDA wherever a GPU is visible, which would put a --device cpu
     cell's engine on the GPU beside its CPU batches and gloo group."""
@@ -317,7 +319,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 
     steps = EngineSteps(engine, cell)
 
-    def engine_report() -> dict:
+    def engine_report() -> dict[str, Any]:
         ds_ops = steps.comms_of_counted_step()
         return {
             "name": "deepspeed",

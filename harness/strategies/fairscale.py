@@ -15,7 +15,8 @@ The optimizer inside OSS is the cell's (features/optimizers.py), built by OSS on
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -67,7 +68,7 @@ FSDP_NEEDS_CUDA = (
 )
 
 
-def _oss(params, cell: CellSpec):
+def _oss(params: Iterable[nn.Parameter], cell: CellSpec) -> Any:  # fairscale.optim.OSS: untyped
     from fairscale.optim import OSS
 
     optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(cell.strategy.optimizer, cell.lr)
@@ -131,22 +132,23 @@ def _fsdp_unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 
 STRATEGIES = (
     Strategy(
-        name="fairscale_oss", superseded_by="zero1", summary="FairScale OSS over torch DDP (ZeRO-1)", engine="fairscale",
-        families=("fairscale",), zero_idea="zero1", capabilities=_OSS_CAPABILITIES,
+        name="fairscale_oss", superseded_by="zero1", summary="FairScale OSS over torch DDP (ZeRO-1)",
+        engine="fairscale", families=("fairscale",), zero_idea="zero1", capabilities=_OSS_CAPABILITIES,
         engine_model=EngineModel(sharded=frozenset({"optimizer"}), grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=_prepare_oss,
     ),
     Strategy(
-        name="fairscale_sdp", superseded_by="fsdp_grad_op", summary="FairScale ShardedDataParallel + OSS (ZeRO-2)", engine="fairscale",
-        families=("fairscale",), zero_idea="zero2", capabilities=_SDP_CAPABILITIES,
+        name="fairscale_sdp", superseded_by="fsdp_grad_op", summary="FairScale ShardedDataParallel + OSS (ZeRO-2)",
+        engine="fairscale", families=("fairscale",), zero_idea="zero2", capabilities=_SDP_CAPABILITIES,
         # Each gradient is reduced to its owner, but the other ranks' .grad tensors stay
         # allocated: the harness zeroes them in place (set_to_none silently breaks SDP).
         engine_model=EngineModel(sharded=frozenset({"optimizer"}), comm="reduce_to_owner"),
         prepare=_prepare_sdp,
     ),
     Strategy(
-        name="fairscale_fsdp", superseded_by="fsdp_full", summary="FairScale FullyShardedDataParallel (ZeRO-3; CUDA only)", engine="fairscale",
-        families=("fairscale",), zero_idea="zero3", capabilities=_FSDP_CAPABILITIES,
+        name="fairscale_fsdp", superseded_by="fsdp_full",
+        summary="FairScale FullyShardedDataParallel (ZeRO-3; CUDA only)", engine="fairscale", families=("fairscale",),
+        zero_idea="zero3", capabilities=_FSDP_CAPABILITIES,
         unsupported_reason=_fsdp_unsupported_reason,
         # FSDP1 grew out of it: the same gathers, the root unit kept between forward and backward.
         engine_model=EngineModel(sharded=frozenset({"optimizer", "grads", "params"}),

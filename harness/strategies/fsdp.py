@@ -9,17 +9,19 @@ transformer block plus the root.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from harness import distributed
 from harness.features import offload, optimizers
 from harness.features.precision import DTYPES
-from harness.strategies.base import FSDP_CAPABILITIES, EngineModel, Prepared, Strategy
+from harness.strategies.base import FSDP_CAPABILITIES, EngineModel, ModelState, Prepared, Strategy
 
 if TYPE_CHECKING:
     from harness.config import CellSpec
@@ -50,7 +52,7 @@ CAPABILITIES = dataclasses.replace(
 )
 
 
-def _mesh(cell: CellSpec, env: DistEnv):
+def _mesh(cell: CellSpec, env: DistEnv) -> DeviceMesh:
     if cell.strategy.name == "fsdp_hybrid":
         return distributed.mesh(env.device.type, distributed.hsdp_shape(env), ("replicate", "shard"))
     return distributed.mesh(env.device.type, (env.world_size,), ("shard",))
@@ -65,7 +67,7 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 @contextmanager
-def no_gradient_sync(model: FSDPModule):
+def no_gradient_sync(model: FSDPModule) -> Iterator[None]:
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -73,11 +75,20 @@ def no_gradient_sync(model: FSDPModule):
         model.set_requires_gradient_sync(True)
 
 
+class _ShardKwargs(TypedDict):
+    """fully_shard's keyword arguments, the same for every unit."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+
+
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     s = cell.strategy
     if s.offload == "none":
         model = model.to(env.device)  # with offload, parameters stay in host memory
-    shard_kwargs = {
+    shard_kwargs: _ShardKwargs = {
         "mesh": _mesh(cell, env),
         "reshard_after_forward": s.name != "fsdp_grad_op",
         "mp_policy": mixed_precision_policy(s.precision),
@@ -86,17 +97,17 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     for module in model.modules():
         if isinstance(module, block_type):
             fully_shard(module, **shard_kwargs)
-    fully_shard(model, **shard_kwargs)
+    root = fully_shard(model, **shard_kwargs)  # model itself, now an FSDPModule too
     return Prepared(
         model=model,
         optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr),
-        no_sync=lambda: no_gradient_sync(model),
+        no_sync=lambda: no_gradient_sync(root),
         use_autocast=False,
         fsdp2=True,
     )
 
 
-_FULLY_SHARDED = frozenset({"optimizer", "grads", "params"})
+_FULLY_SHARDED: frozenset[ModelState] = frozenset({"optimizer", "grads", "params"})
 STRATEGIES = (
     Strategy(
         name="fsdp_full",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -53,11 +54,11 @@ def _mixed_precision(precision: str) -> MixedPrecision | None:
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     s = cell.strategy
-    kwargs = {}
+    device_mesh: DeviceMesh | None = None  # FSDP1's default
     if s.name == "fsdp1_hybrid" and s.hsdp_mesh == "explicit":
         # Without an explicit mesh FSDP1 derives its groups from the node layout; on one node
         # that silently becomes NO_SHARD with ranks that diverge (cpu-gloo-facts.md).
-        kwargs["device_mesh"] = distributed.mesh(
+        device_mesh = distributed.mesh(
             env.device.type, distributed.hsdp_shape(env), ("replicate", "shard")
         )
     wrapped = FullyShardedDataParallel(
@@ -68,7 +69,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         cpu_offload=offload.fsdp1_config(s.offload),
         # FSDP1 refuses a CPU-only run unless told the device explicitly.
         device_id=env.device,
-        **kwargs,
+        device_mesh=device_mesh,
     )
     return Prepared(
         model=wrapped,
@@ -92,18 +93,20 @@ _FULLY_SHARDED = EngineModel(sharded=frozenset({"optimizer", "grads", "params"})
                              gathers="forward_and_backward_but_root")
 STRATEGIES = (
     Strategy(
-        name="fsdp1_full", superseded_by="fsdp_full", summary="FSDP1 FULL_SHARD (ZeRO-3)", engine="torch", families=("fsdp1",),
-        zero_idea="zero3", capabilities=CAPABILITIES, unsupported_reason=unsupported_reason,
+        name="fsdp1_full", superseded_by="fsdp_full", summary="FSDP1 FULL_SHARD (ZeRO-3)", engine="torch",
+        families=("fsdp1",), zero_idea="zero3", capabilities=CAPABILITIES, unsupported_reason=unsupported_reason,
         engine_model=_FULLY_SHARDED, prepare=prepare,
     ),
     Strategy(
-        name="fsdp1_grad_op", superseded_by="fsdp_grad_op", summary="FSDP1 SHARD_GRAD_OP: parameters stay gathered from forward to backward",
+        name="fsdp1_grad_op", superseded_by="fsdp_grad_op",
+        summary="FSDP1 SHARD_GRAD_OP: parameters stay gathered from forward to backward",
         engine="torch", families=("fsdp1",), capabilities=CAPABILITIES, unsupported_reason=unsupported_reason,
         engine_model=dataclasses.replace(_FULLY_SHARDED, gathers="forward", keeps_gathered="always"),
         prepare=prepare,
     ),
     Strategy(
-        name="fsdp1_no_shard", superseded_by="ddp", summary="FSDP1 NO_SHARD: DDP's replicas and all-reduce, in FSDP's wrapper",
+        name="fsdp1_no_shard", superseded_by="ddp",
+        summary="FSDP1 NO_SHARD: DDP's replicas and all-reduce, in FSDP's wrapper",
         engine="torch", families=("fsdp1",), capabilities=CAPABILITIES, unsupported_reason=unsupported_reason,
         engine_model=EngineModel(comm="all_reduce"), prepare=prepare,
     ),

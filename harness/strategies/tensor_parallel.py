@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -57,8 +57,9 @@ _TP_CAPABILITIES = Capabilities(
         "fp16": ("fp16's GradScaler unscales every gradient of a device and dtype in one kernel"
                  " (_amp_foreach_non_finite_check_and_unscale_), and tensor parallel's gradients mix"
                  f" DTensors (split weights) with plain tensors (replicated ones): '{_MIXED}'; use bf16"),
-        **{name: (f"bitsandbytes 8-bit optimizers do not take DTensor parameters: their update kernel fails"
-                  f" with '{_MIXED}'") for name in ("adam8bit", "adamw8bit", "paged_adamw8bit")},
+        **dict.fromkeys(("adam8bit", "adamw8bit", "paged_adamw8bit"),
+                        f"bitsandbytes 8-bit optimizers do not take DTensor parameters: their update kernel fails"
+                        f" with '{_MIXED}'"),
         "adafactor": ("torch.optim.Adafactor does not take tensor-parallel DTensor parameters: its column"
                       " statistic is a norm over the sharded dimension (a Partial DTensor) and the in-place"
                       " pow_ that follows has no sharding rule"),
@@ -73,7 +74,12 @@ _PLANNED_FAMILIES = ("gpt2", "llama")
 
 def tp_degree(cell: CellSpec) -> int:
     """Ranks that split each weight: all of them for tp, the "tp" mesh dimension for tp_fsdp."""
-    return cell.world_size if cell.strategy.name == "tp" else cell.strategy.tp_degree
+    if cell.strategy.name == "tp":
+        return cell.world_size
+    degree = cell.strategy.tp_degree
+    if degree is None:  # StrategySpec resolves it where the strategy declares it (tp_fsdp)
+        raise ValueError(f"tp_degree: does not apply to strategy={cell.strategy.name}")
+    return degree
 
 
 def combination_problem(cell: CellSpec) -> str | None:
@@ -84,7 +90,7 @@ def combination_problem(cell: CellSpec) -> str | None:
                 f" (plans exist for {', '.join(_PLANNED_FAMILIES)})")
     degree = tp_degree(cell)
     # Every rank must hold whole (query and key/value) heads and an equal slice of the MLP.
-    for field, size in (("n_heads", spec.n_heads), ("n_kv_heads", spec.kv_heads), ("ffn_hidden", spec.ffn)):
+    for field, size in (("n_heads", spec.required("n_heads")), ("n_kv_heads", spec.kv_heads), ("ffn_hidden", spec.ffn)):
         if size % degree:
             return (f"model={cell.model}: {field}={size} does not split over tensor-parallel degree {degree};"
                     f" choose a degree that divides {size}")
@@ -116,6 +122,10 @@ def _rank_major_qkv(c_attn: nn.Linear, degree: int) -> None:
 
 
 def _prepare_gpt2_block(block: nn.Module, degree: int) -> None:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # loaded with the model (slow to import)
+
+    if not isinstance(block, GPT2Block):
+        raise TypeError(f"the gpt2 tensor-parallel plan splits transformers' GPT2Block, not {type(block).__name__}")
     attn, mlp = block.attn, block.mlp
     for parent, name in ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_fc"), (mlp, "c_proj")):
         setattr(parent, name, _as_linear(getattr(parent, name)))
@@ -183,20 +193,21 @@ def apply_tensor_parallel(model: nn.Module, block_type: type[nn.Module], family:
 def _mesh(cell: CellSpec, env: DistEnv) -> DeviceMesh:
     if cell.strategy.name == "tp":
         return distributed.mesh(env.device.type, (env.world_size,), ("tp",))
-    degree = cell.strategy.tp_degree
+    degree = tp_degree(cell)
     return distributed.mesh(env.device.type, (env.world_size // degree, degree), ("dp", "tp"))
 
 
-def _shard_over_dp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, dp_mesh: DeviceMesh) -> None:
-    """FSDP2 over the data-parallel dimension, each block then the root (as fsdp.py)."""
-    shard_kwargs = {"mesh": dp_mesh, "mp_policy": fsdp.mixed_precision_policy(cell.strategy.precision)}
+def _shard_over_dp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, dp_mesh: DeviceMesh) -> FSDPModule:
+    """FSDP2 over the data-parallel dimension, each block then the root (as fsdp.py); the
+    root as fully_shard returns it (``model`` itself)."""
+    mp_policy = fsdp.mixed_precision_policy(cell.strategy.precision)
     for module in model.modules():
         if isinstance(module, block_type):
-            fully_shard(module, **shard_kwargs)
-    fully_shard(model, **shard_kwargs)
+            fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy)
+    return fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
-def _param_groups(model: nn.Module) -> list[dict]:
+def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
     """Split (DTensor) and replicated (plain) parameters in separate optimizer groups: the
     foreach and fused AdamW kernels (the default on CUDA) step a group in one call, which fails
     on a mix ('got mixed torch.Tensor and DTensor'). The update rule is per parameter, so the
@@ -213,11 +224,11 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     if cell.strategy.name == "tp":
         return Prepared(model=model, optimizer=optimizers.make(_param_groups(model), cell.strategy.optimizer, cell.lr),
                         data_rank=0)
-    _shard_over_dp(model, block_type, cell, mesh["dp"])
+    root = _shard_over_dp(model, block_type, cell, mesh["dp"])
     return Prepared(
         model=model,
         optimizer=optimizers.make(_param_groups(model), cell.strategy.optimizer, cell.lr),
-        no_sync=lambda: fsdp.no_gradient_sync(model),
+        no_sync=lambda: fsdp.no_gradient_sync(root),
         use_autocast=False,
         fsdp2=True,
         data_rank=mesh.get_local_rank("dp"),
@@ -225,7 +236,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 
 
 def _tp_fsdp_layout_problem(cell: CellSpec) -> str | None:
-    degree = cell.strategy.tp_degree
+    degree = tp_degree(cell)
     if cell.world_size % degree or cell.world_size == degree:
         return (f"world_size={cell.world_size} with tp_fsdp tp_degree={degree}: the world size must be a multiple"
                 f" of tp_degree with at least 2 data-parallel groups ({2 * degree}, {3 * degree}, ...)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from harness import strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
 from harness.features.optimizers import BITSANDBYTES
@@ -20,7 +21,6 @@ from harness.predict.formulas import (
     blockwise_8bit_state_bytes,
     powersgd_elements,
 )
-from harness import strategies
 from harness.strategies import deepspeed_zero  # its bucket sizing; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
 

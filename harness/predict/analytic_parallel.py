@@ -11,6 +11,7 @@ import dataclasses
 import math
 import types
 
+from harness import strategies
 from harness.config import CellSpec
 from harness.models import ModelSpec, ParamLayout
 from harness.predict.analytic_data_parallel import (
@@ -37,7 +38,6 @@ from harness.predict.formulas import (
     tp_all_reduce_bytes,
     tp_model_states,
 )
-from harness import strategies
 from harness.strategies import pipeline  # its stage split; the schedules come from torch
 
 # The residual stream that crosses a pipeline boundary stays fp32 under torch autocast.

@@ -114,6 +114,8 @@ def model_parallel(world_size: int) -> list[CellSpec]:
     key/value heads over 4 ranks, 8 pipeline stages of 2 blocks) is left out, as in ``full``."""
     candidates = [_cell(model, "tp", world_size) for model in ("gpt2-tiny", "llama-tiny")]
     tp_degree = strategies.get("tp_fsdp").options["tp_degree"]
+    if not isinstance(tp_degree, int):
+        raise TypeError(f"tp_fsdp declares tp_degree={tp_degree!r}: a degree is an int number of ranks")
     if world_size >= 2 * tp_degree and world_size % tp_degree == 0:  # two data-parallel groups
         candidates.append(_cell("llama-tiny", "tp_fsdp", world_size))
     candidates += [_cell("llama-tiny", schedule, world_size)
@@ -134,9 +136,10 @@ def _megatron(world_size: int) -> list[CellSpec]:
     (the rest data parallel), and a two-stage pipeline (tensor parallel over 2 ranks where the
     world size divides by 4). Its local layers compute attention unfused: gated against eager
     attention."""
-    layouts = [dict(tp_degree=2, pp_degree=1), dict(tp_degree=2 if world_size % 4 == 0 else 1, pp_degree=2)]
-    return [suite_cell("gpt2-tiny", StrategySpec(name="megatron", **layout), world_size, attention="eager")
-            for layout in layouts if world_size % (layout["tp_degree"] * layout["pp_degree"]) == 0]
+    layouts = [(2, 1), (2 if world_size % 4 == 0 else 1, 2)]  # (tp_degree, pp_degree)
+    return [suite_cell("gpt2-tiny", StrategySpec(name="megatron", tp_degree=tp, pp_degree=pp), world_size,
+                       attention="eager")
+            for tp, pp in layouts if world_size % (tp * pp) == 0]
 
 
 def model_structure(world_size: int) -> list[CellSpec]:
@@ -159,7 +162,7 @@ def _expert_parallel(world_size: int) -> list[CellSpec]:
     cell), with and without checkpointing; none where its experts do not divide evenly."""
     from harness.models.presets import get_preset  # pulls in transformers: import on use
 
-    if get_preset("moe-tiny").n_experts % world_size:
+    if get_preset("moe-tiny").required("n_experts") % world_size:
         return []
     return [_cell("moe-tiny", "deepspeed_autoep", world_size, checkpointing=c) for c in ("none", "full")]
 

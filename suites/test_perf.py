@@ -119,8 +119,8 @@ def test_batched_launch_amortises_torchrun(tmp_path, capsys):
 def test_default_suite_wall_time(tmp_path, capsys):
     cells = suites.cells_of("default", 2)
     start = time.monotonic()
-    records = MatrixRun(cells, RunStore(tmp_path, "perf"), LaunchOptions(), device_type=distributed.device_type(), device_name=None,
-                        progress=lambda line: None).run()
+    records = MatrixRun(cells, RunStore(tmp_path, "perf"), LaunchOptions(), device_type=distributed.device_type(),
+                        device_name=None, progress=lambda line: None).run()
     wall = time.monotonic() - start
     cell_time = sum(r["wall_s"] or 0.0 for r in records.values())
     with capsys.disabled():
@@ -177,7 +177,8 @@ def test_soak_default_suite_three_rounds(tmp_path, capsys):
             t = r["trials"]
             peaks = ", ".join(human_bytes(p) for p in t["peak_mem_bytes"])
             range_ = "same" if t["peak_mem_range_bytes"] == 0 else f"moved {human_bytes(t['peak_mem_range_bytes'])}"
-            freed = f"  (freed on another thread: up to {human_bytes(play[r['cell_id']])})" if play[r["cell_id"]] else ""
+            freed = (f"  (freed on another thread: up to {human_bytes(play[r['cell_id']])})"
+                     if play[r["cell_id"]] else "")
             print(f"    {r['cell_id']:<62} {r['precision']:<5} {peaks:<34} {range_}{freed}")
         print(f"  fp32 cells: {len(fp32_cpu) - len(moved)} of {len(fp32_cpu)} identical; {len(moved)} moved, by at most"
               f" what they freed on another thread: {not beyond_play}")

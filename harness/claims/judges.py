@@ -108,7 +108,7 @@ def _per_layer(c: CellSpec, checkpointing: str | None = None, value_bytes: int |
 
     spec = models.get_preset(c.model)
     return formulas.activation_bytes_per_layer(
-        spec.tokens_per_sample, c.micro_batch, spec.hidden, spec.n_heads, ffn=spec.ffn, mlp="gelu",
+        spec.tokens_per_sample, c.micro_batch, spec.hidden, spec.required("n_heads"), ffn=spec.ffn, mlp="gelu",
         value_bytes=value_bytes or (4 if c.strategy.precision == "fp32" else 2), dropout=False,
         fused_attention=True, checkpointing=checkpointing or c.strategy.checkpointing)
 
@@ -117,7 +117,7 @@ def _logits_bytes(c: CellSpec) -> float:
     from harness import models
 
     spec = models.get_preset(c.model)
-    return 4.0 * spec.tokens_per_sample * c.micro_batch * spec.vocab_size  # fp32, HF upcasts
+    return 4.0 * spec.tokens_per_sample * c.micro_batch * spec.required("vocab_size")  # fp32, HF upcasts
 
 
 def _activations_at_peak(r: Readings, c: CellSpec) -> float:
@@ -194,9 +194,10 @@ def eager_attention_scores(r: Readings) -> Outcome:
 
     eager, sdpa = r.cell("ddp", attention="eager"), r.cell("ddp")
     spec = models.get_preset(eager.model)
-    predicted = (analytic_data_parallel.activation_bytes(eager, spec)["layers"] - analytic_data_parallel.activation_bytes(sdpa, spec)["layers"])
+    predicted = (analytic_data_parallel.activation_bytes(eager, spec)["layers"]
+                 - analytic_data_parallel.activation_bytes(sdpa, spec)["layers"])
     measured = _activations_at_peak(r, eager) - _activations_at_peak(r, sdpa)
-    s, b, a = spec.tokens_per_sample, eager.micro_batch, spec.n_heads
+    s, b, a = spec.tokens_per_sample, eager.micro_batch, spec.required("n_heads")
     return compare(measured, predicted, EXACT_TOL, details={
         "eager_bytes": _activations_at_peak(r, eager), "sdpa_bytes": _activations_at_peak(r, sdpa),
         "scores_per_layer_bytes": 4 * a * s * s * b, "logsumexp_per_layer_bytes": 4 * a * s * b,
@@ -209,6 +210,8 @@ def pipeline_bubble(r: Readings) -> Outcome:
     from harness.predict import formulas
 
     p, m = r.world_size, strategies.get("pp_1f1b").options["pp_microbatches"]
+    if not isinstance(m, int):
+        raise TypeError(f"pp_1f1b declares pp_microbatches={m!r}: a number of micro-batches is an int")
     return Outcome(
         predicted=formulas.pipeline_bubble_fraction(p, m), measured=None, verdict="not measurable here",
         reason=("a bubble is idle time, read from step times: on this shared 2-core CPU host the stages compete"
@@ -234,13 +237,17 @@ def tp_params_split(r: Readings) -> Outcome:
     c = cell("tp", r.world_size)
     spec = models.get_preset(c.model)
     numel, sharded = _layout(c).numel, analytic_parallel.tp_sharded_numel(spec)
+    if sharded is None:
+        raise ValueError(f"{c.model}: which of its parameters tensor parallelism splits is not modelled")
     predicted = formulas.tp_model_states(sharded, numel - sharded, r.world_size).params
     details = {"sharded_numel": sharded, "replicated_numel": numel - sharded, "tp": r.world_size,
                "unsplit_params_bytes": 4 * numel}
     if not tp_strategy_present():
         return Outcome(predicted=predicted, measured=None, verdict="not measurable here",
-                       reason="the tp strategy (harness/strategies/tensor_parallel.py) is not in this tree", details=details)
-    held = [p["at_optimizer_step_bytes"]["params"] for p in r.record(c)["per_rank"] if p.get("at_optimizer_step_bytes")]
+                       reason="the tp strategy (harness/strategies/tensor_parallel.py) is not in this tree",
+                       details=details)
+    held = [p["at_optimizer_step_bytes"]["params"] for p in r.record(c)["per_rank"]
+            if p.get("at_optimizer_step_bytes")]
     if not held:
         raise NotMeasurable(f"{c.cell_id}: no at_optimizer_step_bytes in the record", failed=True)
     return compare(max(held), predicted, EXACT_TOL, details={**details, "per_rank_params_bytes": held})
@@ -262,9 +269,11 @@ def adamw8bit_quarter(r: Readings) -> Outcome:
 
     c8, c32 = r.cell("ddp", optimizer="adamw8bit"), r.cell("ddp")
     shapes = _layout(c8).shapes
-    formula = analytic_data_parallel.optimizer_state_bytes(shapes, "adamw8bit") / analytic_data_parallel.optimizer_state_bytes(shapes, "adamw")
+    formula = (analytic_data_parallel.optimizer_state_bytes(shapes, "adamw8bit")
+               / analytic_data_parallel.optimizer_state_bytes(shapes, "adamw"))
     big = models.param_layout(models.get_preset("gpt2-124m")).shapes
-    at_scale = analytic_data_parallel.optimizer_state_bytes(big, "adamw8bit") / analytic_data_parallel.optimizer_state_bytes(big, "adamw")
+    at_scale = (analytic_data_parallel.optimizer_state_bytes(big, "adamw8bit")
+                / analytic_data_parallel.optimizer_state_bytes(big, "adamw"))
     measured = _optimizer_bytes(r, c8) / _optimizer_bytes(r, c32)
     out = compare(measured, formula, EXACT_TOL, details={
         "adamw8bit_bytes": _optimizer_bytes(r, c8), "adamw_bytes": _optimizer_bytes(r, c32),
@@ -362,6 +371,8 @@ def fp16_loss_scaling(r: Readings) -> Outcome:
         scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, enabled=scale is not None)
         scaler.scale(loss).backward()
         scaler.unscale_(torch.optim.SGD([w], lr=0.0))  # a no-op when disabled
+        if w.grad is None:
+            raise RuntimeError("the backward left w without a gradient")
         return w.grad
 
     reference = grads(None, None)

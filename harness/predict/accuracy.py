@@ -39,7 +39,7 @@ def _analytic(cell: CellSpec) -> dict:
     because the measured record it belongs to must still be written."""
     try:
         return analytic.predict(cell)
-    except Exception as error:  # noqa: BLE001 - any bug in a formula, for any cell
+    except Exception as error:  # any bug in a formula, for any cell
         return {"unavailable": f"the analytic model failed: {type(error).__name__}: {error}"}
 
 
@@ -101,7 +101,8 @@ def report(records: list[dict]) -> tuple[str, bool]:
         shown = []
         for t in TARGETS:
             c = ratios.get(t)
-            shown.append("-" if c is None or c["ratio"] is None else f"{c['ratio']:.3f}{'' if c['within_target'] else ' MISS'}")
+            shown.append("-" if c is None or c["ratio"] is None
+                         else f"{c['ratio']:.3f}{'' if c['within_target'] else ' MISS'}")
         lines.append(f"{r['cell_id']:<66} " + " ".join(f"{v:>22}" for v in shown))
     all_met = True
     lines.append("")

@@ -52,7 +52,7 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
     if kind == "megatron":
         if family not in ("gpt2", "llama"):
             return f"megatron on family {family}: GPTModel is built for gpt2 and llama only"
-        pp = cell.strategy.pp_degree
+        pp = cell.strategy.layout("pp_degree")
         if spec.n_layers % pp:
             return f"megatron: {spec.n_layers} layers do not split evenly into pp_degree={pp} stages"
         return None
@@ -63,8 +63,9 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
     if kind == "expert_parallel":
         if family != "moe":
             return f"deepspeed_autoep on family {family}: expert parallelism needs a mixture of experts (moe)"
-        if spec.n_experts % cell.world_size:
-            return f"deepspeed_autoep: {spec.n_experts} experts do not split evenly over {cell.world_size} ranks"
+        n_experts = spec.required("n_experts")
+        if n_experts % cell.world_size:
+            return f"deepspeed_autoep: {n_experts} experts do not split evenly over {cell.world_size} ranks"
         if cell.strategy.precision != "fp32":
             return (f"deepspeed_autoep with precision={cell.strategy.precision}: only fp32 is wired"
                     " (DeepSpeed's BF16_Optimizer and its master copies are not modelled)")
@@ -97,7 +98,8 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> di
         transient = transient_bytes(cell, layout, spec)
     else:
         parts = model_parallel_parts(cell, spec, layout)
-        states, acts, comm, transient, extra = (parts[k] for k in ("states", "activations", "comm", "transient", "extra"))
+        keys = ("states", "activations", "comm", "transient", "extra")
+        states, acts, comm, transient, extra = (parts[k] for k in keys)
     offloaded = offloaded_bytes(cell, states)
     model_state_bytes = sum(states.values())
     return {

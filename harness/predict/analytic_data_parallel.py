@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from harness import strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
 from harness.features.optimizers import BITSANDBYTES
@@ -20,7 +23,6 @@ from harness.predict.formulas import (
     blockwise_8bit_state_bytes,
     powersgd_elements,
 )
-from harness import strategies
 from harness.strategies import deepspeed_zero  # its bucket sizing; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
 
@@ -39,7 +41,8 @@ def _engine(cell: CellSpec) -> EngineModel:
 def shard_degree(cell: CellSpec, nodes: int = 1) -> int:
     """Ranks a sharded state is split over: the world, or the shard dimension of HSDP."""
     if _engine(cell).shard_group == "hsdp_shard":
-        env = DistEnv(rank=0, world_size=cell.world_size, nnodes=nodes, device=None, backend="")
+        # hsdp_shape reads the world size and the node count only.
+        env = DistEnv(rank=0, world_size=cell.world_size, nnodes=nodes, device=torch.device("cpu"), backend="")
         return hsdp_shape(env)[1]
     return cell.world_size
 
@@ -125,14 +128,16 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
         return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
     fused = attention_is_fused(cell)
     moe = spec.family == "moe"
+    heads = spec.required("n_heads")
     per_layer = activation_bytes_per_layer(
-        spec.tokens_per_sample, cell.micro_batch, spec.hidden, spec.n_heads, ffn=spec.ffn,
+        spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn,
         mlp="swiglu" if spec.family in ("llama", "moe") else "gelu",
         value_bytes=PRECISION_BYTES[cell.strategy.precision], dropout=False, fused_attention=fused,
         checkpointing=cell.strategy.checkpointing, tensor_parallel=tensor_parallel_degree(cell),
-        kv_heads=spec.kv_heads if fused else spec.n_heads,
-        experts_per_token=spec.top_k if moe else 1, router_experts=spec.n_experts if moe else 0)
-    logits_width = spec.vocab_size or spec.num_classes
+        kv_heads=spec.kv_heads if fused else heads,
+        experts_per_token=spec.required("top_k") if moe else 1,
+        router_experts=spec.required("n_experts") if moe else 0)
+    logits_width = spec.vocab_size or spec.required("num_classes")  # vit: its classes
     return {
         "per_layer": per_layer,
         "layers": per_layer * spec.n_layers,
@@ -167,7 +172,7 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
             reduced = 4 * sum(powersgd_elements(shape, s.powersgd_rank) for shape in layout.shapes)
         else:
             reduced = psi * (2 if s.compression in ("fp16", "bf16") else 4)
-        out = {"all_reduce": reduced}
+        out: dict[str, float] = {"all_reduce": reduced}
         if "optimizer" in engine.sharded:  # each rank broadcasts the parameters it updated
             out["broadcast"] = 4 * psi
         return out

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from typing import cast
 
+from harness import strategies
 from harness.config import CellSpec
 from harness.models import ModelSpec, ParamLayout
 from harness.predict.analytic_data_parallel import (
@@ -37,7 +39,6 @@ from harness.predict.formulas import (
     tp_all_reduce_bytes,
     tp_model_states,
 )
-from harness import strategies
 from harness.strategies import pipeline  # its stage split; the schedules come from torch
 
 # The residual stream that crosses a pipeline boundary stays fp32 under torch autocast.
@@ -45,7 +46,8 @@ _BOUNDARY_BYTES = 4
 
 
 def _embedding_numel(spec: ModelSpec) -> int:
-    return spec.vocab_size * spec.hidden + (spec.seq_len * spec.hidden if spec.family == "gpt2" else 0)
+    positions = spec.required("seq_len") * spec.hidden if spec.family == "gpt2" else 0  # GPT-2's learned ones
+    return spec.required("vocab_size") * spec.hidden + positions
 
 
 def _low_precision_copies(cell: CellSpec, local_params: float) -> float:
@@ -69,10 +71,21 @@ def tp_sharded_numel(spec: ModelSpec) -> int | None:
     if spec.family == "gpt2":
         per_block = (h * 3 * h + 3 * h) + h * h + (h * f + f) + f * h
     elif spec.family == "llama":
-        per_block = h * (spec.n_heads + 2 * spec.kv_heads) * d + spec.n_heads * d * h + 3 * h * f
+        heads = spec.required("n_heads")
+        per_block = h * (heads + 2 * spec.kv_heads) * d + heads * d * h + 3 * h * f
     else:
         return None
     return spec.n_layers * per_block
+
+
+def _split_numel(spec: ModelSpec) -> int:
+    """``tp_sharded_numel`` of a family whose split is modelled (analytic.unavailable_reason
+    gives the others no prediction)."""
+    sharded = tp_sharded_numel(spec)
+    if sharded is None:
+        raise ValueError(f"family {spec.family}: which of its parameters tensor parallelism splits is not modelled"
+                         " (gpt2, llama only)")
+    return sharded
 
 
 def _sharded_over_data_parallel(cell: CellSpec) -> bool:
@@ -85,7 +98,7 @@ def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str
     """tp: Megatron's split with fp32 parameters, gradients and AdamW moments (torch
     autocast keeps fp32 parameters: no master copy); tp_fsdp: the same, then sharded over
     the data-parallel dimension (FSDP2 holds ZeRO-3's layout at the optimizer step)."""
-    sharded = tp_sharded_numel(spec)
+    sharded = _split_numel(spec)
     dp = cell.strategy.data_parallel_size(cell.world_size) if _sharded_over_data_parallel(cell) else 1
     states = tp_model_states(sharded, layout.numel - sharded, tensor_parallel_degree(cell), data_parallel=dp)
     step_counters = 4 * len(layout.shapes)  # one fp32 step per tensor, split or not
@@ -111,8 +124,8 @@ def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, 
         backward_bytes=low if _sharded_over_data_parallel(cell) else 4,
         recomputed_per_block=int(s.checkpointing != "none"))}
     if _sharded_over_data_parallel(cell):
-        sharded = tp_sharded_numel(spec)
-        local = sharded / s.tp_degree + layout.numel - sharded
+        sharded = _split_numel(spec)
+        local = sharded / s.layout("tp_degree") + layout.numel - sharded
         out["all_gather"] = 2 * low * local * s.accumulation
         out["reduce_scatter"] = 4 * local
     return out
@@ -124,7 +137,7 @@ def _tp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
                  "recompute": recompute_bytes(cell, spec)}
     if _sharded_over_data_parallel(cell):  # FSDP2 casts itself; it gathers as fsdp_full does
         t = tensor_parallel_degree(cell)
-        block = layout.block_numel - tp_sharded_numel(spec) / spec.n_layers * (1 - 1 / t)
+        block = layout.block_numel - _split_numel(spec) / spec.n_layers * (1 - 1 / t)
         transient["gathered"] = PRECISION_BYTES[cell.strategy.precision] * (layout.root_numel + 2 * block)
         transient["autocast_copies"] = 0.0
     return {"states": states, "activations": activation_bytes(cell, spec), "transient": transient,
@@ -144,7 +157,7 @@ def pipeline_stage_layers(layers: int, stages: int) -> list[int]:
     return counts
 
 
-def pipeline_stage_params(block: int, layers: int, stages: int, *, first: int, last: int) -> list[int]:
+def pipeline_stage_params(block: float, layers: int, stages: int, *, first: float, last: float) -> list[float]:
     """Parameters each pipeline stage holds: its blocks (``pipeline_stage_layers``), the
     embeddings (``first``) on the first stage, the final norm and LM head (``last``) on the
     last. Each stage's optimizer steps its own, so its model states follow from these."""
@@ -165,7 +178,8 @@ def interleaved_1f1b_order(rank: int, ranks: int, microbatches: int, virtual_sta
     rounds = max(1, microbatches // ranks)  # as ScheduleInterleaved1F1B.__init__ sets them
     sizes = types.SimpleNamespace(n_local_stages=virtual_stages, pp_group_size=ranks, _n_microbatches=microbatches,
                                   microbatches_per_round=microbatches // rounds)
-    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank)
+    # A stand-in for the schedule (self): the plan reads only these sizes of it.
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(cast(ScheduleInterleaved1F1B, sizes), rank)
     return [(a.stage_index, a.computation_type == _ComputationType.FORWARD) for a in actions if a is not None]
 
 
@@ -200,11 +214,14 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
     many bytes as the rank receives. A tied table's two copies (first and last stage) send
     each other their gradients once a step."""
     s, p = cell.strategy, cell.world_size
-    m, schedule = s.pp_microbatches, strategies.get(s.name).engine_model.pipeline_schedule
+    m, schedule = s.layout("pp_microbatches"), strategies.get(s.name).engine_model.pipeline_schedule
+    if schedule is None:
+        raise ValueError(f"strategy={s.name}: its engine model declares no pipeline_schedule")
+    vocab = spec.required("vocab_size")
     n_stages = pipeline.n_stages(s.name, p)
     first = _embedding_numel(spec)
     tied = spec.family == "gpt2" or spec.tie_embeddings
-    last = layout.root_numel - first + (spec.vocab_size * spec.hidden if tied else 0)
+    last = layout.root_numel - first + (vocab * spec.hidden if tied else 0)
     params = pipeline_stage_params(layout.block_numel, spec.n_layers, n_stages, first=first, last=last)
     acts = activation_bytes(cell, spec)
     per_microbatch = [layers * acts["per_layer"] for layers in pipeline_stage_layers(spec.n_layers, n_stages)]
@@ -216,7 +233,7 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
         received = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, m,
                                       neighbours=sum((i > 0) + (i < n_stages - 1) for i in mine),
                                       value_bytes=_BOUNDARY_BYTES)
-        swapped = 4.0 * spec.vocab_size * spec.hidden if tied and rank in (0, p - 1) else 0.0
+        swapped = 4.0 * vocab * spec.hidden if tied and rank in (0, p - 1) else 0.0
         ranks.append({
             "states": {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params,
                        "buffers": received},
@@ -238,7 +255,8 @@ def _pipeline_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dic
             "activations": {"per_layer": activation_bytes(cell, spec)["per_layer"], "layers": peak["activations"],
                             "logits": 0.0},
             "transient": peak["transient"], "comm": peak["comm"],
-            "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.pp_microbatches, virtual_stages),
+            "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.layout("pp_microbatches"),
+                                                                  virtual_stages),
                       "per_rank_peak_bytes": [_rank_peak(r) for r in ranks]}}
 
 
@@ -251,7 +269,7 @@ def megatron_split_numel(spec: ModelSpec) -> int:
     tied one reuses the table). Position embeddings, norms and row-parallel biases are
     replicated."""
     tables = 1 if spec.family == "gpt2" or spec.tie_embeddings else 2
-    return tp_sharded_numel(spec) + tables * spec.vocab_size * spec.hidden
+    return _split_numel(spec) + tables * spec.required("vocab_size") * spec.hidden
 
 
 def _megatron_stage_params(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[float]:
@@ -260,10 +278,10 @@ def _megatron_stage_params(cell: CellSpec, spec: ModelSpec, layout: ParamLayout)
     vocabulary-parallel table (and GPT-2's replicated positions); the last the final norm and
     the vocabulary-parallel output layer (a tied one is the table itself at pp = 1, a copy of
     it on the last stage otherwise)."""
-    s, vocab_table = cell.strategy, spec.vocab_size * spec.hidden
-    tp, pp = s.tp_degree, s.pp_degree
+    s, vocab_table = cell.strategy, spec.required("vocab_size") * spec.hidden
+    tp, pp = s.layout("tp_degree"), s.layout("pp_degree")
     tied = spec.family == "gpt2" or spec.tie_embeddings
-    split_per_block = tp_sharded_numel(spec) / spec.n_layers
+    split_per_block = _split_numel(spec) / spec.n_layers
     block = layout.block_numel - split_per_block * (1 - 1 / tp)
     norm = layout.root_numel - _embedding_numel(spec) - (0 if tied else vocab_table)
     first = vocab_table / tp + _embedding_numel(spec) - vocab_table
@@ -280,8 +298,8 @@ def _megatron_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> li
     (pipeline_dtype) and their gradients over its boundaries, and a tied table's first- and
     last-stage copies all-reduce their fp32 gradients once a step (finalize_model_grads)."""
     s = cell.strategy
-    tp, pp = s.tp_degree, s.pp_degree
-    forwards = (s.pp_microbatches if pp > 1 else 1) * s.accumulation
+    tp, pp = s.layout("tp_degree"), s.layout("pp_degree")
+    forwards = (s.layout("pp_microbatches") if pp > 1 else 1) * s.accumulation
     layers = spec.n_layers // pp
     tied = spec.family == "gpt2" or spec.tie_embeddings
     acts = activation_bytes(cell, spec)
@@ -295,7 +313,7 @@ def _megatron_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> li
             b, seq, h, layers, tp, embeds=first, head=last,
             recomputed_per_block=2 if s.checkpointing == "full" else 0)
         if tied and pp > 1 and (first or last):
-            all_reduce += 4.0 * spec.vocab_size * h / tp
+            all_reduce += 4.0 * spec.required("vocab_size") * h / tp
         comm = {"all_reduce": all_reduce, **megatron_optimizer_comm_bytes(n_params)}
         if pp > 1:
             p2p = pipeline_p2p_bytes(b, seq, h, forwards, neighbours=(i > 0) + (i < pp - 1))
@@ -322,8 +340,9 @@ def _megatron_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dic
     peak = max(stages, key=_rank_peak)
     acts = activation_bytes(cell, spec)
     extra = {}
-    if cell.strategy.pp_degree > 1:
-        extra = {"bubble_fraction": pipeline_bubble_fraction(cell.strategy.pp_degree, cell.strategy.pp_microbatches),
+    s = cell.strategy
+    if s.layout("pp_degree") > 1:
+        extra = {"bubble_fraction": pipeline_bubble_fraction(s.layout("pp_degree"), s.layout("pp_microbatches")),
                  "per_stage_peak_bytes": [_rank_peak(st) for st in stages]}
     return {"states": peak["states"],
             "activations": {"per_layer": acts["per_layer"], "layers": peak["activations"], "logits": 0.0},
@@ -343,7 +362,7 @@ def _cp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
     one attention call."""
     s, degree = cell.strategy, cell.world_size
     as_ddp = dataclasses.replace(cell, strategy=dataclasses.replace(s, name="ddp"))
-    shard = dataclasses.replace(spec, seq_len=spec.seq_len // degree)
+    shard = dataclasses.replace(spec, seq_len=spec.required("seq_len") // degree)
     ring = context_parallel_kv_bytes(cell.micro_batch, spec.tokens_per_sample, spec.kv_heads * spec.head_dim,
                                      spec.n_layers, degree, value_bytes=PRECISION_BYTES[s.precision],
                                      recomputed_per_layer=int(s.checkpointing == "full"))
@@ -364,8 +383,8 @@ def _autoep_shapes(spec: ModelSpec, layout: ParamLayout, ep: int) -> tuple[Shape
     (deepspeed/moe/ep_experts.py): the same values in three tensors, which counts for the
     optimizer's per-tensor state."""
     shared = [shape for shape in layout.shapes if len(shape) != 3]
-    local, h, f = spec.n_experts // ep, spec.hidden, spec.ffn
-    experts = [(local, f, h), (local, h, f), (local, f, h)] * spec.n_layers
+    local, h, f = spec.required("n_experts") // ep, spec.hidden, spec.ffn
+    experts: Shapes = [(local, f, h), (local, h, f), (local, f, h)] * spec.n_layers
     return shared, experts
 
 
@@ -384,9 +403,10 @@ def _expert_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout)
     - activations: the mixture of experts' (``activation_bytes``), AutoEP's dispatch buffers
       left out."""
     s, ep = cell.strategy, cell.world_size
+    n_experts, top_k = spec.required("n_experts"), spec.required("top_k")
     shared, experts = _autoep_shapes(spec, layout, ep)
     local = expert_parallel_local_params(shared=sum(math.prod(shape) for shape in shared),
-                                         expert=3 * spec.hidden * spec.ffn, n_experts=spec.n_experts,
+                                         expert=3 * spec.hidden * spec.ffn, n_experts=n_experts,
                                          layers=spec.n_layers, ep=ep)
     states = {"params": 4.0 * local, "grads": 4.0 * local,
               "optimizer": optimizer_state_bytes(shared + experts, s.optimizer), "buffers": 0.0}
@@ -394,10 +414,10 @@ def _expert_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout)
 
     def all_to_all(received_rows: float | None = None) -> float:
         return s.accumulation * expert_parallel_all_to_all_bytes(
-            tokens, spec.hidden, spec.top_k, spec.n_experts, spec.n_layers, ep, received_rows=received_rows,
+            tokens, spec.hidden, top_k, n_experts, spec.n_layers, ep, received_rows=received_rows,
             recomputed_per_layer=int(s.checkpointing != "none"))
 
-    worst = all_to_all(expert_parallel_most_received_rows(tokens, spec.top_k, spec.n_experts, ep))
+    worst = all_to_all(expert_parallel_most_received_rows(tokens, top_k, n_experts, ep))
     return {"states": states, "activations": activation_bytes(cell, spec),
             "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": recompute_bytes(cell, spec)},
             "comm": {"all_reduce": 4.0 * local, "all_to_all": all_to_all()},

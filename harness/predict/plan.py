@@ -19,7 +19,7 @@ import json
 import re
 
 from harness import models, strategies
-from harness.config import CellSpec, StrategySpec
+from harness.config import CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
 from harness.predict import analytic
 
 # The data-parallel and sharded strategies the formulas describe, as their engines'
@@ -27,8 +27,8 @@ from harness.predict import analytic
 PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
                            if s.engine_model.analytic == "data_parallel" and s.superseded_by is None
                            and s.splits_batch and "reference" not in s.families)
-CHECKPOINTING_ORDER = ("none", "selective", "full")
-OFFLOAD_ORDER = ("none", "params", "optimizer", "optimizer_params")
+CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")
+OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "params", "optimizer", "optimizer_params")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -54,8 +54,8 @@ class PlanRequest:
     nodes: int = 1
     seq: int | None = None
     micro_batch: int = 1
-    precision: str = "bf16"
-    optimizer: str = "adamw"
+    precision: Precision = "bf16"
+    optimizer: Optimizer = "adamw"
 
     def __post_init__(self) -> None:
         models.get_preset(self.model)  # raises with the allowed names
@@ -120,14 +120,16 @@ def recommendation_text(result: dict) -> str:
     req, best = result["request"], result["recommended"]
     if best is None:
         smallest = result["rows"][0] if result["rows"] else None
-        need = f"; the smallest predicted peak is {_gib(smallest['predicted']['peak_bytes'])} ({_label(smallest['cell'])})" if smallest else ""
+        need = (f"; the smallest predicted peak is {_gib(smallest['predicted']['peak_bytes'])}"
+                f" ({_label(smallest['cell'])})" if smallest else "")
         return (f"Nothing fits {_gib(req.gpu_mem_bytes)} per GPU{need}: add GPUs, shorten the sequence,"
                 " or lower the micro-batch.")
     s = best["cell"].strategy
     return (f"Recommended: {_label(best['cell'])}: predicted peak {_gib(best['predicted']['peak_bytes'])} of"
             f" {_gib(req.gpu_mem_bytes)}, {_gib(best['predicted']['comm_volume_per_step'])} moved per GPU per step."
             + ("" if s.offload == "none" else " Offload costs host-device bandwidth every step.")
-            + ("" if s.checkpointing == "none" else f" {s.checkpointing.capitalize()} checkpointing trades compute for memory."))
+            + ("" if s.checkpointing == "none"
+               else f" {s.checkpointing.capitalize()} checkpointing trades compute for memory."))
 
 
 def _label(cell: CellSpec) -> str:

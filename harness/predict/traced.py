@@ -253,10 +253,11 @@ def _no_op(*args, **kwargs) -> None:
 @contextmanager
 def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
     """Each patch stands for a step that needs real data or peers; see the module docstring."""
-    patches = [
+    patches: list[contextlib.AbstractContextManager[object]] = [
         unittest.mock.patch.object(distributed, "mesh", _outside_fake_mode(distributed.mesh)),
         # FSDP2 over a tensor-parallel model joins the dp and tp sub-meshes into a new mesh.
-        unittest.mock.patch.object(DeviceMesh, "_concatenate", staticmethod(_outside_fake_mode(DeviceMesh._concatenate))),
+        unittest.mock.patch.object(DeviceMesh, "_concatenate",
+                                   staticmethod(_outside_fake_mode(DeviceMesh._concatenate))),
         unittest.mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes", _no_op),
         unittest.mock.patch("transformers.masking_utils.find_packed_sequence_indices", _no_op),
     ]
@@ -288,25 +289,26 @@ def _run(cell: CellSpec, env: DistEnv) -> memory.StepMemory:
     """The training step's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP
     would make it, before the second step)."""
     session = training.prepare_cell(cell, env)
-    for i in range(cell.warmup):
+    for i in range(cell.warmup_steps):
         if i == 1:
             _rebuild_ddp_buckets(session.prep.model)
         session.step(i)
-    return session.tracked_step(cell.warmup)[1]
+    return session.tracked_step(cell.warmup_steps)[1]
 
 
 def _condensed(error: BaseException) -> str:
     """``Type: first line of the message (at file:line that raised) [<- its cause]``, one line."""
-    parts = []
-    while error is not None and len(parts) < 2:
-        message = str(error).strip().splitlines()
-        text = f"{type(error).__name__}: {message[0] if message else ''}".strip()
-        frames = traceback.extract_tb(error.__traceback__)
+    parts: list[str] = []
+    link: BaseException | None = error  # the error, then its cause
+    while link is not None and len(parts) < 2:
+        message = str(link).strip().splitlines()
+        text = f"{type(link).__name__}: {message[0] if message else ''}".strip()
+        frames = traceback.extract_tb(link.__traceback__)
         if frames:
             path = Path(frames[-1].filename)
             text += f" (at {'/'.join(path.parts[-2:])}:{frames[-1].lineno})"
         parts.append(text)
-        error = error.__cause__
+        link = link.__cause__
     text = " <- ".join(parts)
     return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
 

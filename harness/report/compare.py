@@ -131,17 +131,20 @@ tr.better td { background: #e8f7e8; }
 <p>Baseline (A): <code>{{ a }}</code><br>Candidate (B): <code>{{ b }}</code></p>
 <p><strong>{{ summary }}</strong></p>
 <table>
-<thead><tr><th>cell</th><th>status</th><th>peak mem</th><th>step time</th><th>throughput</th><th>verdict</th></tr></thead>
+<thead><tr><th>cell</th><th>status</th><th>peak mem</th>
+<th>step time</th><th>throughput</th><th>verdict</th></tr></thead>
 <tbody>
 {% for row, cls in rows %}<tr class="{{ cls }}"><td>{{ row.cell }}</td><td>{{ row.status }}
 {%- if row.reason %}<div class="reason">{{ row.reason }}</div>{% endif %}</td>
-<td class="num">{{ row.mem }}</td><td class="num">{{ row.time }}</td><td class="num">{{ row.throughput }}</td><td>{{ row.verdict }}</td></tr>
+<td class="num">{{ row.mem }}</td><td class="num">{{ row.time }}</td>
+<td class="num">{{ row.throughput }}</td><td>{{ row.verdict }}</td></tr>
 {% endfor %}</tbody></table>
 <p class="reason">{{ rule }}</p>
 </body></html>
 """)
 
-_RULE = (f"Step time: slowest rank per step (with --repeat, every trial's steps pooled), two-sided Mann-Whitney U (normal approximation, tie-corrected),"
+_RULE = ("Step time: slowest rank per step (with --repeat, every trial's steps pooled), two-sided Mann-Whitney U"
+         " (normal approximation, tie-corrected),"
          f" marked when p < {ALPHA} and the median ratio differs from 1 by more than {MIN_TIME_EFFECT:.0%};"
          f" fewer than {MIN_SAMPLES} samples per side: not significant. Peak memory: marked when it changes"
          f" by more than {MEM_THRESHOLD:.1%}.")

@@ -196,7 +196,7 @@ def _rel(a, b) -> float | None:
 
 def compare_memory(a: float | None, b: float | None) -> MetricChange:
     change = _rel(a, b)
-    if change is None:
+    if change is None or a is None or b is None:  # _rel gives None where a or b is None
         return MetricChange("mem", a, b, None, NOT_SIGNIFICANT, note="no peak memory")
     if a == b:
         mark = SAME
@@ -263,6 +263,7 @@ def compare_record_lists(records_a: list[dict], records_b: list[dict]) -> list[C
     for cell_id in sorted(set(a) | set(b)):
         ra, rb = a.get(cell_id), b.get(cell_id)
         if rb is None:
+            assert ra is not None  # cell_id is in a or in b
             out.append(CellComparison(cell_id, "only_a", ra["status"], None, reason_a=ra.get("reason", ""),
                                       note="only in A"))
         elif ra is None:

@@ -13,7 +13,7 @@ from harness.config import CellSpec, StrategySpec
 from harness.measure import flops, memory, summary
 from harness.predict import traced
 from harness.report import figures, html
-from harness.results.store import RunStore, load_records
+from harness.results.store import RunStore
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
 

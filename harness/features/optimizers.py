@@ -23,9 +23,8 @@ bitsandbytes is imported on use: it takes seconds and prints about kernels it ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
+from torch.optim.optimizer import ParamsT  # parameters, or parameter groups (tensor parallel's)
 
 NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor")
 BITSANDBYTES = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit"})
@@ -52,7 +51,7 @@ def optimizer_class_and_kwargs(name: str, lr: float) -> tuple[type[torch.optim.O
     raise ValueError(f"optimizer={name!r}: choose one of {', '.join(NAMES)}")
 
 
-def make(params: Iterable[torch.nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
+def make(params: ParamsT, name: str, lr: float) -> torch.optim.Optimizer:
     cls, kwargs = optimizer_class_and_kwargs(name, lr)
     return cls(params, **kwargs)
 

@@ -110,8 +110,9 @@ def _comm(records: list[dict], model: str, path: Path) -> bool:
     order = byte_table.sum(axis=1).sort_values().index
     fig, axes = plt.subplots(1, 2, figsize=(11, _height(len(order))), sharey=True)
     colors = sns.color_palette("colorblind", len(byte_table.columns))
-    byte_table.loc[order].plot.barh(stacked=True, ax=axes[0], color=colors, legend=False)
-    time_table.loc[order, byte_table.columns].plot.barh(stacked=True, ax=axes[1], color=colors)
+    # pandas-stubs type ``color`` as a list of a union (invariant): a palette of RGB tuples is one.
+    byte_table.loc[order].plot.barh(stacked=True, ax=axes[0], color=colors, legend=False)  # type: ignore[arg-type]
+    time_table.loc[order, byte_table.columns].plot.barh(stacked=True, ax=axes[1], color=colors)  # type: ignore[arg-type]
     axes[0].set_xlabel("MiB per step")
     axes[1].set_xlabel("ms per step")
     axes[0].set_ylabel("")
@@ -255,7 +256,8 @@ def timeline_series(events: list[list]) -> pd.DataFrame:
     """A memory timeline's events ([seconds, category, signed bytes], measure/memory.py) as the
     bytes held per category after each event: one row per event, one column per category."""
     frame = pd.DataFrame(events, columns=["t", "category", "bytes"])
-    held = (frame.pivot_table(index=frame.index, columns="category", values="bytes", fill_value=0)
+    # One row per event: the index itself as the key (pandas-stubs leave an Index out of ``index``).
+    held = (frame.pivot_table(index=frame.index, columns="category", values="bytes", fill_value=0)  # type: ignore[arg-type]
             .reindex(columns=list(MEM_CATEGORIES), fill_value=0).cumsum())
     held.insert(0, "t", frame["t"])
     return held

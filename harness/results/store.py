@@ -48,7 +48,7 @@ class RunStore:
         append_json_line(self.cells_path, record)
 
 
-def append_json_line(path: Path, record: dict, *, default: Callable[[Any], Any] | None = None) -> None:
+def append_json_line(path: Path, record: Record, *, default: Callable[[Any], Any] | None = None) -> None:
     """One line per record in a single write, flushed and fsynced: a killed run keeps every
     record that finished, and at worst loses a truncated last line. ``default`` is json.dumps's
     (what to write for a value JSON has no type for)."""

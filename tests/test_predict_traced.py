@@ -2,6 +2,7 @@
 its sharding arithmetic, and how it fails: refused cells, a cell that raises, a subprocess
 that dies or hangs. All on the CPU; about 20 s."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import training
+from harness import strategies, training
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
 from harness.measure.memory import BREAKDOWN_KEYS
@@ -80,7 +81,9 @@ def test_a_cell_that_raises_while_tracing_is_unavailable(monkeypatch):
     def broken_prepare(*args, **kwargs):
         raise RuntimeError("no kernel for this\nsecond line")
 
-    monkeypatch.setattr("harness.strategies.single.prepare", broken_prepare)
+    # The registry holds each declaration, and the declaration its prepare.
+    broken = dataclasses.replace(strategies.get("single"), prepare=broken_prepare)
+    monkeypatch.setitem(strategies._declarations(), "single", broken)
     result = traced.trace(_cell("single", 1))
     assert set(result) == {"unavailable"}
     assert result["unavailable"].startswith("tracing failed: RuntimeError: no kernel for this (at ")

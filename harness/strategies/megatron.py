@@ -75,7 +75,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -126,16 +126,6 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     return None
 
 
-def _layout(spec: StrategySpec, option: Literal["tp_degree", "pp_degree"]) -> int:
-    """A degree megatron declares: StrategySpec resolved it to the declared default where the
-    cell left it unset, so None means the spec was made around that resolution."""
-    value: int | None = getattr(spec, option)
-    if value is None:
-        raise ValueError(f"{option}=None with strategy={spec.name}: StrategySpec resolves it to the declared"
-                         " default; make the spec through StrategySpec(...)")
-    return value
-
-
 def combination_problem(cell: CellSpec) -> str | None:
     """Cells GPTModel in this tensor × pipeline layout cannot express exactly. (CellSpec has
     checked that the layout fits the world size and the model's depth.)"""
@@ -145,7 +135,7 @@ def combination_problem(cell: CellSpec) -> str | None:
     if cell.attention != "eager":
         return (f"attention={cell.attention}: Megatron-core's local layer spec computes attention unfused"
                 " (DotProductAttention), which is HF's eager; set attention='eager'")
-    tp, pp = _layout(cell.strategy, "tp_degree"), _layout(cell.strategy, "pp_degree")
+    tp, pp = cell.strategy.layout("tp_degree"), cell.strategy.layout("pp_degree")
     sizes = {"n_heads": spec.required("n_heads"), "n_kv_heads": spec.kv_heads, "ffn": spec.ffn,
              "vocab_size": spec.required("vocab_size")}
     for name, size in sizes.items():
@@ -466,7 +456,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         raise TypeError(f"{type(model).__name__}: megatron copies the weights of a transformers causal LM"
                         f" ({', '.join(FAMILIES)})")
     spec = get_preset(cell.model)
-    tp, pp = _layout(cell.strategy, "tp_degree"), _layout(cell.strategy, "pp_degree")
+    tp, pp = cell.strategy.layout("tp_degree"), cell.strategy.layout("pp_degree")
     use_layout(tp, pp)
     _seed_rng_tracker(cell.seed)
     config = transformer_config(spec, model.config, tp, pp, cell.strategy.checkpointing)
@@ -511,7 +501,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 def _layout_problem(cell: CellSpec) -> str | None:
     """world_size = tp_degree × pp_degree × data-parallel size (at least 1), and a layer or
     more per pipeline stage."""
-    tp, pp = _layout(cell.strategy, "tp_degree"), _layout(cell.strategy, "pp_degree")
+    tp, pp = cell.strategy.layout("tp_degree"), cell.strategy.layout("pp_degree")
     if cell.world_size % (tp * pp):
         return (f"world_size={cell.world_size} with megatron tp_degree={tp} × pp_degree={pp}: the world size must"
                 f" be a multiple of tp_degree × pp_degree ({tp * pp}, {2 * tp * pp}, ...)")
@@ -522,12 +512,12 @@ def _layout_problem(cell: CellSpec) -> str | None:
 
 
 def _pipelined(spec: StrategySpec) -> bool:
-    return _layout(spec, "pp_degree") > 1
+    return spec.layout("pp_degree") > 1
 
 
 def _layout_families(spec: StrategySpec) -> tuple[str, ...]:
     """tp where it splits the layers, pp where it pipelines them."""
-    degrees = (("tp", _layout(spec, "tp_degree")), ("pp", _layout(spec, "pp_degree")))
+    degrees = (("tp", spec.layout("tp_degree")), ("pp", spec.layout("pp_degree")))
     return tuple(family for family, degree in degrees if degree > 1)
 
 

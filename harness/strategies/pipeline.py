@@ -51,7 +51,7 @@ from harness.strategies.base import ALL_CHECKPOINTING, Capabilities, EngineModel
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
 
-    from harness.config import CellSpec, StrategySpec
+    from harness.config import CellSpec
     from harness.distributed import DistEnv
 
 CAPABILITIES = Capabilities(
@@ -82,16 +82,6 @@ def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
     return [range(start, start + count) for start, count in zip(starts, counts)]
 
 
-def _layout(spec: StrategySpec, option: Literal["pp_microbatches"]) -> int:
-    """A layout option the pipelines declare: StrategySpec resolved it to the declared default
-    where the cell left it unset, so None means the spec was made around that resolution."""
-    value: int | None = getattr(spec, option)
-    if value is None:
-        raise ValueError(f"{option}=None with strategy={spec.name}: StrategySpec resolves it to the declared"
-                         " default; make the spec through StrategySpec(...)")
-    return value
-
-
 def combination_problem(cell: CellSpec) -> str | None:
     from harness.models.presets import PRESETS
 
@@ -105,7 +95,7 @@ def combination_problem(cell: CellSpec) -> str | None:
     if empty:
         return (f"model={cell.model} at world_size={world}: {spec.n_layers} blocks cannot fill {stages} stages"
                 f" (stages {empty} would hold nothing); use a deeper model or fewer ranks")
-    n_micro = _layout(cell.strategy, "pp_microbatches")
+    n_micro = cell.strategy.layout("pp_microbatches")
     if name == "pp_1f1b" and n_micro < stages:
         return f"pp_microbatches={n_micro}: Schedule1F1B needs at least one micro-batch per stage ({stages})"
     rounds = max(1, n_micro // world)

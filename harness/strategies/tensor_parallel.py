@@ -76,10 +76,7 @@ def tp_degree(cell: CellSpec) -> int:
     """Ranks that split each weight: all of them for tp, the "tp" mesh dimension for tp_fsdp."""
     if cell.strategy.name == "tp":
         return cell.world_size
-    degree = cell.strategy.tp_degree
-    if degree is None:  # StrategySpec resolves it where the strategy declares it (tp_fsdp)
-        raise ValueError(f"tp_degree: does not apply to strategy={cell.strategy.name}")
-    return degree
+    return cell.strategy.layout("tp_degree")
 
 
 def combination_problem(cell: CellSpec) -> str | None:

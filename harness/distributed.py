@@ -6,14 +6,16 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from harness.config import Device
 
 DEVICE_ENV_VAR = "SHARDBENCH_DEVICE"
-DEVICES = ("cpu", "cuda")
+DEVICES = get_args(Device)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ gets a one-line error naming the allowed values and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -15,111 +16,159 @@ from pathlib import Path
 import pytest
 
 from harness import markers, suite_files, suites
-from harness.distributed import DEVICES
+from harness.config import RunOptions, add_run_options, gib_of
+from harness.runner.nodes import NodeSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SUITES_DIR = REPO_ROOT / "suites"
 EXIT_USAGE = 2
 
 
 class UsageError(Exception):
-    pass
+    """Bad input, refused before anything runs: one line on stderr and exit status 2."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse's own errors (``--gpus abc``) as one line too, like every other bad input."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"shardbench: error: {self.prog.removeprefix('shardbench').strip() or 'shardbench'}:"
-                              f" {message} (see --help)\n")
-
-
-def _selection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="default",
-                        help=f"one of {', '.join(suites.SUITES)} (default: default), or a .toml suite file"
-                             " (README: Suites of your own)")
-    parser.add_argument("--device", choices=DEVICES, default=None,
-                        help="run cells on cpu (gloo) or cuda (NCCL); default: cuda where a GPU is visible")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
-    parser.add_argument("-m", dest="markexpr", default="", help='pytest marker expression, e.g. "fsdp and bf16"')
-    parser.add_argument("-k", dest="keyword", default="", help="pytest keyword expression on cell ids")
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The run options the command line gives (those its command takes), checked."""
+    try:
+        return RunOptions.from_args(args, "cli")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
-def _use_device(args: argparse.Namespace) -> None:
+def recorded_run(out: Path | None, run: str) -> Path:
+    """The folder of run ``run``: an id under <out>/results/ (the repo's by default), 'latest',
+    or a run folder."""
+    from harness.results.store import resolve_run
+
+    try:
+        return resolve_run((out or REPO_ROOT) / "results", run)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+SUITES_DIR = REPO_ROOT / "suites"
+# The options that say which cells run (and where), all that `list` takes.
+SELECTION = ("suite", "device", "gpus", "marker_expression", "keyword_expression")
+
+
+def use_device(options: RunOptions) -> None:
     """--device: where the cells compute, read by pytest's session and every worker (a
     follower node's too: it runs no selection of its own, but its ranks compute here)."""
     from harness.distributed import DEVICE_ENV_VAR
 
-    if args.device is not None:
-        os.environ[DEVICE_ENV_VAR] = args.device
+    if options.device is not None:
+        os.environ[DEVICE_ENV_VAR] = options.device
 
 
-def _check_selection(args: argparse.Namespace) -> None:
-    """Everything pytest would otherwise discover late, or silently accept (``-m zero4``)."""
+def check_selection(options: RunOptions, nnodes: int = 1) -> RunOptions:
+    """Everything pytest would otherwise discover late, or silently accept (``-m zero4``);
+    returns the options with a suite file's path made absolute."""
     import torch
 
     from harness.distributed import device_type
     from harness.runner.session import world_size
 
-    _use_device(args)
-    if args.gpus is not None and args.gpus < 1:
-        raise UsageError(f"--gpus {args.gpus}: must be a positive number of ranks per node")
+    use_device(options)
     try:
         on_cuda = device_type() == "cuda"
-        if on_cuda and args.gpus is not None and args.gpus > torch.cuda.device_count():
-            raise UsageError(f"--gpus {args.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
+        if on_cuda and options.gpus is not None and options.gpus > torch.cuda.device_count():
+            raise UsageError(f"--gpus {options.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
                              " use fewer, or --device cpu for CPU ranks")
-        if not on_cuda and (args.gpus or 2) > (os.cpu_count() or 1):
+        if not on_cuda and (options.gpus or 2) > (os.cpu_count() or 1):
             # Allowed (memory and communication are still measured right), but said out loud.
-            print(f"shardbench: note: {args.gpus or 2} CPU ranks on {os.cpu_count()} cores: ranks share cores,"
+            print(f"shardbench: note: {options.gpus or 2} CPU ranks on {os.cpu_count()} cores: ranks share cores,"
                   " so step times are not comparable to a run with a core per rank", file=sys.stderr)
-        nnodes = args.nodes.nnodes if hasattr(args, "nodes") else 1  # `list`: one node
-        if suite_files.is_suite_file(args.suite):
+        if suite_files.is_suite_file(options.suite):
             # pytest and a resumed run must find the file wherever they are started from.
-            args.suite = str(Path(args.suite).resolve())
-        suites.cells_of(args.suite, world_size(args.gpus, nnodes), nnodes)
-        if args.markexpr:
-            markers.check_marker_expression(args.markexpr)
+            options = dataclasses.replace(options, suite=str(Path(options.suite).resolve()))
+        suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes)
+        if options.marker_expression:
+            markers.check_marker_expression(options.marker_expression)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    return options
 
 
-def _pytest_args(args: argparse.Namespace) -> list[str]:
-    out = [str(SUITES_DIR), "--suite", args.suite, "-p", "no:cacheprovider", "-o", "console_output_style=classic"]
-    if args.gpus is not None:
-        out += ["--gpus", str(args.gpus)]
-    if args.markexpr:
-        out += ["-m", args.markexpr]
-    if args.keyword:
-        out += ["-k", args.keyword]
-    return out
+def pytest_args(options: RunOptions) -> list[str]:
+    """pytest's arguments for a session of the suites with these options (--device goes by
+    the environment, ``use_device``)."""
+    return [str(SUITES_DIR), "-p", "no:cacheprovider", "-o", "console_output_style=classic",
+            *options.to_args("pytest")]
 
 
-def _resolve_nodes(args: argparse.Namespace) -> None:
+def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from harness.runner import resume
+
+    options = run_options(args)
+    options, node = _resolve_nodes(options)
+    if options.resume is not None and node.is_leader:  # the other nodes follow node 0's plan
+        options = _resume_selection(options, RunOptions.given(args, "cli"), node)
+    if node.is_leader:  # a follower runs node 0's selection, not its own
+        options = check_selection(options, node.nnodes)
+    else:
+        use_device(options)
+    if options.out is not None:
+        if options.out.exists() and not options.out.is_dir():
+            raise UsageError(f"--out {options.out}: exists and is not a folder")
+        options.out.mkdir(parents=True, exist_ok=True)
+        options = dataclasses.replace(options, out=options.out.resolve())
+    _check_mem_cap_fits(options)
+    if not node.is_leader:
+        return _run_follower(options, node)
+    code = int(pytest.main([*pytest_args(options), "-rfEs", *extra]))
+    # Ended by SIGTERM / SIGINT: the shell's 128 + N, never 0 (the finished cells are kept).
+    return 128 + resume.Interrupted.signum if resume.Interrupted.signum else code
+
+
+def _resolve_nodes(options: RunOptions) -> tuple[RunOptions, NodeSpec]:
     """--nnodes/--node-rank/--master-addr/--master-port, else SLURM's variables (README
-    "Several nodes"), checked before anything launches; sets ``args.nodes``."""
+    "Several nodes"), checked before anything launches: this node's place in the job, and the
+    options holding it (what pytest is handed: it reads no SLURM variables)."""
     from harness.distributed import device_type
     from harness.runner import nodes
 
     try:
-        args.nodes = nodes.resolve(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                                   master_port=args.master_port)
+        node = nodes.of_options(options)
+        options = dataclasses.replace(options, **node.to_dict())
         # A resumed run keeps its own ranks per node (run.json), whatever the allocation offers.
-        if args.nodes.multi and args.gpus is None and args.resume is None and (args.device or device_type()) == "cuda":
-            args.gpus = nodes.slurm_ranks_per_node()  # a GPU node in a SLURM allocation
+        if (node.multi and options.gpus is None and options.resume is None
+                and (options.device or device_type()) == "cuda"):  # a GPU node in a SLURM allocation
+            options = dataclasses.replace(options, gpus=nodes.slurm_ranks_per_node())
     except ValueError as error:
         raise UsageError(str(error)) from None
+    return options, node
 
 
-def _node_args(nodes) -> list[str]:
-    if not nodes.multi:
-        return []
-    return ["--nnodes", str(nodes.nnodes), "--master-addr", nodes.master_addr, "--master-port", str(nodes.master_port),
-            "--node-rank", str(nodes.node_rank)]
+def _resume_selection(options: RunOptions, given: dict[str, object], node: NodeSpec) -> RunOptions:
+    """--resume: the run's own selection (suite, -m, -k, world size, device) from its run.json;
+    an option ``given`` that differs from it is refused, as is a run that cannot be found."""
+    from harness.distributed import DEVICES
+    from harness.runner import resume
+    from harness.runner.session import world_size
+
+    run_dir = recorded_run(options.out, options.resume)
+    try:
+        original = resume.original_selection(run_dir)
+        # The fields that run.json keeps under their own names.
+        asked = {key: given[key] for key in ("suite", "marker_expression", "keyword_expression", "device", "repeat")
+                 if key in given}
+        asked["nnodes"] = node.nnodes
+        if "mem_cap_gib" in given:
+            asked["mem_cap_bytes"] = options.mem_cap_bytes
+        if "gpus" in given:
+            asked["world_size"] = world_size(options.gpus, node.nnodes)
+        resume.check_same_selection(run_dir, original, asked)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return dataclasses.replace(
+        options, resume=str(run_dir), suite=original["suite"], marker_expression=original["marker_expression"],
+        keyword_expression=original["keyword_expression"], gpus=original["world_size"] // original["nnodes"],
+        mem_cap_gib=options.mem_cap_gib if original["mem_cap_bytes"] is None else gib_of(original["mem_cap_bytes"]),
+        device=original["device"] if options.device is None and original["device"] in DEVICES else options.device,
+        out=run_dir.parent.parent if options.out is None else options.out)  # reports/ beside the run's results/
 
 
-def _run_follower(args: argparse.Namespace) -> int:
+def _run_follower(options: RunOptions, node: NodeSpec) -> int:
     """A node of rank > 0: its ranks of the launches node 0 serves (its selection, or what its
     resumed run still lacks), nothing under results/ (runner/nodes.py)."""
     from harness.distributed import device_type
@@ -128,95 +177,41 @@ def _run_follower(args: argparse.Namespace) -> int:
     from harness.runner import nodes
     from harness.runner.launcher import LaunchOptions
 
-    wait_s = max(nodes.PLAN_WAIT_S, args.cell_timeout or 0)
-    print(f"shardbench: node {args.nodes.node_rank}: waiting for node 0's plan at {args.nodes.master_addr}:"
-          f"{args.nodes.plan_port} (up to {wait_s:.0f} s)", flush=True)
+    wait_s = max(nodes.PLAN_WAIT_S, options.cell_timeout_s or 0)
+    print(f"shardbench: node {node.node_rank}: waiting for node 0's plan at {node.master_addr}:"
+          f"{node.plan_port} (up to {wait_s:.0f} s)", flush=True)
     try:
-        plan = nodes.fetch_plan(args.nodes, harness_code_hash(), wait_s)
+        plan = nodes.fetch_plan(node, harness_code_hash(), wait_s)
     except ValueError as error:
         print(f"shardbench: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    launch_dir = (args.out or REPO_ROOT).resolve() / "node-launches" / f"node{args.nodes.node_rank}-{new_run_id()}"
+    launch_dir = (options.out or REPO_ROOT).resolve() / "node-launches" / f"node{node.node_rank}-{new_run_id()}"
     # Node 0's limits, not this node's options: every rank of a launch must agree on them.
-    options = LaunchOptions(cell_timeout_s=plan.cell_timeout_s, nodes=args.nodes, device_type=device_type(),
-                            device_name=_device_name(), mem_cap_bytes=plan.mem_cap_bytes)
-    return nodes.run_follower(plan, options, launch_dir)
+    limits = RunOptions(cell_timeout_s=plan.cell_timeout_s, mem_cap_gib=gib_of(plan.mem_cap_bytes))
+    launch = LaunchOptions(run=limits, nodes=node, device_type=device_type(), device_name=_device_name())
+    return nodes.run_follower(plan, launch, launch_dir)
 
 
-def _resume_selection(args: argparse.Namespace) -> None:
-    """--resume: the run's own selection (suite, -m, -k, world size, device) from its run.json;
-    an option given that differs from it is refused, as is a run that cannot be found."""
-    from harness.results.store import resolve_run
-    from harness.runner import resume
-    from harness.runner.session import world_size
+def _device_name() -> str | None:
+    import torch
 
-    try:
-        run_dir = resolve_run((args.out or REPO_ROOT) / "results", args.resume)
-        original = resume.original_selection(run_dir)
-        asked = {key: value for key, value in (("suite", args.suite), ("marker_expression", args.markexpr),
-                                               ("keyword_expression", args.keyword), ("device", args.device),
-                                               ("repeat", args.repeat))
-                 if value is not None}
-        asked["nnodes"] = args.nodes.nnodes
-        if args.mem_cap_gib is not None:
-            asked["mem_cap_bytes"] = int(args.mem_cap_gib * 2**30)
-        if args.gpus is not None:
-            asked["world_size"] = world_size(args.gpus, args.nodes.nnodes)
-        resume.check_same_selection(run_dir, original, asked)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    args.resume = run_dir
-    args.suite, args.markexpr, args.keyword = (original["suite"], original["marker_expression"],
-                                               original["keyword_expression"])
-    args.gpus = original["world_size"] // original["nnodes"]
-    if original["mem_cap_bytes"] is not None:
-        args.mem_cap_gib = original["mem_cap_bytes"] / 2**30
-    if args.device is None and original["device"] in DEVICES:
-        args.device = original["device"]
-    if args.out is None:
-        args.out = run_dir.parent.parent  # reports/ beside the results/ the run is in
+    from harness.distributed import device_type
+
+    return torch.cuda.get_device_name() if device_type() == "cuda" else None
 
 
-def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
-    from harness.runner import resume
+def _check_mem_cap_fits(options: RunOptions) -> None:
+    """--mem-cap-gib on CUDA: no more than the GPU has (RunOptions checks it is positive)."""
+    import torch
 
-    _resolve_nodes(args)
-    if args.resume is not None and args.nodes.is_leader:  # the other nodes follow node 0's plan
-        _resume_selection(args)
-    elif args.retry_failed and args.resume is None:
-        raise UsageError("--retry-failed: only with --resume RUN_ID")
-    args.suite = "default" if args.suite is None else args.suite
-    args.markexpr, args.keyword = args.markexpr or "", args.keyword or ""
-    if args.nodes.is_leader:  # a follower runs node 0's selection, not its own
-        _check_selection(args)
-    else:
-        _use_device(args)
-    if args.out is not None:
-        if args.out.exists() and not args.out.is_dir():
-            raise UsageError(f"--out {args.out}: exists and is not a folder")
-        args.out.mkdir(parents=True, exist_ok=True)
-    _check_cell_timeout(args)
-    _check_mem_cap(args)
-    if args.repeat is not None and args.repeat < 1:
-        raise UsageError(f"--repeat {args.repeat}: must be 1 or more trials per cell")
-    if not args.nodes.is_leader:
-        return _run_follower(args)
-    pytest_args = _pytest_args(args) + _node_args(args.nodes) + ["-rfEs", *extra]
-    if args.cell_timeout is not None:
-        pytest_args += ["--cell-timeout", str(args.cell_timeout)]
-    if args.mem_cap_bytes is not None:
-        pytest_args += ["--mem-cap-bytes", str(args.mem_cap_bytes)]
-    if args.repeat is not None:
-        pytest_args += ["--repeat", str(args.repeat)]
-    if args.memory_snapshot:
-        pytest_args += ["--memory-snapshot"]
-    if args.out is not None:
-        pytest_args += ["--out", str(args.out.resolve())]
-    if args.resume is not None:
-        pytest_args += ["--resume", str(args.resume)] + (["--retry-failed"] if args.retry_failed else [])
-    code = int(pytest.main(pytest_args))
-    # Ended by SIGTERM / SIGINT: the shell's 128 + N, never 0 (the finished cells are kept).
-    return 128 + resume.Interrupted.signum if resume.Interrupted.signum else code
+    from harness.distributed import device_type
+
+    if options.mem_cap_bytes is None or device_type() != "cuda":
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    if options.mem_cap_bytes > total:
+        raise UsageError(f"--mem-cap-gib {options.mem_cap_gib}: more than the {total / 2**30:.1f} GiB"
+                         f" of {torch.cuda.get_device_name(0)}; give at most that")
 
 
 class _Collector:
@@ -239,14 +234,13 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
     from harness import strategies
     from harness.runner.matrix import with_references
 
-    _check_selection(args)
-    if args.suite in suites.BENCHMARK_SUITES:
-        print(f"suite {args.suite} benchmarks the harness itself (suites/test_perf.py): run it with"
-              f" ./run_all.sh --suite {args.suite}")
+    options = check_selection(run_options(args))
+    if options.suite in suites.BENCHMARK_SUITES:
+        print(f"suite {options.suite} benchmarks the harness itself (suites/test_perf.py): run it with"
+              f" ./run_all.sh --suite {options.suite}")
         return 0
     collector = _Collector()
-    code = pytest.main(_pytest_args(args) + ["--collect-only", "-p", "no:terminal"],
-                       plugins=[collector])
+    code = pytest.main(pytest_args(options) + ["--collect-only", "-p", "no:terminal"], plugins=[collector])
     if code not in (0, 5):  # 5: nothing selected, still a valid listing
         print(f"shardbench: error: collecting {SUITES_DIR} failed (pytest exit {int(code)});"
               f" `pytest {SUITES_DIR} --collect-only` shows why", file=sys.stderr)
@@ -266,13 +260,9 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     from harness.report import history, html
-    from harness.results.store import resolve_run
 
     root = args.out or REPO_ROOT
-    try:
-        run_dir = resolve_run(root / "results", args.run)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    run_dir = recorded_run(args.out, args.run)
     skipped: list[str] = []
     page = html.write_run_report(run_dir, root / "reports" / run_dir.name, skipped)
     history.write_index(root / "results", root / "reports")
@@ -299,18 +289,26 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     """Per common cell, B against A: better / worse / not significant; the HTML page goes
     into the report folder beside the runs' own reports."""
     from harness.report import compare
-    from harness.results.store import resolve_run
 
-    root = args.out or REPO_ROOT
     try:
         compare.parse_thresholds(args.fail_on)
-        run_a, run_b = (resolve_run(root / "results", run) for run in (args.run_a, args.run_b))
     except ValueError as error:
         raise UsageError(str(error)) from None
-    page = root / "reports" / "compare" / f"{run_a.name}_vs_{run_b.name}.html"
+    run_a, run_b = (recorded_run(args.out, run) for run in (args.run_a, args.run_b))
+    page = (args.out or REPO_ROOT) / "reports" / "compare" / f"{run_a.name}_vs_{run_b.name}.html"
     code = compare.main_compare(run_a, run_b, fmt=args.format, fail_on=args.fail_on, html_out=page)
     print(f"\ncomparison page: {page}", file=sys.stderr)
     return code
+
+
+def cmd_accuracy(args: argparse.Namespace, extra: list[str]) -> int:
+    """Predicted ÷ measured for every measured cell of a run, and the worst per target."""
+    from harness.predict import accuracy
+    from harness.results.store import load_records
+
+    text, all_met = accuracy.report(load_records(recorded_run(args.out, args.run)))
+    print(text)
+    return 0 if all_met or not args.strict else 1
 
 
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -331,8 +329,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.traced and result["recommended"] is not None:
         from harness.predict import traced as tracer
 
-        if args.seq is not None and args.seq != models_seq(args.model):
-            traced = {"unavailable": f"the tracer runs the preset's sequence length ({models_seq(args.model)});"
+        if args.seq is not None and args.seq != _preset_seq(args.model):
+            traced = {"unavailable": f"the tracer runs the preset's sequence length ({_preset_seq(args.model)});"
                                      " drop --seq to trace"}
         else:
             cell = result["recommended"]["cell"]
@@ -344,132 +342,72 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def cmd_accuracy(args: argparse.Namespace, extra: list[str]) -> int:
-    """Predicted ÷ measured for every measured cell of a run, and the worst per target."""
-    from harness.predict import accuracy
-    from harness.results.store import load_records, resolve_run
+def _preset_seq(model: str) -> int | None:
+    from harness import models
 
-    root = args.out or REPO_ROOT
-    try:
-        run_dir = resolve_run(root / "results", args.run)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    text, all_met = accuracy.report(load_records(run_dir))
-    print(text)
-    return 0 if all_met or not args.strict else 1
+    return models.get_preset(model).seq_len
 
 
 def cmd_reproduce(args: argparse.Namespace, extra: list[str]) -> int:
     """Rerun one recorded cell from its record: bitwise-equal losses? how far did it move?"""
     from harness.distributed import DEVICE_ENV_VAR, device_type
-    from harness.results.store import resolve_run
     from harness.runner import reproduce
 
-    root = args.out or REPO_ROOT
-    _check_cell_timeout(args)
+    options = run_options(args)
+    run_dir = recorded_run(args.out, args.run)
     try:
-        run_dir = resolve_run(root / "results", args.run)
         record = reproduce.find_record(run_dir, args.cell_id)
         recorded_device = reproduce.device_of(run_dir) or "cpu"
         os.environ[DEVICE_ENV_VAR] = recorded_device  # the workers run where the record was made
         device_type()  # refuses cuda on a host without a GPU
     except ValueError as error:
         raise UsageError(str(error)) from None
-    text, reproduced = reproduce.reproduce(run_dir, record, recorded_device, args.cell_timeout)
+    text, reproduced = reproduce.reproduce(run_dir, record, recorded_device, options.cell_timeout_s)
     print(text)
     return 0 if reproduced else 1
 
 
-def _check_cell_timeout(args: argparse.Namespace) -> None:
-    if args.cell_timeout is not None and not args.cell_timeout > 0:
-        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be positive seconds")
+RUN_HELP = "run id under results/ (or 'latest'), or a run folder"
 
 
-def _device_name() -> str | None:
-    import torch
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (``--gpus abc``) as one line too, like every other bad input."""
 
-    from harness.distributed import device_type
-
-    return torch.cuda.get_device_name() if device_type() == "cuda" else None
-
-
-def _check_mem_cap(args: argparse.Namespace) -> None:
-    """--mem-cap-gib: positive, and on CUDA no more than the GPU has (sets args.mem_cap_bytes)."""
-    import torch
-
-    from harness.distributed import device_type
-
-    args.mem_cap_bytes = None
-    if args.mem_cap_gib is None:
-        return
-    if not args.mem_cap_gib > 0:
-        raise UsageError(f"--mem-cap-gib {args.mem_cap_gib}: must be a positive number of GiB per rank")
-    args.mem_cap_bytes = int(args.mem_cap_gib * 2**30)
-    if device_type() == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        if args.mem_cap_bytes > total:
-            raise UsageError(f"--mem-cap-gib {args.mem_cap_gib}: more than the {total / 2**30:.1f} GiB"
-                             f" of {torch.cuda.get_device_name(0)}; give at most that")
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"shardbench: error: {self.prog.removeprefix('shardbench').strip() or 'shardbench'}:"
+                              f" {message} (see --help)\n")
 
 
-def models_seq(model: str) -> int | None:
-    from harness import models
-
-    return models.get_preset(model).seq_len
+def _out_option(parser: argparse.ArgumentParser) -> None:
+    """--out of the commands that read recorded runs."""
+    parser.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="shardbench", description="Distributed training strategies, side by side.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a suite (extra arguments go to pytest)")
-    _selection_args(run)
-    run.add_argument("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo)")
-    run.add_argument("--cell-timeout", type=float, default=None,
-                     help="seconds without progress before a cell is declared hung (default: scaled to each"
-                          " cell, README Faults)")
-    run.add_argument("--mem-cap-gib", type=float, default=None,
-                     help="memory per rank, as if each had a device this size: a rank over it records oom"
-                          " with its peak (README Faults)")
-    run.add_argument("--repeat", type=int, default=None,
-                     help="trials per cell, in rounds over every cell (default 1; with --resume: the run's own;"
-                          " README Repeated runs)")
-    run.add_argument("--memory-snapshot", action="store_true",
-                     help="write each cell's memory-over-time by category (and on CUDA the allocator's snapshot"
-                          " for pytorch.org/memory_viz) to the run folder's memory/; charted in the cell's page")
-    run.add_argument("--nnodes", type=int, default=None,
-                     help="nodes in the job, one launcher per node (default 1, or SLURM_NNODES); README Several nodes")
-    run.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes) (or SLURM_NODEID);"
-                     " only node 0 writes results/")
-    run.add_argument("--master-addr", default=None,
-                     help="node 0's address, the c10d rendezvous endpoint (or SLURM_JOB_NODELIST's first host)")
-    run.add_argument("--master-port", type=int, default=None,
-                     help="the rendezvous endpoint's port (default MASTER_PORT, else 29500)")
-    run.add_argument("--resume", default=None, metavar="RUN_ID",
-                     help="run the cells of run RUN_ID (id under results/, 'latest', or a run folder) that have"
-                          " no record yet, into the same run; the selection is the run's own")
-    run.add_argument("--retry-failed", action="store_true",
-                     help="with --resume: also re-run cells recorded failed, timeout or oom")
-    run.set_defaults(suite=None, markexpr=None, keyword=None)  # None: not given (a resume takes the run's)
+    add_run_options(run.add_argument, "cli", suite_names=suites.SUITES)
     run.set_defaults(func=cmd_run)
     lst = sub.add_parser("list", help="show the cells a selection runs, without running them")
-    _selection_args(lst)
+    add_run_options(lst.add_argument, "cli", only=SELECTION, suite_names=suites.SUITES)
     lst.set_defaults(func=cmd_list)
     rep = sub.add_parser("report", help="rebuild a run's HTML report from its results")
-    rep.add_argument("run", help="run id under results/ (or 'latest'), or a run folder")
-    rep.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    rep.add_argument("run", help=RUN_HELP)
+    _out_option(rep)
     rep.set_defaults(func=cmd_report)
     pub = sub.add_parser("publish", help="copy reports/ into a folder ready for static hosting")
     pub.add_argument("destination", type=Path, help="a new (or empty) folder")
-    pub.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    _out_option(pub)
     pub.set_defaults(func=cmd_publish)
     cmp_ = sub.add_parser("compare", help="compare run B with baseline run A, cell by cell")
-    cmp_.add_argument("run_a", help="baseline: run id under results/ (or 'latest'), or a run folder")
-    cmp_.add_argument("run_b", help="candidate: run id under results/ (or 'latest'), or a run folder")
+    cmp_.add_argument("run_a", help=f"baseline: {RUN_HELP}")
+    cmp_.add_argument("run_b", help=f"candidate: {RUN_HELP}")
     cmp_.add_argument("--format", choices=("text", "markdown", "html"), default="text")
     cmp_.add_argument("--fail-on", default=None, metavar="SPEC",
                       help="exit 1 on regressions beyond e.g. mem:5%%,time:10%%,throughput:10%%"
                            " (a change counts only once marked worse: time/throughput beyond 10%%, memory 0.5%%)")
-    cmp_.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    _out_option(cmp_)
     cmp_.set_defaults(func=cmd_compare)
     pln = sub.add_parser("plan", help="predicted memory per GPU of every strategy: what fits before you rent it")
     pln.add_argument("--model", required=True, help="a model preset, e.g. llama3-8b (see README Models)")
@@ -485,16 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     pln.set_defaults(func=cmd_plan)
     rpr = sub.add_parser("reproduce", help="rerun one recorded cell from its record and compare")
-    rpr.add_argument("run", help="run id under results/ (or 'latest'), or a run folder")
+    rpr.add_argument("run", help=RUN_HELP)
     rpr.add_argument("cell_id", help="the cell's id, as in the record")
-    rpr.add_argument("--cell-timeout", type=float, default=None,
-                     help="seconds without progress before the cell is declared hung (default: scaled to the cell)")
-    rpr.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    add_run_options(rpr.add_argument, "cli", only=("cell_timeout_s",))
+    _out_option(rpr)
     rpr.set_defaults(func=cmd_reproduce)
     acc = sub.add_parser("accuracy", help="predicted vs measured memory and communication of a run's cells")
     acc.add_argument("run", nargs="?", default="latest", help="run id under results/ (default: latest), or a run folder")
     acc.add_argument("--strict", action="store_true", help="exit 1 when any cell misses a ±10%% target")
-    acc.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+    _out_option(acc)
     acc.set_defaults(func=cmd_accuracy)
     return parser
 

@@ -10,7 +10,9 @@ whether this machine can run it is decided at launch (``unsupported`` is a resul
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from harness import strategies
@@ -278,3 +280,183 @@ class CellSpec:
         d = dict(d)
         d["strategy"] = StrategySpec(**d["strategy"])
         return cls(**d)
+
+
+# A run's options. Device is where cells compute; a Surface is a parser that takes run options:
+# the CLI (`python -m harness run`), the suites' pytest plugin (suites/conftest.py), or the
+# worker every rank runs (harness/runner/worker.py).
+Device = Literal["cpu", "cuda"]
+Surface = Literal["cli", "pytest", "worker"]
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptionFlag:
+    """How a RunOptions field is typed on a command line; every surface's parser is built from these."""
+
+    name: str  # "--cell-timeout", "-m"
+    help: str  # "{suites}" stands for the named suites
+    type: Callable[[str], object] = str  # bool: a switch
+    choices: tuple[str, ...] | None = None
+    # The CLI's name for the value where the flag's own is not it (-m MARKEXPR); the pytest
+    # plugin names every value after its flag (--suite=SUITE), choices name themselves.
+    metavar: str | None = None
+    surfaces: frozenset[Surface] = frozenset({"cli", "pytest"})
+    # -m and -k are pytest's own options: the plugin reads them (by this dest) and adds none.
+    pytest_dest: str | None = None
+    # The plugin's help where pytest reads the option otherwise than the CLI: pytest reads no
+    # SLURM variables (the CLI resolves them and passes the result) and resumes a run folder.
+    pytest_help: str | None = None
+
+    def dest(self, surface: Surface, field_name: str) -> str:
+        """Where ``surface``'s parser puts the value."""
+        return self.pytest_dest if surface == "pytest" and self.pytest_dest else field_name
+
+
+def _option(default: object, **flag: Any) -> Any:
+    """A RunOptions field and its flag."""
+    return field(default=default, metadata={"flag": OptionFlag(**flag)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """A run's options, declared once: the CLI, the pytest plugin and the worker build their
+    parsers from the fields' flags (``add_run_options``) and read what was given back with
+    ``from_args``; ``to_args`` hands the options on (the CLI to pytest, the launcher, which holds
+    them in LaunchOptions.run, to every rank). None is "not given": a resumed run takes its own
+    selection, the node options their SLURM values. The node options are checked once resolved
+    (runner/nodes.py, NodeSpec)."""
+
+    suite: str = _option("default", name="--suite",
+                         help="one of {suites} (default: default), or a .toml suite file (README: Suites of your own)")
+    # Carried to pytest and the workers by harness.distributed's environment variable.
+    device: Device | None = _option(None, name="--device", choices=get_args(Device), surfaces=frozenset({"cli"}),
+                                    help="run cells on cpu (gloo) or cuda (NCCL); default: cuda where a GPU is visible")
+    gpus: int | None = _option(
+        None, name="--gpus", type=int,
+        help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
+    marker_expression: str = _option("", name="-m", metavar="MARKEXPR", pytest_dest="markexpr",
+                                     help='pytest marker expression, e.g. "fsdp and bf16"')
+    keyword_expression: str = _option("", name="-k", metavar="KEYWORD", pytest_dest="keyword",
+                                      help="pytest keyword expression on cell ids")
+    out: Path | None = _option(None, name="--out", type=Path,
+                               help="folder for results/ and reports/ (default: the repo)")
+    cell_timeout_s: float | None = _option(
+        None, name="--cell-timeout", type=float,
+        help="seconds without progress before a cell is declared hung (default: scaled to each cell, README Faults)")
+    # Every rank reads it: CUDA caps the allocator, CPU ranks compare their peak (worker.py).
+    mem_cap_gib: float | None = _option(
+        None, name="--mem-cap-gib", type=float, surfaces=frozenset({"cli", "pytest", "worker"}),
+        help="memory per rank, as if each had a device this size: a rank over it records oom with its peak"
+             " (README Faults)")
+    repeat: int | None = _option(None, name="--repeat", type=int,
+                                 help="trials per cell, in rounds over every cell (default 1; with --resume: the run's"
+                                      " own; README Repeated runs)")
+    memory_snapshot: bool = _option(
+        False, name="--memory-snapshot", type=bool,
+        help="write each cell's memory-over-time by category (and on CUDA the allocator's snapshot for"
+             " pytorch.org/memory_viz) to the run folder's memory/; charted in the cell's page")
+    nnodes: int | None = _option(
+        None, name="--nnodes", type=int,
+        help="nodes in the job, one launcher per node (default 1, or SLURM_NNODES); README Several nodes",
+        pytest_help="nodes in the job (one launcher per node; default 1)")
+    node_rank: int | None = _option(
+        None, name="--node-rank", type=int,
+        help="this node's rank in [0, nnodes) (or SLURM_NODEID); only node 0 writes results/",
+        pytest_help="this node's rank in [0, nnodes); only node 0 runs under pytest (the others: python -m harness"
+                    " run)")
+    master_addr: str | None = _option(
+        None, name="--master-addr",
+        help="node 0's address, the c10d rendezvous endpoint (or SLURM_JOB_NODELIST's first host)",
+        pytest_help="node 0's address: the c10d rendezvous endpoint's host")
+    master_port: int | None = _option(None, name="--master-port", type=int,
+                                      help="the rendezvous endpoint's port (default MASTER_PORT, else 29500)",
+                                      pytest_help="the rendezvous endpoint's port (default 29500)")
+    # A run id, 'latest' or a run folder; the CLI resolves it to the folder it hands pytest.
+    resume: str | None = _option(
+        None, name="--resume", metavar="RUN_ID",
+        help="run the cells of run RUN_ID (id under results/, 'latest', or a run folder) that have no record yet,"
+             " into the same run; the selection is the run's own",
+        pytest_help="run folder to resume: run only its cells without a kept record, appending to it")
+    retry_failed: bool = _option(False, name="--retry-failed", type=bool,
+                                 help="with --resume: also re-run cells recorded failed, timeout or oom")
+
+    def __post_init__(self) -> None:
+        self._check(self.device is None or self.device in get_args(Device), "device",
+                    f"choose one of {', '.join(get_args(Device))}")
+        self._check(self.gpus is None or self.gpus >= 1, "gpus", "must be a positive number of ranks per node")
+        self._check(self.cell_timeout_s is None or self.cell_timeout_s > 0, "cell_timeout_s",
+                    "must be positive seconds")
+        self._check(self.mem_cap_gib is None or self.mem_cap_gib > 0, "mem_cap_gib",
+                    "must be a positive number of GiB per rank")
+        self._check(self.repeat is None or self.repeat >= 1, "repeat", "must be 1 or more trials per cell")
+        if self.retry_failed and self.resume is None:
+            raise ValueError("--retry-failed: only with --resume RUN_ID")
+
+    def _check(self, ok: bool, field_name: str, allowed: str) -> None:
+        # Named as the user typed it: options come from flags (`--gpus 0: must be ...`).
+        if not ok:
+            raise ValueError(f"{_FLAGS[field_name].name} {getattr(self, field_name)}: {allowed}")
+
+    @property
+    def mem_cap_bytes(self) -> int | None:
+        """The memory cap as run.json, node 0's plan and the worker's checks keep it."""
+        return None if self.mem_cap_gib is None else int(self.mem_cap_gib * GIB)
+
+    @classmethod
+    def given(cls, args: object, surface: Surface) -> dict[str, object]:
+        """The options given to ``surface``'s parser (``args``: its namespace; None: not given), by field."""
+        return {name: value for name, flag in _flags_of(surface)
+                if (value := getattr(args, flag.dest(surface, name), None)) is not None}
+
+    @classmethod
+    def from_args(cls, args: object, surface: Surface) -> RunOptions:
+        """The options given to ``surface``'s parser, the defaults for the rest."""
+        return cls(**cls.given(args, surface))
+
+    def to_args(self, surface: Surface) -> list[str]:
+        """The command-line arguments that give ``surface`` these options (those not at their default)."""
+        out: list[str] = []
+        for name, flag in _flags_of(surface):
+            value = getattr(self, name)
+            if value != _DEFAULTS[name]:
+                out += [flag.name] if flag.type is bool else [flag.name, str(value)]
+        return out
+
+
+_FLAGS: dict[str, OptionFlag] = {f.name: f.metadata["flag"] for f in dataclasses.fields(RunOptions)}
+_DEFAULTS: dict[str, object] = {f.name: f.default for f in dataclasses.fields(RunOptions)}
+
+
+def _flags_of(surface: Surface) -> Iterator[tuple[str, OptionFlag]]:
+    return ((name, flag) for name, flag in _FLAGS.items() if surface in flag.surfaces)
+
+
+def add_run_options(add_argument: Callable[..., object], surface: Surface, only: Iterable[str] | None = None,
+                    suite_names: Iterable[str] = ()) -> None:
+    """Add RunOptions' flags for ``surface`` (``only`` those fields, where given) through
+    ``add_argument``: argparse's ``add_argument`` or pytest's ``addoption``, which take the same
+    arguments. Every default is None, "not given": RunOptions holds the defaults."""
+    wanted = set(_FLAGS) if only is None else set(only)
+    for name, flag in _flags_of(surface):
+        if name not in wanted or (surface == "pytest" and flag.pytest_dest):
+            continue
+        help_text = flag.pytest_help if surface == "pytest" and flag.pytest_help else flag.help
+        add_argument(flag.name, dest=name, default=None, help=help_text.format(suites=", ".join(suite_names)),
+                     **_value_arguments(flag, surface))
+
+
+def _value_arguments(flag: OptionFlag, surface: Surface) -> dict[str, Any]:
+    """What the parser needs to know of the flag's value."""
+    if flag.type is bool:
+        return {"action": "store_true"}
+    if flag.choices is not None:
+        return {"type": flag.type, "choices": flag.choices}
+    named = flag.metavar if surface != "pytest" and flag.metavar else flag.name.lstrip("-").replace("-", "_").upper()
+    return {"type": flag.type, "metavar": named}
+
+
+def gib_of(n_bytes: int | None) -> float | None:
+    """A memory cap kept in bytes (run.json, node 0's plan) as RunOptions.mem_cap_gib: exact,
+    since a power of two divides it."""
+    return None if n_bytes is None else n_bytes / GIB

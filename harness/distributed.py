@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DEVICE_ENV_VAR = "SHARDBENCH_DEVICE"
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda")  # config.Device names the same two (config is a layer above)
 
 
 @dataclass(frozen=True, kw_only=True)

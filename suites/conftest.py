@@ -12,42 +12,20 @@ from pathlib import Path
 import pytest
 
 from harness import markers, suites
+from harness.config import add_run_options
 from harness.runner import resume
 from harness.runner import session as run_session
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("shardbench")
-    group.addoption("--suite", default="default", help=f"matrix to run: {', '.join(suites.SUITES)}")
-    group.addoption("--gpus", type=int, default=None,
-                    help="ranks per node: GPUs, or CPU processes where there are none (default: all GPUs, else 2)")
-    group.addoption("--out", type=Path, default=None, help="folder for results/ and reports/ (default: the repo root)")
-    group.addoption("--nnodes", type=int, default=1, help="nodes in the job (one launcher per node; default 1)")
-    group.addoption("--node-rank", type=int, default=0, help="this node's rank in [0, nnodes); only node 0 runs"
-                    " under pytest (the others: python -m harness run)")
-    group.addoption("--master-addr", default=None, help="node 0's address: the c10d rendezvous endpoint's host")
-    group.addoption("--master-port", type=int, default=29500, help="the rendezvous endpoint's port (default 29500)")
-    group.addoption("--cell-timeout", type=float, default=None,
-                    help="seconds without progress before a cell is declared hung and killed (default: scaled"
-                         " to each cell, harness/runner/timeouts.py)")
-    group.addoption("--mem-cap-bytes", type=int, default=None,
-                    help="memory per rank (python -m harness run --mem-cap-gib): a rank over it records oom")
-    group.addoption("--resume", type=Path, default=None,
-                    help="run folder to resume: run only its cells without a kept record, appending to it")
-    group.addoption("--retry-failed", action="store_true",
-                    help="with --resume: also re-run the cells recorded failed, timeout or oom")
-    group.addoption("--memory-snapshot", action="store_true", default=False,
-                    help="write each cell's memory timeline (and on CUDA the allocator snapshot) to the run folder's memory/")
-    # None when not given: a new run runs each cell once, a resumed run as many times as it did.
-    group.addoption("--repeat", type=int, default=None,
-                    help="run each cell N times, in N interleaved rounds, recording every trial (default 1;"
-                         " with --resume: the run's own)")
+    add_run_options(parser.getgroup("shardbench").addoption, "pytest", suite_names=suites.SUITES)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, help_text in markers.CATALOGUE.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
     try:
+        options = run_session.run_options(config)
         nodes = run_session.node_spec(config)
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
@@ -59,25 +37,20 @@ def pytest_configure(config: pytest.Config) -> None:
         run_session.open_plan_server(config)
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
-    expr = config.getoption("markexpr")
-    if expr:
+    if options.marker_expression:
         try:
-            markers.check_marker_expression(expr)
+            markers.check_marker_expression(options.marker_expression)
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
-    repeat = config.getoption("repeat")
-    if repeat is not None and repeat < 1:
-        raise pytest.UsageError(f"--repeat {repeat}: must be 1 or more (how many times each cell runs)")
-    resume_dir = config.getoption("resume")
-    if resume_dir is not None:
+    if options.resume is not None:
         # `python -m harness run --resume` checks this before pytest; here for pytest used directly.
+        resume_dir = Path(options.resume)
         try:
             resume.check_same_selection(resume_dir, resume.original_selection(resume_dir), {
-                "suite": config.getoption("suite"), "marker_expression": config.getoption("markexpr") or "",
-                "keyword_expression": config.getoption("keyword") or "",
-                "world_size": run_session.world_size(config.getoption("gpus"), config.getoption("nnodes")),
-                "nnodes": config.getoption("nnodes"),
-                **({} if repeat is None else {"repeat": repeat})})
+                "suite": options.suite, "marker_expression": options.marker_expression,
+                "keyword_expression": options.keyword_expression,
+                "world_size": run_session.world_size(options.gpus, nodes.nnodes), "nnodes": nodes.nnodes,
+                **({} if options.repeat is None else {"repeat": options.repeat})})
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
 
@@ -85,11 +58,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "cell" not in metafunc.fixturenames:
         return
-    config = metafunc.config
+    options, nnodes = run_session.run_options(metafunc.config), run_session.node_spec(metafunc.config).nnodes
     try:
-        nnodes = config.getoption("nnodes")
-        cells = suites.cells_of(config.getoption("suite"), run_session.world_size(config.getoption("gpus"), nnodes),
-                                nnodes)
+        cells = suites.cells_of(options.suite, run_session.world_size(options.gpus, nnodes), nnodes)
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
     metafunc.parametrize(
@@ -107,7 +78,7 @@ def _kind(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A matrix suite runs test_matrix.py; a benchmark suite (perf) runs test_perf.py; a
     claims suite the claims in claims/ (which run the cells they read)."""
-    suite = config.getoption("suite")
+    suite = run_session.run_options(config).suite
     wanted = ("benchmark" if suite in suites.BENCHMARK_SUITES
               else "claims" if suite in suites.CLAIMS_SUITES else "matrix")
     keep = [item for item in items if _kind(item) == wanted]

@@ -18,7 +18,7 @@ import pytest
 
 from harness import suites
 from harness.cli import main as cli_main
-from harness.config import CellSpec, StrategySpec
+from harness.config import CellSpec, RunOptions, StrategySpec
 from harness.predict import traced
 from harness.results.store import RunStore, load_records
 from harness.runner import launcher, node_spec, nodes
@@ -87,7 +87,7 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
     monkeypatch.setattr(traced, "trace_cells", lambda cells: {})
     smoke = [c for c in suites.cells_of("smoke", 2) if c.cell_id in CELLS]
     one_store = RunStore(tmp_path / "one", "one")
-    MatrixRun(smoke, one_store, LaunchOptions(cell_timeout_s=120), device_type="cpu", device_name=None,
+    MatrixRun(smoke, one_store, LaunchOptions(run=RunOptions(cell_timeout_s=120)), device_type="cpu", device_name=None,
               progress=print).run()
     logs = _finish(started, tmp_path, "run")
 
@@ -135,7 +135,7 @@ def test_a_world_of_one_is_refused_with_the_reason_recorded(tmp_path, monkeypatc
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), micro_batch=2, world_size=2)
     spec = node_spec.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
     store = RunStore(tmp_path, "refused")
-    MatrixRun([cell], store, LaunchOptions(cell_timeout_s=120, nodes=spec), device_type="cpu",
+    MatrixRun([cell], store, LaunchOptions(run=RunOptions(cell_timeout_s=120), nodes=spec), device_type="cpu",
               device_name=None, progress=print).run()
     records = {r["cell_id"]: r for r in load_records(store.path)}
     assert records[cell.reference().cell_id]["status"] == "ok"  # the reference runs on node 0 alone
@@ -227,7 +227,7 @@ def test_a_refusal_ends_node_0s_launches_that_span_the_nodes(tmp_path):
                       for name in ("ddp", "fsdp_full"))
     reason = "node 1 refused the run: it runs harness code xyz, node 0 abc"
     refused_at = time.monotonic() + 5  # node 0's torchrun is waiting at the rendezvous by then
-    options = LaunchOptions(cell_timeout_s=120, nodes=spec,
+    options = LaunchOptions(run=RunOptions(cell_timeout_s=120), nodes=spec,
                             follower_refusal=lambda: reason if time.monotonic() > refused_at else None)
     outcomes = []
     launcher.run_batch([waiting], options, tmp_path / "waiting", outcomes.append)

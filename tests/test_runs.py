@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 from harness import faults
-from harness.config import CellSpec, StrategySpec
+from harness.config import CellSpec, RunOptions, StrategySpec
 from harness.results.store import RunStore, load_records
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
@@ -17,9 +17,9 @@ def gpt2(strategy: str, **options) -> CellSpec:
     return CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, **options))
 
 
-def run_matrix(cells, tmp_path: Path, **launch) -> dict[str, dict]:
+def run_matrix(cells, tmp_path: Path, **run_options) -> dict[str, dict]:
     store = RunStore(tmp_path / "results", "run")
-    return MatrixRun(cells, store, LaunchOptions(**launch), device_type="cpu", device_name=None,
+    return MatrixRun(cells, store, LaunchOptions(run=RunOptions(**run_options)), device_type="cpu", device_name=None,
                      progress=print).run()
 
 
@@ -55,7 +55,7 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     monkeypatch.setenv(faults.ENV_VAR, f"{raising.cell_id}=raise,{crashing.cell_id}=segfault,{hanging.cell_id}=hang")
     outcomes = []
     batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang]
-    run_batch(batch, LaunchOptions(cell_timeout_s=25), tmp_path, outcomes.append)
+    run_batch(batch, LaunchOptions(run=RunOptions(cell_timeout_s=25)), tmp_path, outcomes.append)
 
     by_order = [(o.cell.cell_id, o.status) for o in outcomes]
     assert by_order == [
@@ -97,7 +97,7 @@ def test_a_cell_over_the_memory_cap_records_oom_with_its_peak_and_the_next_cell_
     small_peak, big_peak = (max(r["peak_mem_bytes"] for r in o.per_rank) for o in uncapped)
     assert small_peak < big_peak
     cap = (small_peak + big_peak) // 2
-    records = run_matrix([big, small], tmp_path, mem_cap_bytes=cap)  # the references run under the cap too
+    records = run_matrix([big, small], tmp_path, mem_cap_gib=cap / 2**30)  # the references run under the cap too
 
     over, after = records[big.cell_id], records[small.cell_id]
     assert (over["status"], after["status"]) == ("oom", "ok")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from harness.config import CellSpec
+from harness.config import CellSpec, RunOptions
 from harness.runner import timeouts
 from harness.runner.node_spec import SINGLE_NODE, NodeSpec
 
@@ -37,24 +37,23 @@ POLL_S = 0.2
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
-    # Seconds without an event from the workers (a cell starting or ending) before the
-    # launch is declared hung; launch start-up counts against the first cell. None: each
-    # cell's own limit, scaled to it (runner/timeouts.py).
-    cell_timeout_s: float | None = None
+    # The run's options: the cell timeout (seconds without an event from the workers, a cell
+    # starting or ending, before the launch is declared hung; launch start-up counts against
+    # the first cell; None: each cell's own limit, scaled to it, runner/timeouts.py), and what
+    # every rank reads (the memory cap: a rank whose memory exceeds it records `oom`, worker.py).
+    run: RunOptions = RunOptions()
     # Where this launcher stands in a multi-node job (runner/node_spec.py); one node by default.
     nodes: NodeSpec = SINGLE_NODE
     # Where the cells run: the scaled timeouts read the device's FLOP rate.
     device_type: str = "cpu"
     device_name: str | None = None
-    # --mem-cap-gib: a rank whose memory exceeds it records `oom` (worker.py says how).
-    mem_cap_bytes: int | None = None
     # --memory-snapshot: the run's folder for every cell's memory timeline (worker.py).
     memory_snapshot_dir: Path | None = None
     # Node 0 of several: why a follower refused the run, once one has (PlanServer.refusal).
     follower_refusal: Callable[[], str | None] = lambda: None
 
     def timeout(self, cell: CellSpec) -> timeouts.CellTimeout:
-        return timeouts.for_cell(cell, self.cell_timeout_s, self.device_type, self.device_name)
+        return timeouts.for_cell(cell, self.run.cell_timeout_s, self.device_type, self.device_name)
 
 
 def nodes_of(world_size: int, nodes: NodeSpec) -> int:
@@ -222,8 +221,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
         # Each rank's output also in a file of its own, for the reason of a rank that dies.
         "--log-dir", str(workdir / "ranks"), "--tee", "3",
         "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
-        "--expect-nnodes", str(nodes_of(world_size, options.nodes)),
-        *(["--mem-cap-bytes", str(options.mem_cap_bytes)] if options.mem_cap_bytes else []),
+        "--expect-nnodes", str(nodes_of(world_size, options.nodes)), *options.run.to_args("worker"),
         *(["--memory-snapshot-dir", str(options.memory_snapshot_dir)] if options.memory_snapshot_dir else []),
     ]
     # One OpenMP thread per rank unless the user chose otherwise: torchrun does this only

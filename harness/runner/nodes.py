@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.config import CellSpec, RunOptions
 from harness.runner.node_spec import DEFAULT_MASTER_PORT, NodeSpec
 
 PLAN_KEY = "shardbench/plan"
@@ -97,6 +98,12 @@ def resolve(*, nnodes: int | None, node_rank: int | None, master_addr: str | Non
                     master_port=DEFAULT_MASTER_PORT if master_port is None else master_port)
 
 
+def of_options(options: RunOptions, environ: Mapping[str, str] = os.environ) -> NodeSpec:
+    """``resolve`` for a run's node options (--nnodes, --node-rank, --master-addr, --master-port)."""
+    return resolve(nnodes=options.nnodes, node_rank=options.node_rank, master_addr=options.master_addr,
+                   master_port=options.master_port, environ=environ)
+
+
 def slurm_ranks_per_node(environ: Mapping[str, str] = os.environ) -> int | None:
     """SLURM_GPUS_ON_NODE: the default ranks per node on a GPU node inside an allocation."""
     value = environ.get("SLURM_GPUS_ON_NODE")
@@ -147,8 +154,6 @@ def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> Plan:
     """A follower: node 0's plan, waiting up to ``wait_s`` for node 0 to serve it.
     ValueError (one line) when node 0 never does or runs other harness code."""
     from torch.distributed import DistError, TCPStore
-
-    from harness.config import CellSpec
 
     try:
         store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=False,

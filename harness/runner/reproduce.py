@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from harness.config import CellSpec
+from harness.config import CellSpec, RunOptions, gib_of
 from harness.measure import summary
 from harness.results import provenance, trials
 from harness.results.schema import _finite_or_none
@@ -57,8 +57,8 @@ def reproduce(run_dir: Path, record: dict, device_type: str, cell_timeout_s: flo
     workdir = run_dir / "reproduce" / time.strftime("%Y%m%d-%H%M%S")
     outcomes: list[CellOutcome] = []
     info = load_run_info(run_dir)
-    options = LaunchOptions(cell_timeout_s=cell_timeout_s, device_type=device_type,
-                            device_name=(info.get("device") or {}).get("name"), mem_cap_bytes=info.get("mem_cap_bytes"))
+    limits = RunOptions(cell_timeout_s=cell_timeout_s, mem_cap_gib=gib_of(info.get("mem_cap_bytes")))
+    options = LaunchOptions(run=limits, device_type=device_type, device_name=(info.get("device") or {}).get("name"))
     run_batch([cell], options, workdir, outcomes.append)
     outcome = outcomes[0]
     lines = [f"reproducing {cell.cell_id} of run {run_dir.name} (logs: {workdir})"]

@@ -3,6 +3,7 @@ record, the MatrixRun over the selected cells, and the closing summary and repor
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,11 +12,12 @@ import pytest
 import torch
 
 from harness import distributed, suite_files
+from harness.config import RunOptions, gib_of
 from harness.measure import environment
 from harness.report import history, html
 from harness.results import provenance
 from harness.results.store import RunStore, new_run_id
-from harness.runner import resume
+from harness.runner import nodes, resume
 from harness.runner.launcher import LaunchOptions, nodes_of, run_bandwidth_sweep
 from harness.runner.matrix import MatrixRun, human_bytes
 from harness.runner.node_spec import NodeSpec
@@ -38,10 +40,15 @@ def world_size(gpus: int | None, nnodes: int = 1) -> int:
     return nnodes * (torch.cuda.device_count() if distributed.device_type() == "cuda" else 2)
 
 
+def run_options(config: pytest.Config) -> RunOptions:
+    """The run's options, as given to pytest (ValueError, one line, for a bad one)."""
+    return RunOptions.from_args(config.option, "pytest")
+
+
 def node_spec(config: pytest.Config) -> NodeSpec:
-    """This launcher's place in a multi-node job (runner/node_spec.py), from the pytest options."""
-    return NodeSpec(nnodes=config.getoption("nnodes"), node_rank=config.getoption("node_rank"),
-                    master_addr=config.getoption("master_addr"), master_port=config.getoption("master_port"))
+    """This launcher's place in a multi-node job (runner/node_spec.py), from the pytest options:
+    no SLURM variables (``python -m harness run`` resolves those and passes the result)."""
+    return nodes.of_options(run_options(config), environ={})
 
 
 def selected_cells(items: list[pytest.Item]) -> list:
@@ -51,27 +58,28 @@ def selected_cells(items: list[pytest.Item]) -> list:
 
 
 def out_dir(config: pytest.Config) -> Path:
-    return (config.getoption("out") or REPO_ROOT).resolve()
+    return (run_options(config).out or REPO_ROOT).resolve()
 
 
 def start(config: pytest.Config) -> MatrixRun:
     cells = config.stash.get(SELECTED, [])
+    options = run_options(config)
     root = out_dir(config)
     resume.Interrupted.install()
     device_type = distributed.device_type()
     device_name = torch.cuda.get_device_name() if device_type == "cuda" else None
-    resume_dir, recorded = config.getoption("resume"), None
-    if resume_dir is not None:  # same run folder, same run.json (plus a resume event)
+    recorded = None
+    if options.resume is not None:  # same run folder, same run.json (plus a resume event)
+        resume_dir = Path(options.resume)
         store = RunStore(resume_dir.parent, resume_dir.name)
         original = resume.original_selection(resume_dir)  # the run's own; a different one was refused
-        repeat, mem_cap_bytes = original["repeat"], original["mem_cap_bytes"]
-        recorded = resume.begin(store, command=sys.argv, retry_failed=config.getoption("retry_failed"))
+        options = dataclasses.replace(options, repeat=original["repeat"],
+                                      mem_cap_gib=gib_of(original["mem_cap_bytes"]))
+        recorded = resume.begin(store, command=sys.argv, retry_failed=options.retry_failed)
     else:
         store = RunStore(root / "results", new_run_id())
-        repeat = config.getoption("repeat") or 1
-        mem_cap_bytes = config.getoption("mem_cap_bytes")
-        suite = config.getoption("suite")
-        ranks_per_node = world_size(config.getoption("gpus"))
+        suite = options.suite
+        ranks_per_node = world_size(options.gpus)
         environment_info = environment.collect(REPO_ROOT)
         # This node's ranks only: the one launch that needs no other node to take part.
         environment_info["bandwidth"] = {
@@ -84,11 +92,11 @@ def start(config: pytest.Config) -> MatrixRun:
             # A suite file's text too: the file may change or vanish after the run.
             **({"suite_file": Path(suite).read_text()} if suite_files.is_suite_file(suite) else {}),
             "command": sys.argv,
-            "marker_expression": config.getoption("markexpr") or "",
-            "keyword_expression": config.getoption("keyword") or "",
-            "world_size": world_size(config.getoption("gpus"), config.getoption("nnodes")),
-            "repeat": repeat,
-            "mem_cap_bytes": mem_cap_bytes,
+            "marker_expression": options.marker_expression,
+            "keyword_expression": options.keyword_expression,
+            "world_size": world_size(options.gpus, node_spec(config).nnodes),
+            "repeat": options.repeat or 1,
+            "mem_cap_bytes": options.mem_cap_bytes,
             "nodes": node_spec(config).to_dict(),
             "device": {"type": device_type, "name": device_name},
             "environment": environment_info,
@@ -101,21 +109,20 @@ def start(config: pytest.Config) -> MatrixRun:
         with capture.global_and_fixture_disabled():
             reporter.write_line(line)
 
+    repeat = options.repeat or 1
     progress(f"shardbench: {len(cells)} cells selected" + (f", {repeat} trials each in rounds" if repeat > 1 else "")
              + f"; results in {store.path}")
-    options = LaunchOptions(cell_timeout_s=config.getoption("cell_timeout"), nodes=node_spec(config),
-                            device_type=device_type, device_name=device_name, mem_cap_bytes=mem_cap_bytes,
-                            memory_snapshot_dir=(store.path / MEMORY_SNAPSHOT_DIR
-                                                 if config.getoption("memory_snapshot", False) else None),
-                            follower_refusal=follower_refusal(config))
-    run = MatrixRun(cells, store, options,
+    launch = LaunchOptions(run=options, nodes=node_spec(config), device_type=device_type, device_name=device_name,
+                           memory_snapshot_dir=store.path / MEMORY_SNAPSHOT_DIR if options.memory_snapshot else None,
+                           follower_refusal=follower_refusal(config))
+    run = MatrixRun(cells, store, launch,
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
                     recorded=recorded)
     config.stash[_RUN] = run
-    if options.nodes.multi:
-        spanning = [[c for c in cells if nodes_of(c.world_size, options.nodes) > 1] for cells in run.launch_rounds()]
+    if launch.nodes.multi:
+        spanning = [[c for c in cells if nodes_of(c.world_size, launch.nodes) > 1] for cells in run.launch_rounds()]
         publish_plan(config, Plan(run_id=store.run_id, rounds=spanning, cell_timeout_s=options.cell_timeout_s,
-                                  mem_cap_bytes=mem_cap_bytes))
+                                  mem_cap_bytes=options.mem_cap_bytes))
     run.run()
     return run
 
@@ -175,7 +182,7 @@ def summarize(config: pytest.Config, reporter) -> None:
         # Interrupted: end promptly; the resumed run builds the report.
         reporter.write_line(f"interrupted: {run.recorded_count()} recorded; run the rest with"
                             f" ./run_all.sh --resume {run.store.run_id}"
-                            + (f" --out {out_dir(config)}" if config.getoption("out") else ""))
+                            + (f" --out {out_dir(config)}" if run_options(config).out else ""))
         return
     reports = out_dir(config) / "reports"
     skipped: list[str] = []

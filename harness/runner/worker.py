@@ -16,7 +16,7 @@ The CUDA caching allocator's expandable segments are switched off as the worker 
 whatever PYTORCH_CUDA_ALLOC_CONF says: a cell runs with them only when it asks for them
 (``expandable_segments``, harness/training.py).
 
-A memory cap (``--mem-cap-bytes``, from ``--mem-cap-gib``) makes each rank behave as if its
+A memory cap (``--mem-cap-gib``) makes each rank behave as if its
 device had that much memory. On CUDA the caching allocator enforces it
 (``set_per_process_memory_fraction``): an allocation beyond it raises the real OOM. On the
 CPU there is no allocator limit to set, so the cap is checked against the peak the record
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.config import CellSpec
+from harness.config import CellSpec, RunOptions, add_run_options
 from harness.distributed import DistEnv, init_from_torchrun
 from harness.training import MemoryCapExceeded, run_cell
 
@@ -117,10 +117,11 @@ def main() -> None:
     parser.add_argument("--cells", type=Path, required=True, help="JSON list of cell specs")
     parser.add_argument("--stream", type=Path, required=True, help="JSONL event file (local rank 0 of each node)")
     parser.add_argument("--expect-nnodes", type=int, default=1, help="nodes the process group must span")
-    parser.add_argument("--mem-cap-bytes", type=int, default=None, help="memory per rank (module docstring)")
     parser.add_argument("--memory-snapshot-dir", type=Path, default=None,
                         help="write each cell's memory timeline (and CUDA snapshot) here (module docstring)")
+    add_run_options(parser.add_argument, "worker")  # the run's options every rank reads: the memory cap
     args = parser.parse_args()
+    options = RunOptions.from_args(args, "worker")
     # A rank killed by a signal (a native extension's segfault) still leaves its Python stack
     # on stderr, which the launcher puts in the cell's record.
     faulthandler.enable()
@@ -128,9 +129,9 @@ def main() -> None:
     env = init_from_torchrun()
     if env.is_cuda:  # the cells' expandable_segments option decides (module docstring)
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
-    if args.mem_cap_bytes and env.is_cuda:
+    if options.mem_cap_bytes and env.is_cuda:
         total = torch.cuda.get_device_properties(env.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_bytes / total), env.device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, options.mem_cap_bytes / total), env.device)
     # Each node's launcher reads its own stream: which node holds global rank 0 is the
     # rendezvous's choice, and every rank sees the same gathered results anyway.
     stream = Stream(args.stream, enabled=int(os.environ.get("LOCAL_RANK", env.rank)) == 0)
@@ -147,7 +148,8 @@ def main() -> None:
     for cell in cells:
         stream.write({"event": "start", "cell_id": cell.cell_id})
         try:
-            result = {"status": "ok", "reason": "", **run_cell(cell, env, args.mem_cap_bytes, args.memory_snapshot_dir)}
+            result = {"status": "ok", "reason": "",
+                      **run_cell(cell, env, options.mem_cap_bytes, args.memory_snapshot_dir)}
         except Exception as error:  # a failing cell is a result; the batch goes on
             # Also into the launch log: if the other ranks are stuck in a collective, the
             # gather below never completes and the log is where the launcher's timeout looks.

@@ -34,8 +34,9 @@ def _claim_ids(items: list[pytest.Item]) -> list[str]:
 @pytest.hookimpl(trylast=True)  # after suites/conftest.py, which selects cells from cell tests
 def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
-    if config.getoption("suite") in suites.CLAIMS_SUITES:
-        world_size = run_session.world_size(config.getoption("gpus"))
+    options = run_session.run_options(config)
+    if options.suite in suites.CLAIMS_SUITES:
+        world_size = run_session.world_size(options.gpus)
         config.stash[run_session.SELECTED] = catalogue.cells(world_size, _claim_ids(session.items))
 
 
@@ -51,7 +52,7 @@ def _message(record: dict) -> str:
 @pytest.fixture
 def judge(matrix, pytestconfig: pytest.Config):
     """judge(claim_id): evaluate the claim on this run, store its record, decide the test."""
-    world_size = run_session.world_size(pytestconfig.getoption("gpus"))
+    world_size = run_session.world_size(run_session.run_options(pytestconfig).gpus)
 
     def run(claim_id: str) -> dict:
         record = records.evaluate(claim_id, matrix.record_of, world_size)

@@ -1,0 +1,62 @@
+"""The cells ``run`` and ``list`` select: the selection checked before pytest starts (a bad
+suite, marker or world size is one line and exit status 2), and pytest's arguments for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from harness import markers, suite_files, suites
+from harness.cli_common import REPO_ROOT, UsageError
+from harness.config import RunOptions
+
+SUITES_DIR = REPO_ROOT / "suites"
+# The options that say which cells run (and where), all that `list` takes.
+SELECTION = ("suite", "device", "gpus", "marker_expression", "keyword_expression")
+
+
+def use_device(options: RunOptions) -> None:
+    """--device: where the cells compute, read by pytest's session and every worker (a
+    follower node's too: it runs no selection of its own, but its ranks compute here)."""
+    from harness.distributed import DEVICE_ENV_VAR
+
+    if options.device is not None:
+        os.environ[DEVICE_ENV_VAR] = options.device
+
+
+def check_selection(options: RunOptions, nnodes: int = 1) -> RunOptions:
+    """Everything pytest would otherwise discover late, or silently accept (``-m zero4``);
+    returns the options with a suite file's path made absolute."""
+    import torch
+
+    from harness.distributed import device_type
+    from harness.runner.session import world_size
+
+    use_device(options)
+    try:
+        on_cuda = device_type() == "cuda"
+        if on_cuda and options.gpus is not None and options.gpus > torch.cuda.device_count():
+            raise UsageError(f"--gpus {options.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
+                             " use fewer, or --device cpu for CPU ranks")
+        if not on_cuda and (options.gpus or 2) > (os.cpu_count() or 1):
+            # Allowed (memory and communication are still measured right), but said out loud.
+            print(f"shardbench: note: {options.gpus or 2} CPU ranks on {os.cpu_count()} cores: ranks share cores,"
+                  " so step times are not comparable to a run with a core per rank", file=sys.stderr)
+        if suite_files.is_suite_file(options.suite):
+            # pytest and a resumed run must find the file wherever they are started from.
+            options = dataclasses.replace(options, suite=str(Path(options.suite).resolve()))
+        suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes)
+        if options.marker_expression:
+            markers.check_marker_expression(options.marker_expression)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return options
+
+
+def pytest_args(options: RunOptions) -> list[str]:
+    """pytest's arguments for a session of the suites with these options (--device goes by
+    the environment, ``use_device``)."""
+    return [str(SUITES_DIR), "-p", "no:cacheprovider", "-o", "console_output_style=classic",
+            *options.to_args("pytest")]

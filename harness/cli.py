@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     _out_option(rpr)
     rpr.set_defaults(func=cmd_reproduce)
     acc = sub.add_parser("accuracy", help="predicted vs measured memory and communication of a run's cells")
-    acc.add_argument("run", nargs="?", default="latest", help="run id under results/ (default: latest), or a run folder")
+    acc.add_argument("run", nargs="?", default="latest",
+                     help="run id under results/ (default: latest), or a run folder")
     acc.add_argument("--strict", action="store_true", help="exit 1 when any cell misses a ±10%% target")
     _out_option(acc)
     acc.set_defaults(func=cmd_accuracy)

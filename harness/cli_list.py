@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -12,13 +13,16 @@ from harness import markers, suites
 from harness.cli_common import run_options
 from harness.cli_selection import SUITES_DIR, check_selection, pytest_args
 
+if TYPE_CHECKING:
+    from harness.config import CellSpec
+
 
 class _Collector:
     """The cells the session would run, as the suites' conftest files selected them (matrix
     tests by their ``cell``, claims by the cells the selected claims read)."""
 
     def __init__(self) -> None:
-        self.cells = []
+        self.cells: list[CellSpec] = []
 
     @pytest.hookimpl(wrapper=True)
     def pytest_collection_finish(self, session):

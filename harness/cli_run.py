@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import Any
 
 import pytest
 
@@ -58,19 +59,21 @@ def _resolve_nodes(options: RunOptions) -> tuple[RunOptions, nodes.NodeSpec]:
     return options, node
 
 
-def _resume_selection(options: RunOptions, given: dict[str, object], node: nodes.NodeSpec) -> RunOptions:
+def _resume_selection(options: RunOptions, given: dict[str, Any], node: nodes.NodeSpec) -> RunOptions:
     """--resume: the run's own selection (suite, -m, -k, world size, device) from its run.json;
     an option ``given`` that differs from it is refused, as is a run that cannot be found."""
     from harness.distributed import DEVICES
     from harness.runner import resume
     from harness.runner.session import world_size
 
+    if options.resume is None:
+        raise ValueError("--resume: name the run to resume (a run id, 'latest' or a run folder)")
     run_dir = recorded_run(options.out, options.resume)
     try:
         original = resume.original_selection(run_dir)
         # The fields that run.json keeps under their own names.
-        asked = {key: given[key] for key in ("suite", "marker_expression", "keyword_expression", "device", "repeat")
-                 if key in given}
+        kept = ("suite", "marker_expression", "keyword_expression", "device", "repeat")
+        asked: dict[str, object] = {key: given[key] for key in kept if key in given}
         asked["nnodes"] = node.nnodes
         if "mem_cap_gib" in given:
             asked["mem_cap_bytes"] = options.mem_cap_bytes

@@ -404,7 +404,7 @@ class RunOptions:
         return None if self.mem_cap_gib is None else int(self.mem_cap_gib * GIB)
 
     @classmethod
-    def given(cls, args: object, surface: Surface) -> dict[str, object]:
+    def given(cls, args: object, surface: Surface) -> dict[str, Any]:
         """The options given to ``surface``'s parser (``args``: its namespace; None: not given), by field."""
         return {name: value for name, flag in _flags_of(surface)
                 if (value := getattr(args, flag.dest(surface, name), None)) is not None}

@@ -132,7 +132,8 @@ def test_tp_claim_compares_the_params_each_rank_holds():
     def run(per_rank_params):
         record = _record(tp)
         record["per_rank"] = [{"at_optimizer_step_bytes": {"params": b}} for b in per_rank_params]
-        return records.evaluate("tensor_parallel/params_split", lambda c: record if c.cell_id == tp.cell_id else None, 2)
+        return records.evaluate("tensor_parallel/params_split",
+                                lambda c: record if c.cell_id == tp.cell_id else None, 2)
 
     assert run([split, split])["verdict"] == "holds"
     assert run([4 * 134_912] * 2)["verdict"] == "does not hold"  # nothing split

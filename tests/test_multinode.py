@@ -169,7 +169,8 @@ def test_slurm_variables():
     spec = nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None, environ=env)
     assert spec == node_spec.NodeSpec(nnodes=4, node_rank=2, master_addr="gpu12", master_port=4242)
     # Options win over SLURM; --nnodes 1 is one node whatever the allocation.
-    assert nodes.resolve(nnodes=1, node_rank=None, master_addr=None, master_port=None, environ=env) == node_spec.SINGLE_NODE
+    one = nodes.resolve(nnodes=1, node_rank=None, master_addr=None, master_port=None, environ=env)
+    assert one == node_spec.SINGLE_NODE
     alone = nodes.resolve(nnodes=None, node_rank=None, master_addr=None, master_port=None, environ={})
     assert alone == node_spec.SINGLE_NODE
     with pytest.raises(ValueError, match="one launcher per node"):

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -41,7 +41,7 @@ class LaunchOptions:
     # starting or ending, before the launch is declared hung; launch start-up counts against
     # the first cell; None: each cell's own limit, scaled to it, runner/timeouts.py), and what
     # every rank reads (the memory cap: a rank whose memory exceeds it records `oom`, worker.py).
-    run: RunOptions = RunOptions()
+    run: RunOptions = field(default_factory=RunOptions)
     # Where this launcher stands in a multi-node job (runner/node_spec.py); one node by default.
     nodes: NodeSpec = SINGLE_NODE
     # Where the cells run: the scaled timeouts read the device's FLOP rate.

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from itertools import groupby
 from pathlib import Path
+from typing import Any
 
 from harness import equivalence, markers, strategies
 from harness.config import CellSpec
@@ -134,12 +135,13 @@ class MatrixRun:
 
     def _run_round(self, cells: list[CellSpec], trial: int) -> None:
         for cell in cells:
-            if self._unsupported[cell.cell_id]:
+            if reason := self._unsupported[cell.cell_id]:
                 self._finish(make_record(cell, markers=markers.markers_of(cell), status="unsupported",
-                                         reason=self._unsupported[cell.cell_id],
+                                         reason=reason,
                                          predicted=accuracy.prediction(cell, None), trial=trial))
         runnable = [c for c in cells if not self._unsupported[c.cell_id]]
-        launch_round(runnable, trial, self.options, self.store.path / "launches", partial(self._on_outcome, trial=trial))
+        launch_round(runnable, trial, self.options, self.store.path / "launches",
+                     partial(self._on_outcome, trial=trial))
 
     def _reference_record(self, cell: CellSpec, trial: int) -> dict | None:
         """The reference's record of the same trial, else of its earliest recorded trial."""
@@ -150,7 +152,7 @@ class MatrixRun:
     def _on_outcome(self, outcome: CellOutcome, trial: int) -> None:
         cell = outcome.cell
         predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id))
-        common = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial)
+        common: dict[str, Any] = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial)
         if outcome.status != "ok":
             # An oom keeps the peak it reached (worker.py); nothing else was measured.
             reached = {} if outcome.peak_reached_bytes is None else {"peak_mem_bytes": outcome.peak_reached_bytes}

@@ -56,7 +56,9 @@ def first_host(nodelist: str) -> str:
                 return out[0]
         except (OSError, subprocess.SubprocessError):
             pass
-    first = re.match(r"[^,\[]*(\[[^\]]*\])?", nodelist.strip()).group(0)
+    head = re.match(r"[^,\[]*(\[[^\]]*\])?", nodelist.strip())
+    assert head is not None  # every part of the pattern is optional: it matches any string
+    first = head.group(0)
     bracket = re.fullmatch(r"([^\[]*)\[([^\]]*)\]", first)
     if bracket is None:
         return first
@@ -122,6 +124,13 @@ class Plan:
     mem_cap_bytes: int | None
 
 
+def _plan_host(nodes: NodeSpec) -> str:
+    """Node 0's address, where the plan is served: NodeSpec requires it of a job of several nodes."""
+    if nodes.master_addr is None:
+        raise ValueError("the run plan is served on node 0's address: give --master-addr")
+    return nodes.master_addr
+
+
 class PlanServer:
     """Node 0's end: binds the plan port when made, so a taken port is refused before anything
     runs, and serves the plan once ``publish`` is called, until ``close``."""
@@ -130,12 +139,15 @@ class PlanServer:
         from torch.distributed import DistError, TCPStore
 
         try:
-            self._store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=True, wait_for_workers=False)
+            self._store: TCPStore | None = TCPStore(_plan_host(nodes), nodes.plan_port, is_master=True,
+                                                    wait_for_workers=False)
         except DistError as error:
             raise ValueError(f"node 0 cannot serve the run plan on port {nodes.plan_port} (--master-port + 1):"
                              f" {str(error).splitlines()[0]}") from None
 
     def publish(self, plan: Plan, code_hash: str) -> None:
+        if self._store is None:
+            raise RuntimeError("the plan server is closed")
         self._store.set(PLAN_KEY, json.dumps({
             "code_hash": code_hash, "run_id": plan.run_id, "cell_timeout_s": plan.cell_timeout_s,
             "mem_cap_bytes": plan.mem_cap_bytes, "rounds": [[c.to_dict() for c in cells] for cells in plan.rounds]}))
@@ -156,7 +168,7 @@ def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> Plan:
     from torch.distributed import DistError, TCPStore
 
     try:
-        store = TCPStore(nodes.master_addr, nodes.plan_port, is_master=False,
+        store = TCPStore(_plan_host(nodes), nodes.plan_port, is_master=False,
                          timeout=datetime.timedelta(seconds=wait_s))
         served = json.loads(store.get(PLAN_KEY))
     except DistError as error:

@@ -103,6 +103,8 @@ def start(config: pytest.Config) -> MatrixRun:
         })
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        raise RuntimeError("shardbench's progress lines need pytest's terminal reporter and capture plugins")
 
     def progress(line: str) -> None:
         # The matrix runs inside a fixture, where pytest captures output: lift it per line.

@@ -35,6 +35,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -160,7 +161,7 @@ def main() -> None:
                     else traceback.format_exc().strip().splitlines()[-TRACEBACK_LINES:])
             result = {"rank": env.rank, "status": outcome_of(error), "reason": "\n".join(tail),
                       "peak_reached_bytes": peak_reached(error, env)}
-        per_rank: list[dict | None] = [None] * env.world_size
+        per_rank: list[Any] = [None] * env.world_size  # every rank's result once gathered
         dist.all_gather_object(per_rank, result)
         stream.write({"event": "done", "cell_id": cell.cell_id, "per_rank": per_rank})
         if any(r["status"] != "ok" for r in per_rank):

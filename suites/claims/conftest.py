@@ -60,7 +60,8 @@ def judge(matrix, pytestconfig: pytest.Config):
         pytestconfig.stash[_JUDGED].append(record)
         verdict, message = record["verdict"], _message(record)
         if verdict == "holds" and catalogue.CLAIMS[claim_id].deviation:
-            pytest.fail(f"{message}\nthis claim now holds: remove its explanation from harness.claims.catalogue.DEVIATIONS")
+            pytest.fail(f"{message}\nthis claim now holds: remove its explanation from"
+                        " harness.claims.catalogue.DEVIATIONS")
         if verdict == "does not hold":
             (pytest.xfail if record["explained"] else pytest.fail)(message)
         if verdict == "not measurable here":

@@ -179,9 +179,7 @@ def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
 
 def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
                        snapshot_dir: Path | None) -> dict[str, Any]:
-    warmup = cell.warmup
-    if warmup is None:
-        raise RuntimeError(f"cell {cell.cell_id}: warmup=None (CellSpec resolves it when the cell is made)")
+    warmup = cell.warmup_steps
     faults.inject(cell.cell_id, env)  # nothing unless SHARDBENCH_FAULT names this cell
     if env.is_cuda:
         torch.cuda.reset_peak_memory_stats(env.device)  # an OOM reports this cell's peak

@@ -245,11 +245,9 @@ class EngineSteps:
     each optimizer-step boundary, from which the step the worker counts is read."""
 
     def __init__(self, engine: Any, cell: CellSpec) -> None:  # a DeepSpeedEngine: untyped
-        if cell.warmup is None:
-            raise RuntimeError(f"cell {cell.cell_id}: warmup=None (CellSpec resolves it when the cell is made)")
         self.engine = engine
         self.accumulation = cell.strategy.accumulation
-        self.comm_step = cell.warmup + 1  # the step the worker counts with harness.measure.comm
+        self.comm_step = cell.warmup_steps + 1  # the step the worker counts with harness.measure.comm
         self._micro_steps = 0
         self._snapshots = [_comms_snapshot()]
 

@@ -70,34 +70,10 @@ Wrappers
   the sharded gradient to ``flat_param.grad`` itself, so MemTracker never labels gradients
   and they land in "other" (grads is 0). FSDPMemTracker only understands FSDP2.
 
-Frees and allocations on another thread
-A gloo worker thread marks a collective done, waking the step, before it drops its own
-references to the collective's tensors. When the step lets go of those tensors soon after
-its wait returns (FSDP2 drops its all-gather output once copied out), the last reference
-dies on whichever thread gets there last: on the step's thread the free comes at the same
-point of the step every time; on the worker's, at a moment the scheduler picks, and a late
-one overlaps the step's next allocations and raises the peak by up to the buffer's size.
-Measured without countermeasure: frees on the worker thread in about a third of FSDP2's
-steps, and vit-tiny FSDP2's peak per rank took 3 values over 60 steps (up to +4.5 %), 3 of
-89 fp32 cells moving in a three-round soak (up to 195 KiB). So on the CPU the tracked step
-pauses ``RELEASE_PAUSE_S`` after every wait on a c10d ``Work`` (``torch.distributed``'s
-Python calls: every FSDP2, DeepSpeed and sync collective; DDP's reducer waits in C++, on
-buckets it keeps), which lets the worker finish first: then 0 worker-thread frees and 1 peak
-per rank over the same 60 steps, also with two busy loops competing for both cores. No public
-API says when a worker has dropped a finished collective's tensors; the alternative measured
-before (one gloo worker thread and a drain collective after each wait) needs private torch
-APIs and deadlocks callbacks that wait on a collective. The pause is in the memory-tracked
-step only, which is not timed. ``async_freed_bytes`` still counts what is freed on another
-thread during the step: what a pause did not cover, and so how far the peak could move.
-
-A comm hook's ``Future.then`` callbacks (PowerSGD's error feedback and P/Q temporaries) run
-on gloo's thread when the collective completes after they are attached, where the tracker (a
-thread-local dispatch mode) does not see what they allocate, and inline on the step's thread
-when it completed before, where it would: +402,944 B for gpt2-tiny PowerSGD rank 4 in 5 of
-90 steps measured. So that the peak does not depend on which happened, every callback
-attached in the tracked step runs without the tracker's mode on either thread
-(measure/futures.py): what callbacks allocate is never counted. The traced predictor runs
-the same code, so it leaves them out too.
+Frees and allocations on another thread: on the CPU the tracked step pauses
+``RELEASE_PAUSE_S`` after every wait on a c10d ``Work``, and comm hooks' callbacks run
+untracked (measure/futures.py), so that the peak does not depend on which thread frees or
+allocates; README "What is measured" has the measurements behind both.
 
 Timeline (``timeline=True``)
 Every change the tracker makes to its current bytes, in order: ``[seconds since the step

@@ -28,46 +28,12 @@ can run; Megatron-LM's own unit tests switch layouts the same way in one process
 destroy_model_parallel only drops Megatron's references: the old groups' communicators live on
 until the worker exits, and a cell whose layout did not change makes none.
 
-Equivalence: GPTModel is not the HF model, so the harness's HF model is not trained here.
-Instead its weights are copied into a GPTModel of the same sizes (``copy_hf_weights``: each
-tensor-parallel rank takes its slice, in Megatron's layouts: q/k/v interleaved per query
-group, SwiGLU's gate and up halves per rank; each pipeline stage takes its layers and its end
-of the model), and the model computes the same function: GPT-2
-as LayerNorm + tanh-GELU + learned positions + tied head, Llama as RMSNorm + SwiGLU + RoPE +
-grouped-query attention. The loss is HF's: the mean next-token cross-entropy over the
-seq_len - 1 predicted positions. So the single reference stays the one-process HF run of the
-cell (CellSpec.reference) and the gate compares as for any other strategy. Megatron's local
-layer spec computes attention unfused (DotProductAttention: baddbmm, softmax, bmm): HF's
-"eager", so a megatron cell must say attention="eager" (its reference then runs eager too).
-Transformer Engine's spec (fused attention, fused norms) is not wired.
+Equivalence: the harness's HF model's weights are copied into a GPTModel of the same sizes
+(``copy_hf_weights``), which computes the same function with HF's loss, so the reference
+stays the one-process HF run; README "Model parallelism" says how, layout by layout.
 
-Why not on the CPU (read in megatron-core 0.16.1's source; building GPTModel with
-use_cpu_initialization=True does work there, which is how copy_hf_weights and the pipeline
-step are tested, with test-only stand-ins for the pieces below):
-- attention buffers: DotProductAttention.forward takes its score buffer from
-  parallel_state.get_global_memory_buffer(), whose GlobalMemoryBuffer.get_tensor allocates on
-  torch.cuda.current_device() (core/utils.py), and the causal mask comes from
-  get_default_causal_mask, built with device="cuda" (core/transformer/utils.py);
-- RNG tracker: the same forward forks tensor_parallel.get_cuda_rng_tracker() around the
-  attention dropout (at p=0 too); CudaRNGStatesTracker saves and sets torch.cuda RNG states
-  (core/tensor_parallel/random.py), and model_parallel_cuda_manual_seed seeds it with
-  torch.cuda.manual_seed;
-- DDP: _ParamAndGradBuffer allocates its grad_data / param_data on
-  torch.cuda.current_device() (core/distributed/param_and_grad_buffer.py);
-- optimizers: FP32Optimizer and MixedPrecisionOptimizer make their scale / found-inf tensors
-  with device='cuda' (core/optimizer/optimizer.py), and DistributedOptimizer raises TypeError
-  for a parameter that is not a torch.cuda.{Float,Half,BFloat16}Tensor
-  (core/optimizer/distrib_optimizer.py);
-- pipelines: the schedule counts tokens in a device="cuda" tensor
-  (forward_backward_pipelining_without_interleaving), the p2p receive buffers are made on
-  torch.cuda.current_device() (core/pipeline_parallel/p2p_communication.py), and with a tied
-  head the last stage's copy of the embeddings is moved with .cuda() before the all-reduce
-  that makes it equal to the first stage's (LanguageModule.setup_embeddings_and_output_layer).
-
-megatron-core is an optional extra: ``pip install megatron-core`` (0.16.1 on Python 3.11;
-0.17 and later need Python 3.12). Its only install-time requirements are torch, numpy and
-packaging; Apex and Transformer Engine are optional (without them it falls back to torch
-norms and torch.optim.AdamW, and warns).
+Why it needs CUDA (read in megatron-core 0.16.1's source) and how to install it: README
+"Model parallelism".
 """
 
 from __future__ import annotations

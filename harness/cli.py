@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     _out_option(cmp_)
     cmp_.set_defaults(func=cmd_compare)
     pln = sub.add_parser("plan", help="predicted memory per GPU of every strategy: what fits before you rent it")
-    pln.add_argument("--model", required=True, help="a model preset, e.g. llama3-8b (see README Models)")
+    pln.add_argument("--model", required=True,
+                     help="a model preset (e.g. llama3-8b) or a transformers config.json (README: Models)")
     pln.add_argument("--gpus", type=int, required=True, help="GPUs in the job (all nodes)")
     pln.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 80GiB or 40GB")
     pln.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")

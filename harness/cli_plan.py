@@ -11,12 +11,14 @@ from harness.cli_common import UsageError
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     """Predicted peak memory per GPU of every strategy and option combination."""
     from harness.features.precision import DTYPES
+    from harness.models import sources
     from harness.predict import plan
 
     if args.precision not in DTYPES:
         raise UsageError(f"--precision {args.precision}: choose one of {', '.join(DTYPES)}")
     try:
-        req = plan.PlanRequest(model=args.model, gpus=args.gpus, nodes=args.nodes, seq=args.seq,
+        req = plan.PlanRequest(model=sources.resolve(args.model, "--model"), gpus=args.gpus, nodes=args.nodes,
+                               seq=args.seq,
                                micro_batch=args.micro_batch, gpu_mem_bytes=plan.parse_bytes(args.gpu_mem),
                                precision=args.precision, optimizer=args.optimizer)
     except ValueError as error:
@@ -26,20 +28,11 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.traced and result["recommended"] is not None:
         from harness.predict import traced as tracer
 
-        if args.seq is not None and args.seq != _preset_seq(args.model):
-            traced = {"unavailable": f"the tracer runs the preset's sequence length ({_preset_seq(args.model)});"
-                                     " drop --seq to trace"}
-        else:
-            cell = result["recommended"]["cell"]
-            traced = tracer.trace_cells([cell])[cell.cell_id]
+        cell = result["recommended"]["cell"]
+        traced = tracer.trace_cells([cell])[cell.cell_id]
     if args.format == "json":
         print(plan.as_json(result, traced))
     else:
         print(plan.as_table(result, markdown=args.format == "markdown", traced=traced))
     return 0
 
-
-def _preset_seq(model: str) -> int | None:
-    from harness import models
-
-    return models.get_preset(model).seq_len

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 from harness import strategies
 from harness.features.compression import POWERSGD_START_ITER
 from harness.models.presets import PRESETS
+from harness.models.spec import ModelSpec
 from harness.strategies.base import LayoutOption
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -150,7 +151,9 @@ def _declaring(option: LayoutOption) -> str:
 class CellSpec:
     """One measurement. ``steps`` counts every optimizer step, warm-up included."""
 
-    model: str
+    # A preset's name, or a model resolved from a transformers config or a factory
+    # (harness.models.sources.resolve): the ModelSpec then carries everything needed to build it.
+    model: str | ModelSpec
     strategy: StrategySpec
     micro_batch: int = 2
     world_size: int = 2
@@ -159,6 +162,8 @@ class CellSpec:
     warmup: int | None = None
     seed: int = 0
     lr: float = 1e-3
+    # Tokens per sample of a text model; None: the model's own (the preset's or the config's).
+    seq_len: int | None = None
     # Model structure axes: the attention implementation, and (CUDA) the caching allocator's
     # expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
     attention: Attention = "sdpa"
@@ -168,7 +173,21 @@ class CellSpec:
     probe_steps: int = field(default=2, init=False)
 
     def __post_init__(self) -> None:
-        _check_choice("model", self.model, tuple(PRESETS))
+        if not isinstance(self.model, ModelSpec):
+            _check_choice("model", self.model, tuple(PRESETS))
+        if self.seq_len is not None:
+            _check_positive("seq_len", self.seq_len)
+            own = self._named_spec()
+            if own.family == "factory":
+                raise ValueError(f"seq_len={self.seq_len}: model {own.name} is a factory's, which makes its own"
+                                 " batches; set the length in the factory")
+            if own.seq_len is None:
+                raise ValueError(f"seq_len={self.seq_len}: applies to text models; {own.name} is a {own.family}"
+                                 " model (its tokens per sample follow from its own sizes)")
+            if self.seq_len == own.seq_len:
+                object.__setattr__(self, "seq_len", None)  # the model's own: the same cell, the same id
+            else:
+                self.model_spec  # noqa: B018 -- ModelSpec checks the length against its position embeddings
         for name in ("micro_batch", "world_size", "steps"):
             _check_positive(name, getattr(self, name))
         least = min_warmup(self.strategy)
@@ -191,8 +210,8 @@ class CellSpec:
         if self.strategy.name == REFERENCE and self.world_size != 1:
             raise ValueError(f"strategy={REFERENCE} is the one-process reference: world_size must be 1")
         _check_choice("attention", self.attention, get_args(Attention))
-        if self.attention != "sdpa" and PRESETS[self.model].family == "mlp":
-            raise ValueError(f"attention={self.attention!r}: model {self.model} has no attention; leave it 'sdpa'")
+        if self.attention != "sdpa" and self.model_spec.family == "mlp":
+            raise ValueError(f"attention={self.attention!r}: model {self.model_name} has no attention; leave it 'sdpa'")
         if self.attention == "flash" and self.strategy.precision == "fp32":
             raise ValueError("attention='flash' with precision=fp32: flash-attn computes in fp16 or bf16 only;"
                              " choose precision bf16 or fp16")
@@ -204,6 +223,20 @@ class CellSpec:
         if s.pipelined and s.accumulation != 1:
             raise ValueError(f"accumulation={s.accumulation} with {s.name}: a pipeline accumulates over its own"
                              " micro-batches; set pp_microbatches instead")
+
+    def _named_spec(self) -> ModelSpec:
+        return self.model if isinstance(self.model, ModelSpec) else PRESETS[self.model]
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The model this cell trains, at the cell's sequence length."""
+        spec = self._named_spec()
+        return spec if self.seq_len is None else dataclasses.replace(spec, seq_len=self.seq_len)
+
+    @property
+    def model_name(self) -> str:
+        """The model's short name, as in the cell id (a resolved config's carries its hash)."""
+        return self._named_spec().name
 
     @property
     def warmup_steps(self) -> int:
@@ -231,7 +264,7 @@ class CellSpec:
     @property
     def cell_id(self) -> str:
         s = self.strategy
-        parts = [self.model, s.name, s.precision, f"ckpt_{s.checkpointing}"]
+        parts = [self.model_name, s.name, s.precision, f"ckpt_{s.checkpointing}"]
         if s.offload != "none":
             parts.append(f"offload_{s.offload}")
         if s.optimizer != "adamw":
@@ -250,6 +283,8 @@ class CellSpec:
             parts.append(f"attn_{self.attention}")
         if self.expandable_segments:
             parts.append("alloc_expandable")
+        if self.seq_len is not None:
+            parts.append(f"seq{self.seq_len}")
         parts += [f"mb{self.micro_batch}", f"ws{self.world_size}", f"seed{self.seed}"]
         return "/".join(parts)
 
@@ -273,12 +308,16 @@ class CellSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("probe_steps")
+        if isinstance(self.model, ModelSpec):
+            d["model"] = self.model.to_dict()  # the whole resolved config, as a JSON object
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CellSpec:
         d = dict(d)
         d["strategy"] = StrategySpec(**d["strategy"])
+        if isinstance(d["model"], dict):
+            d["model"] = ModelSpec.from_dict(d["model"])
         return cls(**d)
 
 

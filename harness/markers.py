@@ -11,9 +11,9 @@ from typing import get_args
 
 from harness import strategies
 from harness.config import Attention, CellSpec, Checkpointing, Compression, Optimizer, Precision
-from harness.models.presets import get_preset
+from harness.models.spec import Family
 
-MODEL_FAMILIES = ("gpt2", "llama", "bert", "vit", "mlp", "moe")
+MODEL_FAMILIES: tuple[str, ...] = get_args(Family)  # hf_config: a transformers config.json
 ACCUMULATION_MARKERS = (1, 2, 4, 8)
 WORLD_SIZE_MARKERS = (1, 2, 4, 8, 16)
 
@@ -55,7 +55,7 @@ TEST_MARKERS: dict[str, str] = {
 def markers_of(cell: CellSpec) -> list[str]:
     s = cell.strategy
     declared = strategies.get(s.name)
-    spec = get_preset(cell.model)
+    spec = cell.model_spec
     family = spec.family
     # "optimizer_params" offloads both: it carries both markers.
     offload = ["none"] if s.offload == "none" else s.offload.split("_")

@@ -6,11 +6,12 @@ all list their cells through it, so each of them reaches the same cell ids."""
 from __future__ import annotations
 
 from harness.config import CellSpec, StrategySpec
+from harness.models.spec import ModelSpec
 
 MICRO_BATCH = 2
 
 
-def suite_cell(model: str, strategy: StrategySpec, world_size: int, micro_batch: int = MICRO_BATCH,
+def suite_cell(model: str | ModelSpec, strategy: StrategySpec, world_size: int, micro_batch: int = MICRO_BATCH,
                **cell_options) -> CellSpec:
     """A cell as a suite lists it: ``world_size`` ranks of ``micro_batch`` samples each."""
     if strategy.name == "single":

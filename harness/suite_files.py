@@ -15,7 +15,10 @@ product of its axes. ``[defaults]`` applies to every table (a table's own value 
     compression = "powersgd"
     powersgd_rank = [1, 4]
 
-Options are the cell's (harness/config.py): ``model``, ``strategy`` and its feature options,
+Options are the cell's (harness/config.py): ``model`` (a preset's name, a transformers
+``config.json`` path, read from beside the suite file where it is there, or a table
+``{ config = "path/config.json", num_hidden_layers = 4 }`` overriding the config's own keys:
+harness/models/sources.py), ``seq_len``, ``strategy`` and its feature options,
 ``micro_batch``, ``steps``, ``warmup``, ``seed``, ``lr`` and ``world_size`` (default: the
 run's ranks, ``--gpus`` × nodes). As in the built-in suites, ``strategy = "single"`` is the
 one-process reference and takes the whole global batch.
@@ -31,9 +34,11 @@ import dataclasses
 import itertools
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from harness import strategies
 from harness.config import CellSpec, StrategySpec
+from harness.models import sources
 from harness.suite_cell import suite_cell
 
 SUFFIX = ".toml"
@@ -75,11 +80,23 @@ def _expand(table: dict) -> list[dict]:
     return [dict(zip([k for k, _ in axes], combo)) for combo in itertools.product(*(v for _, v in axes))]
 
 
-def _cell(options: dict, world_size: int) -> CellSpec:
+def _cell(options: dict, world_size: int, folder: Path) -> CellSpec:
     strategy = StrategySpec(name=options["strategy"], **{k: options[k] for k in _STRATEGY_OPTIONS if k in options})
     cell_options = {k: options[k] for k in _CELL_OPTIONS if k in options}
     cell_options.setdefault("world_size", world_size)
-    return suite_cell(cell_options.pop("model"), strategy, cell_options.pop("world_size"), **cell_options)
+    model = sources.resolve(_beside(cell_options.pop("model"), folder))
+    return suite_cell(model, strategy, cell_options.pop("world_size"), **cell_options)
+
+
+def _beside(model: Any, folder: Path) -> Any:
+    """A config path relative to the suite file is read from beside it (where a suite and its
+    configs travel together); other paths as given."""
+    if isinstance(model, dict) and isinstance(model.get(sources.CONFIG_KEY), str):
+        return {**model, sources.CONFIG_KEY: _beside(model[sources.CONFIG_KEY], folder)}
+    if isinstance(model, str) and model.endswith(".json") and not Path(model).is_absolute():
+        beside = folder / model
+        return str(beside) if beside.is_file() else model
+    return model
 
 
 def cells(path: Path, world_size: int, nnodes: int = 1) -> list[CellSpec]:
@@ -100,7 +117,7 @@ def cells(path: Path, world_size: int, nnodes: int = 1) -> list[CellSpec]:
                 raise ValueError(f"{where}: no {missing} given (in the table or in [defaults])")
         for options in _expand(merged):
             try:
-                cell = _cell(options, world_size)
+                cell = _cell(options, world_size, path.parent)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"{where}: {error}") from None
             problem = strategies.incompatibility(cell)

@@ -3,9 +3,13 @@ pytest files in suites/ parametrise over it, one test per cell.
 
 - smoke: a handful of fast cells (run by ./run_tests.sh and CI).
 - default: every axis value at least once, for one GPT-2 and one LLaMA preset, plus BERT,
-  ViT and the MLP (what ./run_all.sh runs when asked nothing).
+  ViT, the MLP and a model from a transformers config.json (what ./run_all.sh runs when asked
+  nothing).
 - full: the product of strategies × {fp32, bf16} × checkpointing × accumulation {1, 4} over
   the tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
+- real: real sizes on a CPU host: gpt2-124m and a LLaMA-style ~100M model (suites/configs/
+  llama-100m.json) at seq_len 256 over the data-parallel and sharding strategies of torch and
+  DeepSpeed, with bf16 and full-checkpointing variants (about 15 minutes on 2 cores).
 - perf: no matrix; the benchmarks of the harness itself in suites/test_perf.py (its step
   overhead against a bare training loop, launch amortisation, the default suite's wall time).
 - claims: the cells the published claims need (suites/claims/, harness/claims/): one test
@@ -18,20 +22,32 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from harness import strategies, suite_files
 from harness.claims import catalogue as claims_catalogue
 from harness.config import CellSpec, StrategySpec
+from harness.models import ModelSpec, sources
 from harness.suite_cell import suite_cell
 
 # Suite files to start one's own from (README: Suites of your own).
 SUITE_FILE_EXAMPLES = Path(__file__).resolve().parents[1] / "suites" / "examples"
+# transformers config.json files the suites train (README: Models).
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "suites" / "configs"
 # torch's own data-parallel and sharded strategies, the reference first.
 TORCH_NATIVE = tuple(s.name for s in strategies.declarations()
                      if s.engine == "torch" and s.engine_model.analytic == "data_parallel")
 
 
-def _cell(model: str, strategy: str, world_size: int, **options) -> CellSpec:
+def config_model(name: str) -> ModelSpec:
+    """A model of suites/configs/ (``name``.json), resolved as a suite file's would be."""
+    resolved = sources.resolve(str(MODEL_CONFIGS / f"{name}.json"))
+    if not isinstance(resolved, ModelSpec):
+        raise TypeError(f"{name}.json resolved to the preset {resolved!r}")
+    return resolved
+
+
+def _cell(model: str | ModelSpec, strategy: str, world_size: int, **options) -> CellSpec:
     return suite_cell(model, StrategySpec(name=strategy, **options), world_size)
 
 
@@ -100,9 +116,11 @@ def default(world_size: int) -> list[CellSpec]:
     cells += [_cell("gpt2-tiny", "fairscale_sdp", world_size, optimizer=o) for o in ("adamw8bit", "adafactor")]
     cells += [_cell("gpt2-tiny", s, world_size, optimizer="adamw8bit") for s in ("fsdp1_full", "deepspeed_zero2")]
     cells += [_cell("llama-tiny", s, world_size, optimizer="adam8bit") for s in ("single", "ddp")]
-    # The other model families.
-    for model, strategy in (("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp")):
-        cells += [_cell(model, "single", world_size), _cell(model, strategy, world_size)]
+    # The other model families, and a model of one's own: a Mistral config.json.
+    others: list[tuple[str | ModelSpec, str]] = [("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp"),
+                                                 (config_model("mistral-tiny"), "fsdp_full")]
+    for other, strategy in others:
+        cells += [_cell(other, "single", world_size), _cell(other, strategy, world_size)]
     cells += model_parallel(world_size)
     cells += model_structure(world_size)
     return cells
@@ -160,7 +178,7 @@ def model_structure(world_size: int) -> list[CellSpec]:
 def _expert_parallel(world_size: int) -> list[CellSpec]:
     """moe-tiny's experts split over the ranks (gated against its whole-batch ``single``
     cell), with and without checkpointing; none where its experts do not divide evenly."""
-    from harness.models.presets import get_preset  # pulls in transformers: import on use
+    from harness.models.presets import get_preset
 
     if get_preset("moe-tiny").required("n_experts") % world_size:
         return []
@@ -178,6 +196,28 @@ def full(world_size: int) -> list[CellSpec]:
     return cells
 
 
+# The real suite's sharding strategies, against DDP; its variants run on the three that hold
+# the most, the least and DeepSpeed's take on the least.
+REAL_STRATEGIES = ("ddp", "zero1", "fsdp_full", "fsdp1_full", "deepspeed_zero2", "deepspeed_zero3")
+REAL_VARIANT_STRATEGIES = ("ddp", "fsdp_full", "deepspeed_zero3")
+REAL_SEQ_LEN = 256
+
+
+def real(world_size: int) -> list[CellSpec]:
+    """Real sizes a CPU host trains in minutes: one sample per rank at seq_len 256, the fewest
+    steps a cell takes (warm-up, the two probes, two timed steps)."""
+    def cell(model: str | ModelSpec, strategy: str, **options: Any) -> CellSpec:
+        return suite_cell(model, StrategySpec(name=strategy, **options), world_size, micro_batch=1, steps=6,
+                          seq_len=REAL_SEQ_LEN)
+
+    cells = []
+    for model in ("gpt2-124m", config_model("llama-100m")):
+        cells += [cell(model, s) for s in ("single", *REAL_STRATEGIES)]
+    cells += [cell("gpt2-124m", s, precision="bf16") for s in ("single", *REAL_VARIANT_STRATEGIES)]
+    cells += [cell(config_model("llama-100m"), s, checkpointing="full") for s in REAL_VARIANT_STRATEGIES]
+    return cells
+
+
 def perf(world_size: int) -> list[CellSpec]:
     return []
 
@@ -190,7 +230,7 @@ def claims(world_size: int) -> list[CellSpec]:
 
 
 SUITES: dict[str, Callable[[int], list[CellSpec]]] = {
-    "smoke": smoke, "default": default, "full": full, "perf": perf, "claims": claims,
+    "smoke": smoke, "default": default, "full": full, "real": real, "perf": perf, "claims": claims,
 }
 # Suites whose tests are benchmarks of the harness (suites/test_perf.py), not cells.
 BENCHMARK_SUITES = frozenset({"perf"})

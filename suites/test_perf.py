@@ -40,7 +40,7 @@ ENV = DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backen
 
 def _bare_step():
     """The training step as anyone would write it: no harness in sight."""
-    built = models.build(models.get_preset(CELL.model), seed=CELL.seed)
+    built = models.build(CELL.model_spec, seed=CELL.seed)
     model, optimizer = built.module, optimizers.make(built.module.parameters(), CELL.strategy.optimizer, CELL.lr)
     batch = built.make_batch(torch.Generator().manual_seed(0), CELL.micro_batch)
 
@@ -54,7 +54,7 @@ def _bare_step():
 
 def _harness_step():
     """The harness's own train_step (harness/training.py), with the strategy and precision plumbing it always has."""
-    built = models.build(models.get_preset(CELL.model), seed=CELL.seed)
+    built = models.build(CELL.model_spec, seed=CELL.seed)
     prep = strategies.get("single").prepare(built.module, built.block_type, CELL, ENV)
     scaler = precision.grad_scaler(CELL.strategy.precision, ENV.device)
     micro_batches = training.local_batches(built, CELL, ENV, ENV.rank)[0]

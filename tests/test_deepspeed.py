@@ -34,7 +34,7 @@ def n_elements(model: str) -> int:
 
 def test_config_is_built_from_the_cell_with_buckets_sized_to_the_model():
     c = cell("gpt2-tiny", "deepspeed_zero3", precision="bf16", accumulation=4, offload="optimizer_params")
-    built = models.build(models.get_preset(c.model), seed=0)
+    built = models.build(c.model_spec, seed=0)
     config = deepspeed_zero.ds_config(built.module, c)
     n = n_elements(c.model)
     zero = config["zero_optimization"]

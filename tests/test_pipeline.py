@@ -39,7 +39,7 @@ def test_every_parameter_is_on_exactly_one_stage_but_a_tied_embedding(model_name
     built = models.build(models.get_preset(model_name))
     model = built.module
     names = _param_names(model)
-    stages = [pipeline.build_stage(model, i, n_stages) for i in range(n_stages)]
+    stages = [pipeline.build_stage(model, models.get_preset(model_name).layout, i, n_stages) for i in range(n_stages)]
     held = [{names[id(p)] for p in stage.parameters()} for stage in stages]
 
     tied = {"transformer.wte.weight"} if model_name == "gpt2-tiny" else set()
@@ -55,7 +55,7 @@ def test_every_parameter_is_on_exactly_one_stage_but_a_tied_embedding(model_name
 def test_the_split_keeps_the_checkpoint_wrapped_blocks():
     built = models.build(models.get_preset("llama-tiny"))
     checkpointing.apply_checkpointing(built.module, built.block_type, "full")
-    stages = [pipeline.build_stage(built.module, i, 2) for i in range(2)]
+    stages = [pipeline.build_stage(built.module, "llama", i, 2) for i in range(2)]
     assert all(isinstance(block, CheckpointWrapper) for stage in stages for block in stage.blocks)
 
 
@@ -65,7 +65,7 @@ def test_the_split_keeps_the_checkpoint_wrapped_blocks():
     (CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_1f1b", pp_microbatches=1)),
      "pp_1f1b with pp_microbatches=1: Schedule1F1B needs at least one micro-batch per stage (2)"),
     (CellSpec(model="bert-tiny", strategy=StrategySpec(name="pp_gpipe")),
-     "pp_gpipe with model=bert-tiny: the pipeline split is written for the causal LMs"),
+     "pp_gpipe with model=bert-tiny: the pipeline split is written for the causal-LM layouts"),
     (CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_gpipe", precision="fp16")),
      "pp_gpipe with precision=fp16: fp16 needs a GradScaler whose scale"),
 ])

@@ -149,7 +149,7 @@ def test_every_default_cell_has_a_prediction_or_a_reason(world_size):
     for cell in suites.cells_of("default", world_size):
         p = analytic.predict(cell)
         if "unavailable" in p:  # a strategy or family the analytic model does not describe
-            assert p["unavailable"] == analytic.unavailable_reason(cell, models.get_preset(cell.model))
+            assert p["unavailable"] == analytic.unavailable_reason(cell, cell.model_spec)
             continue
         assert p["peak_bytes"] > 0 and p["model_state_bytes"] > 0, cell.cell_id
         assert (p["comm_bytes_per_step"] == 0) == (cell.strategy.name == "single"), cell.cell_id
@@ -573,7 +573,7 @@ def _held_receive_buffers(rank: int, store: str, precision: str, out: dict) -> N
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     cell = CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b", precision=precision))
-    built = models.build(models.get_preset(cell.model))
+    built = models.build(cell.model_spec)
     env = DistEnv(rank=rank, world_size=2, nnodes=1, device=torch.device("cpu"), backend="gloo")
     prepared = pipeline.prepare(built.module, built.block_type, cell, env)
     batch = built.make_batch(torch.Generator().manual_seed(0), cell.global_batch)

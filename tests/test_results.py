@@ -143,13 +143,16 @@ def test_a_registered_migration_is_used_by_the_loader(tmp_path, monkeypatch):
     assert record["trial"] == 0
 
 
-def test_every_released_version_has_a_migration_and_version_1_reads_as_trial_0(tmp_path):
+def test_every_released_version_has_a_migration_and_version_1_reads_as_trial_0_at_its_own_length(tmp_path):
     assert sorted(schema.MIGRATIONS) == list(range(1, schema.SCHEMA_VERSION))
-    version_1 = {k: v for k, v in schema.make_record(CELL, markers=[], status="ok").items() if k != "trial"}
+    current = schema.make_record(CELL, markers=[], status="ok")
+    version_1 = {k: v for k, v in current.items() if k != "trial"}
+    version_1["cell"] = {k: v for k, v in current["cell"].items() if k != "seq_len"}
     version_1["schema_version"] = 1
     (tmp_path / "cells.jsonl").write_text(json.dumps(version_1) + "\n")
     [record] = load_records(tmp_path)
-    assert record == {**version_1, "schema_version": 2, "trial": 0}
+    assert record == {**current, "schema_version": schema.SCHEMA_VERSION, "trial": 0}
+    assert CellSpec.from_dict(record["cell"]) == CELL
 
 
 def test_loader_keeps_every_trial_and_the_last_record_of_each(tmp_path, recwarn):

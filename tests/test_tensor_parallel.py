@@ -100,7 +100,7 @@ def test_llama_plan_splits_grouped_query_attention_by_whole_kv_heads(fake_world_
 # --- refused cells --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cell, message", [
-    (tp_cell("bert-tiny"), "tp with model=bert-tiny: no tensor-parallel plan for the bert family"),
+    (tp_cell("bert-tiny"), "tp with model=bert-tiny: no tensor-parallel plan for its layout"),
     (tp_cell("gpt2-tiny", world_size=3),
      "tp with model=gpt2-tiny: n_heads=4 does not split over tensor-parallel degree 3"),
     (tp_cell("llama-tiny", world_size=4),

@@ -29,7 +29,7 @@ from harness.config import CellSpec
 def _layout(c: CellSpec):
     from harness import models
 
-    return models.param_layout(models.get_preset(c.model))
+    return models.param_layout(c.model_spec)
 
 
 # --- model states per rank (ZeRO §3.1, §5, Table 1) -------------------------------------------
@@ -103,10 +103,9 @@ def ddp_comm_volume(r: Readings) -> Outcome:
 def _per_layer(c: CellSpec, checkpointing: str | None = None, value_bytes: int | None = None) -> float:
     """Korthikanti's per-layer bytes for this cell's model as the harness runs it: no dropout,
     SDPA (fused) attention, GPT-2's GeLU MLP, fp32 values unless told."""
-    from harness import models
     from harness.predict import formulas
 
-    spec = models.get_preset(c.model)
+    spec = c.model_spec
     return formulas.activation_bytes_per_layer(
         spec.tokens_per_sample, c.micro_batch, spec.hidden, spec.required("n_heads"), ffn=spec.ffn, mlp="gelu",
         value_bytes=value_bytes or (4 if c.strategy.precision == "fp32" else 2), dropout=False,
@@ -114,9 +113,8 @@ def _per_layer(c: CellSpec, checkpointing: str | None = None, value_bytes: int |
 
 
 def _logits_bytes(c: CellSpec) -> float:
-    from harness import models
 
-    spec = models.get_preset(c.model)
+    spec = c.model_spec
     return 4.0 * spec.tokens_per_sample * c.micro_batch * spec.required("vocab_size")  # fp32, HF upcasts
 
 
@@ -125,9 +123,8 @@ def _activations_at_peak(r: Readings, c: CellSpec) -> float:
 
 
 def _layers(c: CellSpec) -> int:
-    from harness import models
 
-    return models.get_preset(c.model).n_layers
+    return c.model_spec.n_layers
 
 
 def activations_none(r: Readings) -> Outcome:
@@ -189,11 +186,10 @@ def selective_recompute_70pct(r: Readings) -> Outcome:
 
 
 def eager_attention_scores(r: Readings) -> Outcome:
-    from harness import models
     from harness.predict import analytic_data_parallel
 
     eager, sdpa = r.cell("ddp", attention="eager"), r.cell("ddp")
-    spec = models.get_preset(eager.model)
+    spec = eager.model_spec
     predicted = (analytic_data_parallel.activation_bytes(eager, spec)["layers"]
                  - analytic_data_parallel.activation_bytes(sdpa, spec)["layers"])
     measured = _activations_at_peak(r, eager) - _activations_at_peak(r, sdpa)
@@ -231,14 +227,13 @@ def tp_strategy_present() -> bool:
 
 
 def tp_params_split(r: Readings) -> Outcome:
-    from harness import models
     from harness.predict import analytic_parallel, formulas
 
     c = cell("tp", r.world_size)
-    spec = models.get_preset(c.model)
+    spec = c.model_spec
     numel, sharded = _layout(c).numel, analytic_parallel.tp_sharded_numel(spec)
     if sharded is None:
-        raise ValueError(f"{c.model}: which of its parameters tensor parallelism splits is not modelled")
+        raise ValueError(f"{c.model_name}: which of its parameters tensor parallelism splits is not modelled")
     predicted = formulas.tp_model_states(sharded, numel - sharded, r.world_size).params
     details = {"sharded_numel": sharded, "replicated_numel": numel - sharded, "tp": r.world_size,
                "unsplit_params_bytes": 4 * numel}

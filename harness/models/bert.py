@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM
-from transformers.models.bert.modeling_bert import BertLayer
 
 from .common import ParamCount, hf_attention, hf_loss, linear
 from .spec import ModelSpec
 
-BLOCK_TYPE = BertLayer
 loss = hf_loss
 MASK_FRACTION = 0.15  # BERT's masking rate
 TYPE_VOCAB = 2  # segment A / B

@@ -9,12 +9,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from . import bert, gpt2, llama, mlp, moe, vit
+from . import bert, factory, gpt2, hf_config, layouts, llama, mlp, moe, vit
 from .spec import ModelSpec
 
-# Each family file provides BLOCK_TYPE, build_module, make_batch, loss and count_params.
+# Each family file provides build_module, make_batch, loss and count_params; the repeated
+# block is found in the built model (harness.models.layouts).
 _FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "mlp": mlp,
-                                    "moe": moe}
+                                    "moe": moe, "hf_config": hf_config, "factory": factory}
 
 
 def analytic_n_params(spec: ModelSpec) -> int:
@@ -68,10 +69,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @functools.cache
 def param_layout(spec: ModelSpec) -> ParamLayout:
-    family = _FAMILIES[spec.family]
     with torch.device("meta"):
-        module = family.build_module(spec)
-    blocks = [m for m in module.modules() if isinstance(m, family.BLOCK_TYPE)]
+        module = _FAMILIES[spec.family].build_module(spec)
+    blocks = list(layouts.repeated_blocks(module))
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     params = list(module.parameters())  # de-duplicates tied weights
     return ParamLayout(
@@ -120,7 +120,7 @@ def build(spec: ModelSpec, *, seed: int = 0, attention: str = "sdpa") -> BuiltMo
     return BuiltModel(
         spec=spec,
         module=module,
-        block_type=family.BLOCK_TYPE,
+        block_type=layouts.block_type(module),
         n_params=sum(p.numel() for p in module.parameters()),
         tokens_per_sample=spec.tokens_per_sample,
         flops_per_sample=flops_per_sample(spec),

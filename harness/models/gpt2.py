@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from .common import ParamCount, causal_lm_batch, hf_attention, hf_loss, linear
 from .spec import ModelSpec
 
-BLOCK_TYPE = GPT2Block
 make_batch = causal_lm_batch
 loss = hf_loss
 

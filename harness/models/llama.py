@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_attention, hf_loss, linear
 from .spec import ModelSpec
 
-BLOCK_TYPE = LlamaDecoderLayer
 make_batch = causal_lm_batch
 loss = hf_loss
 

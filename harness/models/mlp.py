@@ -23,13 +23,27 @@ class MLPBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-BLOCK_TYPE = MLPBlock
+
+
+class MLPModel(nn.Module):
+    """The blocks, a final norm and a classifier head."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(spec.hidden, spec.ffn) for _ in range(spec.n_layers))
+        self.norm = nn.LayerNorm(spec.hidden)
+        self.head = nn.Linear(spec.hidden, spec.required("num_classes"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     # No attention to implement: CellSpec refuses anything but the default for mlp.
-    blocks = [MLPBlock(spec.hidden, spec.ffn) for _ in range(spec.n_layers)]
-    return nn.Sequential(*blocks, nn.LayerNorm(spec.hidden), nn.Linear(spec.hidden, spec.required("num_classes")))
+    return MLPModel(spec)
 
 
 def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM
-from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_attention, hf_loss, linear
 from .spec import ModelSpec
 
-BLOCK_TYPE = MixtralDecoderLayer
 make_batch = causal_lm_batch
 loss = hf_loss
 

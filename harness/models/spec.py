@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
-Family = Literal["gpt2", "llama", "bert", "vit", "mlp", "moe"]
+# "hf_config": a transformers config.json, built through the Auto classes; "factory": a
+# function of one's own that returns the model and its batches (harness.models.sources).
+Family = Literal["gpt2", "llama", "bert", "vit", "mlp", "moe", "hf_config", "factory"]
+# What a config's model is trained for: which Auto class builds it, which batches feed it.
+Task = Literal["causal_lm", "masked_lm", "image_classification"]
+# The module layouts the layout-dependent strategies (tensor-parallel plans, pipeline splits,
+# Megatron's weight copy, context and expert parallel) are written for, recognised from a
+# built model's module names (harness.models.layouts), never from its family:
+# - "llama": model.layers[i].self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj (LLaMA,
+#   Mistral, Qwen2, ...);
+# - "mixtral": LLaMA's attention with a routed mixture of experts in place of the MLP;
+# - "gpt2": transformer.h[i].attn.c_attn / c_proj and mlp.c_fc / c_proj (Conv1D weights).
+Layout = Literal["llama", "mixtral", "gpt2"]
 
 # Size fields each family needs; any other optional size field must stay None, so a spec
 # never carries a number that silently does nothing.
@@ -16,6 +30,8 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "vit": ("n_heads", "image_size", "patch_size", "num_classes"),
     "mlp": ("num_classes",),
     "moe": ("n_heads", "seq_len", "vocab_size", "n_experts", "top_k"),
+    "hf_config": ("n_heads",),  # and the task's own sizes (_TASK_SIZES)
+    "factory": (),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
     "gpt2": ("ffn_hidden",),
@@ -24,12 +40,52 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "vit": ("ffn_hidden",),
     "mlp": ("ffn_hidden",),
     "moe": ("ffn_hidden", "n_kv_heads"),
+    "hf_config": ("ffn_hidden", "n_kv_heads", "n_experts", "top_k", "patch_size"),
+    "factory": ("seq_len",),  # its tokens per sample, where its batches hold input_ids
 }
+_TASK_SIZES: dict[str, tuple[str, ...]] = {
+    "causal_lm": ("seq_len", "vocab_size"),
+    "masked_lm": ("seq_len", "vocab_size"),
+    "image_classification": ("image_size", "num_classes"),
+}
+# The layout each built-in family is built with (its family file's transformers class);
+# tests/test_models.py recognises every preset's built module and checks it is this one.
+_FAMILY_LAYOUT: dict[str, Layout] = {"gpt2": "gpt2", "llama": "llama", "moe": "mixtral"}
 SizeField = Literal["n_heads", "n_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
                     "image_size", "patch_size", "num_classes", "n_experts", "top_k"]
 _SIZES: tuple[SizeField, ...] = get_args(SizeField)
 
 VIT_CHANNELS = 3  # RGB images
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformersConfig:
+    """A model described by a transformers config.json (family hf_config): the resolved config
+    (the file's keys with the cell's overrides applied, dropout off), kept whole so that a
+    record alone rebuilds the model."""
+
+    model_type: str
+    task: Task
+    config_json: str  # json.dumps(config, sort_keys=True): hashable, and one text per config
+    layout: Layout | None = None  # as harness.models.layouts recognised it when resolved
+    source: str = ""  # the file it was read from (for messages; the config is what counts)
+
+    def __post_init__(self) -> None:
+        _check_choice_of("task", self.task, get_args(Task))
+        if self.layout is not None:
+            _check_choice_of("layout", self.layout, get_args(Layout))
+        if json.loads(self.config_json).get("model_type") != self.model_type:
+            raise ValueError(f"config_json: its model_type is not {self.model_type!r}")
+
+    @property
+    def config(self) -> dict[str, Any]:
+        loaded: dict[str, Any] = json.loads(self.config_json)
+        return loaded
+
+
+def _check_choice_of(name: str, value: object, allowed: tuple[object, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(str(a) for a in allowed)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +111,12 @@ class ModelSpec:
     n_experts: int | None = None  # moe: experts per layer
     top_k: int | None = None  # moe: experts each token is routed to
     tie_embeddings: bool = False  # llama only (Llama-3.2-1B ties); gpt2 and bert always tie
+    # Family hf_config: the config it is built from, and the longest sequence its position
+    # embeddings take (a preset is rebuilt for any seq_len; a config's model is not).
+    hf: TransformersConfig | None = None
+    max_seq_len: int | None = None
+    # Family factory: "package.module:function" (harness.models.sources, README: Models).
+    factory: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -64,7 +126,15 @@ class ModelSpec:
         for f in ("n_layers", "hidden"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be a positive integer")
+        if (self.hf is None) == (self.family == "hf_config"):
+            raise ValueError(f"hf: family {self.family!r} {'needs' if self.hf is None else 'takes no'} a"
+                             " transformers config (harness.models.sources.resolve makes one)")
+        if (self.factory is None) == (self.family == "factory"):
+            raise ValueError(f"factory: family {self.family!r} {'needs' if self.factory is None else 'takes no'}"
+                             " factory (package.module:function)")
         required, optional = _REQUIRED[self.family], _OPTIONAL[self.family]
+        if self.hf is not None:
+            required = required + _TASK_SIZES[self.hf.task]
         for f in _SIZES:
             value = getattr(self, f)
             if value is None and f in required:
@@ -73,7 +143,10 @@ class ModelSpec:
                 raise ValueError(f"{f}={value} does not apply to family {self.family!r}; leave it None")
             if value is not None and value <= 0:
                 raise ValueError(f"{f}={value} must be a positive integer")
-        if self.tie_embeddings and self.family != "llama":
+        if self.max_seq_len is not None and self.seq_len is not None and self.seq_len > self.max_seq_len:
+            raise ValueError(f"seq_len={self.seq_len}: model {self.name!r} takes at most {self.max_seq_len} tokens"
+                             " (its config's max_position_embeddings)")
+        if self.tie_embeddings and self.family not in ("llama", "hf_config"):
             raise ValueError(f"tie_embeddings=True applies to llama only "
                              f"({self.family!r} ties or has no LM head by construction); leave it False")
         if self.n_heads is not None and self.hidden % self.n_heads:
@@ -97,6 +170,35 @@ class ModelSpec:
         return value
 
     @property
+    def layout(self) -> Layout | None:
+        """The module layout the layout-dependent strategies recognise, or None."""
+        return self.hf.layout if self.hf is not None else _FAMILY_LAYOUT.get(self.family)
+
+    @property
+    def task(self) -> Task | None:
+        """What a text or image model is trained for (None for the plain-torch mlp)."""
+        if self.hf is not None:
+            return self.hf.task
+        return {"bert": "masked_lm", "vit": "image_classification", "mlp": None,
+                "factory": None}.get(self.family, "causal_lm")
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a record keeps it: the config a JSON object, not a string."""
+        d = dataclasses.asdict(self)
+        if self.hf is not None:
+            d["hf"]["config"] = json.loads(d["hf"].pop("config_json"))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        d = dict(d)
+        if d.get("hf") is not None:
+            hf = dict(d["hf"])
+            hf["config_json"] = json.dumps(hf.pop("config"), sort_keys=True)
+            d["hf"] = TransformersConfig(**hf)
+        return cls(**d)
+
+    @property
     def head_dim(self) -> int:
         return self.hidden // self.n_heads if self.n_heads else 0
 
@@ -116,8 +218,10 @@ class ModelSpec:
 
     @property
     def tokens_per_sample(self) -> int:
-        if self.family == "vit":
+        if self.family == "vit" or (self.task == "image_classification" and self.patch_size is not None):
             return (self.required("image_size") // self.required("patch_size")) ** 2 + 1  # patches + class token
-        if self.family == "mlp":
-            return 1
+        if self.family == "factory":
+            return self.seq_len or 1
+        if self.family == "mlp" or self.task == "image_classification":
+            return 1  # a convolutional classifier: one prediction per image
         return self.required("seq_len")

@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import ViTConfig, ViTForImageClassification
-from transformers.models.vit.modeling_vit import ViTLayer
 
 from .common import ParamCount, hf_attention, hf_loss, linear
 from .spec import VIT_CHANNELS, ModelSpec
 
-BLOCK_TYPE = ViTLayer
 loss = hf_loss
 
 

@@ -30,14 +30,15 @@ from harness.predict.analytic_parallel import (
 from harness.predict.formulas import comm_volume
 from harness.strategies import pipeline  # how many stages a pipeline strategy runs
 
-# Families whose blocks the analytic model counts (attention, MLP or experts, norms).
-TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe")
+# Families whose blocks the analytic model counts (attention, MLP or experts, norms); a
+# transformers config's model is counted by its sizes and layout (harness/models/spec.py).
+TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe", "hf_config")
 
 
 def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
-    """Why the analytic model has no prediction for this cell, or None. A strategy or family
+    """Why the analytic model has no prediction for this cell, or None. A strategy or model
     it does not describe gets none rather than another strategy's formula."""
-    name, family = cell.strategy.name, spec.family
+    name, family, layout = cell.strategy.name, spec.family, spec.layout
     kind = strategies.get(name).engine_model.analytic  # which part of the model describes it
     if family not in TRANSFORMER_FAMILIES + ("mlp",):
         return f"family {family}: no activation or parameter formula for it in harness/predict/analytic.py"
@@ -45,24 +46,26 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
         return None
     if kind == "tensor_parallel":
         if tp_sharded_numel(spec) is None:
-            return f"{name} on family {family}: which of its parameters are split is not modelled (gpt2, llama only)"
+            return (f"{name} on {spec.name}: which of its parameters are split is modelled for the gpt2 and llama"
+                    " layouts only")
         if cell.strategy.optimizer != "adamw":
             return f"{name} with optimizer={cell.strategy.optimizer}: the state formula needs the split shapes"
         return None
     if kind == "megatron":
-        if family not in ("gpt2", "llama"):
-            return f"megatron on family {family}: GPTModel is built for gpt2 and llama only"
+        if layout not in ("gpt2", "llama"):
+            return f"megatron on {spec.name}: GPTModel is built for the gpt2 and llama layouts only"
         pp = cell.strategy.layout("pp_degree")
         if spec.n_layers % pp:
             return f"megatron: {spec.n_layers} layers do not split evenly into pp_degree={pp} stages"
         return None
     if kind == "context_parallel":
-        if family != "llama":
-            return f"cp on family {family}: context parallel is wired for the llama family only"
+        if layout != "llama":
+            return f"cp on {spec.name}: context parallel is wired for the llama layout only"
         return None
     if kind == "expert_parallel":
-        if family != "moe":
-            return f"deepspeed_autoep on family {family}: expert parallelism needs a mixture of experts (moe)"
+        if layout != "mixtral":
+            return (f"deepspeed_autoep on {spec.name}: expert parallelism needs a mixture of experts"
+                    " (the mixtral layout)")
         n_experts = spec.required("n_experts")
         if n_experts % cell.world_size:
             return f"deepspeed_autoep: {n_experts} experts do not split evenly over {cell.world_size} ranks"
@@ -70,8 +73,8 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
             return (f"deepspeed_autoep with precision={cell.strategy.precision}: only fp32 is wired"
                     " (DeepSpeed's BF16_Optimizer and its master copies are not modelled)")
         return None
-    if family not in ("gpt2", "llama"):  # a pipeline
-        return f"{name} on family {family}: the stage split is modelled for gpt2 and llama only"
+    if layout not in ("gpt2", "llama"):  # a pipeline
+        return f"{name} on {spec.name}: the stage split is modelled for the gpt2 and llama layouts only"
     try:
         pipeline_stage_layers(spec.n_layers, pipeline.n_stages(name, cell.world_size))
     except ValueError as e:
@@ -85,7 +88,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> di
     ``spec`` replaces the cell's preset (``harness plan`` with another sequence length);
     ``nodes`` shapes the HSDP mesh (replicate across nodes). A cell the model does not
     describe (``unavailable_reason``) gets ``{"unavailable": reason}``."""
-    spec = spec or models.get_preset(cell.model)
+    spec = spec or cell.model_spec
     why = unavailable_reason(cell, spec)
     if why:
         return {"unavailable": why}

@@ -127,11 +127,11 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     if spec.family == "mlp":
         return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
     fused = attention_is_fused(cell)
-    moe = spec.family == "moe"
+    moe = spec.layout == "mixtral"
     heads = spec.required("n_heads")
     per_layer = activation_bytes_per_layer(
         spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn,
-        mlp="swiglu" if spec.family in ("llama", "moe") else "gelu",
+        mlp="swiglu" if spec.layout in ("llama", "mixtral") else "gelu",
         value_bytes=PRECISION_BYTES[cell.strategy.precision], dropout=False, fused_attention=fused,
         checkpointing=cell.strategy.checkpointing, tensor_parallel=tensor_parallel_degree(cell),
         kv_heads=spec.kv_heads if fused else heads,
@@ -142,7 +142,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
         "per_layer": per_layer,
         "layers": per_layer * spec.n_layers,
         "logits": 4.0 * spec.tokens_per_sample * cell.micro_batch * logits_width
-        if spec.family != "vit" else 4.0 * cell.micro_batch * logits_width,
+        if spec.task != "image_classification" else 4.0 * cell.micro_batch * logits_width,
     }
 
 

@@ -46,7 +46,7 @@ _BOUNDARY_BYTES = 4
 
 
 def _embedding_numel(spec: ModelSpec) -> int:
-    positions = spec.required("seq_len") * spec.hidden if spec.family == "gpt2" else 0  # GPT-2's learned ones
+    positions = spec.required("seq_len") * spec.hidden if spec.layout == "gpt2" else 0  # GPT-2's learned ones
     return spec.required("vocab_size") * spec.hidden + positions
 
 
@@ -68,9 +68,9 @@ def tp_sharded_numel(spec: ModelSpec) -> int | None:
     families whose blocks are not a plain attention + MLP pair (mixture of experts: experts
     are split by expert parallelism, not this)."""
     h, f, d = spec.hidden, spec.ffn, spec.head_dim
-    if spec.family == "gpt2":
+    if spec.layout == "gpt2":
         per_block = (h * 3 * h + 3 * h) + h * h + (h * f + f) + f * h
-    elif spec.family == "llama":
+    elif spec.layout == "llama":
         heads = spec.required("n_heads")
         per_block = h * (heads + 2 * spec.kv_heads) * d + heads * d * h + 3 * h * f
     else:
@@ -83,8 +83,8 @@ def _split_numel(spec: ModelSpec) -> int:
     gives the others no prediction)."""
     sharded = tp_sharded_numel(spec)
     if sharded is None:
-        raise ValueError(f"family {spec.family}: which of its parameters tensor parallelism splits is not modelled"
-                         " (gpt2, llama only)")
+        raise ValueError(f"model {spec.name}: which of its parameters tensor parallelism splits is not modelled"
+                         " (the gpt2 and llama layouts only)")
     return sharded
 
 

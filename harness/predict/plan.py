@@ -48,7 +48,7 @@ def parse_bytes(text: str) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
-    model: str
+    model: str | models.ModelSpec  # a preset's name, or a resolved config (harness.models.sources)
     gpus: int
     gpu_mem_bytes: float
     nodes: int = 1
@@ -58,7 +58,8 @@ class PlanRequest:
     optimizer: Optimizer = "adamw"
 
     def __post_init__(self) -> None:
-        models.get_preset(self.model)  # raises with the allowed names
+        if isinstance(self.model, str):
+            models.get_preset(self.model)  # raises with the allowed names
         if self.gpus < 1:
             raise ValueError(f"--gpus {self.gpus}: must be at least 1")
         if self.nodes < 1 or self.gpus % self.nodes:
@@ -68,13 +69,13 @@ class PlanRequest:
             raise ValueError(f"--micro-batch {self.micro_batch}: must be at least 1")
         if self.seq is not None and self.seq < 1:
             raise ValueError(f"--seq {self.seq}: must be at least 1")
-        spec = models.get_preset(self.model)
+        spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
         if self.seq is not None and spec.seq_len is None:
-            raise ValueError(f"--seq applies to text models; {self.model} is a {spec.family} model")
+            raise ValueError(f"--seq applies to text models; {spec.name} is a {spec.family} model")
 
     @property
     def spec(self) -> models.ModelSpec:
-        spec = models.get_preset(self.model)
+        spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
         return dataclasses.replace(spec, seq_len=self.seq) if self.seq else spec
 
 
@@ -90,7 +91,7 @@ def candidates(req: PlanRequest) -> list[CellSpec]:
                     strategy = StrategySpec(name=name, precision=req.precision, checkpointing=ckpt,
                                             offload=offload, optimizer=req.optimizer)
                     cell = CellSpec(model=req.model, strategy=strategy, micro_batch=req.micro_batch,
-                                    world_size=req.gpus)
+                                    world_size=req.gpus, seq_len=req.seq)
                 except ValueError:
                     continue
                 if req.gpus >= 2 and strategies.incompatibility(cell) is None:
@@ -105,10 +106,9 @@ def _preference(row: dict) -> tuple:
 
 
 def plan(req: PlanRequest) -> dict:
-    spec = req.spec
     rows = []
     for cell in candidates(req):
-        predicted = analytic.predict(cell, spec, req.nodes)
+        predicted = analytic.predict(cell, nodes=req.nodes)
         rows.append({"cell": cell, "predicted": predicted,
                      "fits": predicted["peak_bytes"] <= req.gpu_mem_bytes})
     fitting = sorted((r for r in rows if r["fits"]), key=_preference)
@@ -147,7 +147,7 @@ def _gib(n: float) -> str:
 def as_json(result: dict, traced: dict | None = None) -> str:
     req = result["request"]
     return json.dumps({
-        "request": dataclasses.asdict(req),
+        "request": {**dataclasses.asdict(req), "model": spec_json(req.model)},
         "rows": [{"config": _label(r["cell"]), "cell": r["cell"].to_dict(), "fits": r["fits"],
                   "predicted": r["predicted"]} for r in result["rows"]],
         "recommended": _label(result["recommended"]["cell"]) if result["recommended"] else None,
@@ -156,10 +156,14 @@ def as_json(result: dict, traced: dict | None = None) -> str:
     }, indent=2)
 
 
+def spec_json(model: str | models.ModelSpec) -> str | dict:
+    return model.to_dict() if isinstance(model, models.ModelSpec) else model
+
+
 def as_table(result: dict, markdown: bool, traced: dict | None = None) -> str:
     req = result["request"]
     spec = req.spec
-    head = (f"{req.model}: {models.param_layout(spec).numel / 1e9:.2f}B parameters, seq {spec.tokens_per_sample},"
+    head = (f"{spec.name}: {models.param_layout(spec).numel / 1e9:.2f}B parameters, seq {spec.tokens_per_sample},"
             f" micro-batch {req.micro_batch}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each,"
             f" {req.precision}, {req.optimizer}. Analytic predictor (harness/predict/analytic.py); per GPU.")
     cols = ("config", "fits", "peak", "params", "grads", "optimizer", "buffers", "activations", "transient",

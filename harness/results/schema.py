@@ -14,7 +14,7 @@ from harness import strategies
 from harness.config import CellSpec
 from harness.results import provenance
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
 
 # A cell record as json.loads gives it back: its fields are described in README "Results format".
@@ -53,7 +53,7 @@ def make_record(
         "markers": markers,
         "world_size": cell.world_size,
         "zero_idea": strategies.get(cell.strategy.name).zero_idea,
-        "model": {"name": cell.model, "n_params": n_params, "attn_implementation": attn_implementation},
+        "model": {"name": cell.model_name, "n_params": n_params, "attn_implementation": attn_implementation},
         "strategy": dict(cell.to_dict()["strategy"]),
         "precision": cell.strategy.precision,
         "cell": cell.to_dict(),
@@ -113,3 +113,11 @@ def _trials(record: Record) -> Record:
     """2 added ``trial`` (``--repeat N`` records each run of a cell): a run before it ran each
     cell once."""
     return {**record, "trial": 0}
+
+
+@migration(2)
+def _models_as_data(record: Record) -> Record:
+    """3 made the sequence length a cell option (``cell.seq_len``, None: the model's own) and
+    let ``cell.model`` be a resolved transformers config (an object) as well as a preset's
+    name: a record before it trained a preset at its own length."""
+    return {**record, "cell": {**record["cell"], "seq_len": None}}

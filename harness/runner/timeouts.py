@@ -65,7 +65,7 @@ def _flops_per_s(cell: CellSpec, device_type: str, device_name: str | None) -> f
 
 def expected_compute_s(cell: CellSpec, rate: float) -> float:
     """Model FLOPs of every step of ``cell`` on one rank, at ``rate`` FLOP/s."""
-    per_sample = models.flops_per_sample(models.get_preset(cell.model))
+    per_sample = models.flops_per_sample(cell.model_spec)
     return per_sample * cell.global_batch * cell.steps / cell.world_size / rate
 
 

@@ -42,7 +42,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness import distributed
 from harness.features import optimizers
-from harness.models.presets import get_preset
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
@@ -72,14 +71,14 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 
 
 def combination_problem(cell: CellSpec) -> str | None:
-    spec = get_preset(cell.model)
-    if spec.family != "llama":
-        return f"model {cell.model}: context parallel is wired for the llama family only"
+    spec = cell.model_spec
+    if spec.layout != "llama":
+        return f"model {cell.model_name}: context parallel is wired for the llama layout only (harness/models/spec.py)"
     if cell.attention != "sdpa":
         # Any other attention would run on the local shard alone: a silent wrong answer.
         return f"attention={cell.attention}: context parallel replaces SDPA, so it needs attention='sdpa'"
     if spec.required("seq_len") % (2 * cell.world_size):
-        return (f"model {cell.model}: seq_len={spec.seq_len} must be divisible by 2 x world_size ="
+        return (f"model {cell.model_name}: seq_len={spec.seq_len} must be divisible by 2 x world_size ="
                 f" {2 * cell.world_size} (the causal load balancer cuts it into 2W chunks)")
     return None
 

@@ -66,7 +66,6 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from harness.features import optimizers
-from harness.models.presets import get_preset
 from harness.strategies import deepspeed_zero
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
@@ -106,8 +105,9 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 
 
 def combination_problem(cell: CellSpec) -> str | None:
-    if get_preset(cell.model).family != "moe":
-        return f"model {cell.model}: expert parallel needs a mixture-of-experts model (family moe)"
+    if cell.model_spec.layout != "mixtral":
+        return (f"model {cell.model_name}: expert parallel needs a mixture-of-experts model of the mixtral layout"
+                " (harness/models/spec.py, Layout)")
     return None
 
 
@@ -207,9 +207,9 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 
 
 def _layout_problem(cell: CellSpec) -> str | None:
-    experts = get_preset(cell.model).n_experts or 0
+    experts = cell.model_spec.n_experts or 0
     if experts % cell.world_size:
-        return (f"world_size={cell.world_size} with deepspeed_autoep: model {cell.model}'s {experts} experts per"
+        return (f"world_size={cell.world_size} with deepspeed_autoep: model {cell.model_name}'s {experts} experts per"
                 " layer must divide evenly over the ranks")
     return None
 

@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from harness.models.presets import get_preset
 from harness.models.spec import ModelSpec
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
@@ -59,7 +58,7 @@ if TYPE_CHECKING:
     from harness.distributed import DistEnv
 
 INSTALL = "pip install megatron-core"
-FAMILIES = ("gpt2", "llama")
+LAYOUTS = ("gpt2", "llama")
 
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32"}),
@@ -95,9 +94,10 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 def combination_problem(cell: CellSpec) -> str | None:
     """Cells GPTModel in this tensor × pipeline layout cannot express exactly. (CellSpec has
     checked that the layout fits the world size and the model's depth.)"""
-    spec = get_preset(cell.model)
-    if spec.family not in FAMILIES:
-        return f"model {cell.model}: Megatron's GPTModel is built here for {', '.join(FAMILIES)} only"
+    spec = cell.model_spec
+    if spec.layout not in LAYOUTS:
+        return (f"model {cell.model_name}: Megatron's GPTModel is built here for the {' and '.join(LAYOUTS)} layouts"
+                " only (harness/models/spec.py, Layout)")
     if cell.attention != "eager":
         return (f"attention={cell.attention}: Megatron-core's local layer spec computes attention unfused"
                 " (DotProductAttention), which is HF's eager; set attention='eager'")
@@ -107,9 +107,9 @@ def combination_problem(cell: CellSpec) -> str | None:
     for name, size in sizes.items():
         if size % tp:
             # Padding the vocabulary would add logits the reference does not have.
-            return f"model {cell.model}: {name}={size} is not divisible by the tensor-parallel size tp_degree={tp}"
+            return f"model {cell.model_name}: {name}={size} is not divisible by the tensor-parallel size tp_degree={tp}"
     if spec.n_layers % pp:
-        return (f"model {cell.model}: its {spec.n_layers} layers do not split evenly into pp_degree={pp} stages"
+        return (f"model {cell.model_name}: its {spec.n_layers} layers do not split evenly into pp_degree={pp} stages"
                 " (Megatron's even split)")
     return None
 
@@ -158,7 +158,7 @@ def transformer_config(spec: ModelSpec, hf_config: PreTrainedConfig, tp_size: in
     )
     if checkpointing == "full":  # one checkpoint per transformer layer, as the harness's "full"
         common.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if spec.family == "gpt2":
+    if spec.layout == "gpt2":
         family = dict(
             normalization="LayerNorm", layernorm_epsilon=hf_config.layer_norm_epsilon,
             add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
@@ -179,7 +179,7 @@ def build_gpt_model(spec: ModelSpec, hf_config: PreTrainedConfig, config: Any) -
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    llama = spec.family == "llama"
+    llama = spec.layout == "llama"
     with torch.random.fork_rng(devices=[]):  # its throw-away init must not move the caller's RNG
         gpt: nn.Module = GPTModel(
             config=config,
@@ -245,6 +245,8 @@ def _llama_tensors(hf: PreTrainedModel, spec: ModelSpec) -> Iterator[tuple[str, 
     for i, layer in enumerate(m.layers):
         p = f"decoder.layers.{i}."
         a, mlp = layer.self_attn, layer.mlp
+        if a.q_proj.bias is not None:  # Qwen2's: the local spec's add_qkv_bias is not wired here
+            raise ValueError("megatron: the LLaMA-layout weight copy takes no attention biases; this model has them")
         yield p + "input_layernorm.weight", layer.input_layernorm.weight
         yield p + "self_attention.linear_qkv.weight", _interleave_qkv(
             a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, spec.kv_heads)
@@ -286,7 +288,7 @@ def copy_hf_weights(hf: PreTrainedModel, gpt: Any, spec: ModelSpec, tp_rank: int
     tensor-parallel rank's shard of them) with the HF model's weights; a parameter left unset
     or a shape that does not fit is an error."""
     tensors: Iterable[tuple[str, torch.Tensor]] = (
-        _gpt2_tensors(hf, spec) if spec.family == "gpt2" else _llama_tensors(hf, spec))
+        _gpt2_tensors(hf, spec) if spec.layout == "gpt2" else _llama_tensors(hf, spec))
     # The head: HF's lm_head, which is the embedding table itself where the model ties them.
     tensors = [*tensors, ("output_layer.weight", hf.get_output_embeddings().weight)]
     # TransformerLayer.layer_number counts from 1 over the whole model (the stage's offset added).
@@ -417,11 +419,11 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers import PreTrainedModel  # loaded with the model already; a registry lookup need not
 
-    # combination_problem admits gpt2 and llama only, which harness.models builds with transformers.
+    # combination_problem admits the gpt2 and llama layouts only, which transformers builds.
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"{type(model).__name__}: megatron copies the weights of a transformers causal LM"
-                        f" ({', '.join(FAMILIES)})")
-    spec = get_preset(cell.model)
+                        f" ({' or '.join(LAYOUTS)} layout)")
+    spec = cell.model_spec
     tp, pp = cell.strategy.layout("tp_degree"), cell.strategy.layout("pp_degree")
     use_layout(tp, pp)
     _seed_rng_tracker(cell.seed)
@@ -471,9 +473,9 @@ def _layout_problem(cell: CellSpec) -> str | None:
     if cell.world_size % (tp * pp):
         return (f"world_size={cell.world_size} with megatron tp_degree={tp} × pp_degree={pp}: the world size must"
                 f" be a multiple of tp_degree × pp_degree ({tp * pp}, {2 * tp * pp}, ...)")
-    n_layers = get_preset(cell.model).n_layers
+    n_layers = cell.model_spec.n_layers
     if pp > n_layers:
-        return f"pp_degree={pp} with model {cell.model}: more pipeline stages than its {n_layers} layers"
+        return f"pp_degree={pp} with model {cell.model_name}: more pipeline stages than its {n_layers} layers"
     return None
 
 

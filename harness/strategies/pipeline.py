@@ -64,7 +64,7 @@ CAPABILITIES = Capabilities(
 
 _SCHEDULES = {"pp_gpipe": ScheduleGPipe, "pp_1f1b": Schedule1F1B, "pp_interleaved_1f1b": ScheduleInterleaved1F1B}
 _STAGES_PER_RANK = {"pp_gpipe": 1, "pp_1f1b": 1, "pp_interleaved_1f1b": 2}
-_FAMILIES = ("gpt2", "llama")
+_LAYOUTS = ("gpt2", "llama")
 
 
 def n_stages(strategy: str, world_size: int) -> int:
@@ -83,17 +83,15 @@ def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
 
 
 def combination_problem(cell: CellSpec) -> str | None:
-    from harness.models.presets import PRESETS
-
-    spec = PRESETS[cell.model]
+    spec = cell.model_spec
     name, world = cell.strategy.name, cell.world_size
-    if spec.family not in _FAMILIES:
-        return (f"model={cell.model}: the pipeline split is written for the causal LMs"
-                f" ({', '.join(_FAMILIES)}), not family {spec.family}")
+    if spec.layout not in _LAYOUTS:
+        return (f"model={cell.model_name}: the pipeline split is written for the causal-LM layouts"
+                f" {' and '.join(_LAYOUTS)} (harness/models/spec.py, Layout), not {spec.layout or 'this model'}")
     stages = n_stages(name, world)
     empty = [i for i, blocks in enumerate(stage_blocks(spec.n_layers, stages)) if not blocks and 0 < i < stages - 1]
     if empty:
-        return (f"model={cell.model} at world_size={world}: {spec.n_layers} blocks cannot fill {stages} stages"
+        return (f"model={cell.model_name} at world_size={world}: {spec.n_layers} blocks cannot fill {stages} stages"
                 f" (stages {empty} would hold nothing); use a deeper model or fewer ranks")
     n_micro = cell.strategy.layout("pp_microbatches")
     if name == "pp_1f1b" and n_micro < stages:
@@ -177,14 +175,14 @@ class _LlamaStage(_Stage):
         return logits
 
 
-# Keyed by the model's class name: each stage class takes the model class it is keyed by.
-_STAGE_CLASSES: dict[str, Callable[..., _Stage]] = {"GPT2LMHeadModel": _GPT2Stage, "LlamaForCausalLM": _LlamaStage}
+# Keyed by the model's layout: a Mistral or Qwen2 causal LM has the modules _LlamaStage reads.
+_STAGE_CLASSES: dict[str, Callable[..., _Stage]] = {"gpt2": _GPT2Stage, "llama": _LlamaStage}
 
 
-def build_stage(model: PreTrainedModel, stage: int, n_stages: int) -> nn.Module:
-    """Stage ``stage`` of ``n_stages`` of ``model`` (its modules, not copies: checkpoint
-    wrappers applied to the blocks stay)."""
-    cls = _STAGE_CLASSES[type(model).__name__]
+def build_stage(model: PreTrainedModel, layout: str, stage: int, n_stages: int) -> nn.Module:
+    """Stage ``stage`` of ``n_stages`` of ``model`` of ``layout`` (its modules, not copies:
+    checkpoint wrappers applied to the blocks stay)."""
+    cls = _STAGE_CLASSES[layout]
     blocks = stage_blocks(model.config.num_hidden_layers, n_stages)[stage]
     return cls(model, blocks, first=stage == 0, last=stage == n_stages - 1)
 
@@ -252,10 +250,13 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     # combination_problem admits the causal LMs only, which harness.models builds with transformers.
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"{type(model).__name__}: the pipeline split takes a transformers causal LM"
-                        f" ({', '.join(_FAMILIES)})")
+                        f" ({' or '.join(_LAYOUTS)} layout)")
     stages_total = n_stages(cell.strategy.name, env.world_size)
     # Stage i runs on rank i mod world (the schedules' "loop" placement).
-    mine = {i: build_stage(model, i, stages_total).to(env.device)
+    layout = cell.model_spec.layout
+    if layout not in _LAYOUTS:  # combination_problem refused the cell before launch
+        raise ValueError(f"model={cell.model_name}: no pipeline split for its layout ({layout})")
+    mine = {i: build_stage(model, layout, i, stages_total).to(env.device)
             for i in range(env.rank, stages_total, env.world_size)}
     tied = model.get_input_embeddings().weight if _ties_embeddings(model) else None
     if not isinstance(tied, nn.Parameter | None):

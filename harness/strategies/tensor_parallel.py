@@ -1,5 +1,5 @@
 """Tensor parallelism (Megatron-LM's intra-layer split, Shoeybi et al. 2019) with
-torch.distributed.tensor.parallel, one plan per model family.
+torch.distributed.tensor.parallel, one plan per model layout (harness/models/spec.py, Layout).
 
 - tp: a 1-D mesh over every rank; each rank holds 1/world of every block's matmul weights
   and every rank takes the same samples (no data parallelism).
@@ -39,7 +39,6 @@ from transformers.pytorch_utils import Conv1D
 
 from harness import distributed
 from harness.features import optimizers
-from harness.models.presets import get_preset
 from harness.strategies import fsdp
 from harness.strategies.base import FSDP_CAPABILITIES, Capabilities, EngineModel, Prepared, Strategy
 
@@ -69,7 +68,7 @@ _TP_CAPABILITIES = Capabilities(
 # refusal is FSDP's.
 _TP_FSDP_CAPABILITIES = dataclasses.replace(
     _TP_CAPABILITIES, notes={**_TP_CAPABILITIES.notes, "fp16": FSDP_CAPABILITIES.notes["fp16"]})
-_PLANNED_FAMILIES = ("gpt2", "llama")
+_PLANNED_LAYOUTS = ("gpt2", "llama")
 
 
 def tp_degree(cell: CellSpec) -> int:
@@ -81,15 +80,15 @@ def tp_degree(cell: CellSpec) -> int:
 
 def combination_problem(cell: CellSpec) -> str | None:
     """A model this strategy has no plan for, or whose sizes do not split over the degree."""
-    spec = get_preset(cell.model)
-    if spec.family not in _PLANNED_FAMILIES:
-        return (f"model={cell.model}: no tensor-parallel plan for the {spec.family} family"
-                f" (plans exist for {', '.join(_PLANNED_FAMILIES)})")
+    spec = cell.model_spec
+    if spec.layout not in _PLANNED_LAYOUTS:
+        return (f"model={cell.model_name}: no tensor-parallel plan for its layout ({_layout_named(spec.layout)});"
+                f" plans exist for the {' and '.join(_PLANNED_LAYOUTS)} layouts (harness/models/spec.py, Layout)")
     degree = tp_degree(cell)
     # Every rank must hold whole (query and key/value) heads and an equal slice of the MLP.
     for field, size in (("n_heads", spec.required("n_heads")), ("n_kv_heads", spec.kv_heads), ("ffn_hidden", spec.ffn)):
         if size % degree:
-            return (f"model={cell.model}: {field}={size} does not split over tensor-parallel degree {degree};"
+            return (f"model={cell.model_name}: {field}={size} does not split over tensor-parallel degree {degree};"
                     f" choose a degree that divides {size}")
     return None
 
@@ -169,16 +168,20 @@ def _llama_plan() -> dict[str, ParallelStyle]:
     }
 
 
-_FAMILY: dict[str, tuple[Callable[[nn.Module, int], None], Callable[[], dict[str, ParallelStyle]]]] = {
+def _layout_named(layout: str | None) -> str:
+    return "not one harness.models.layouts recognises" if layout is None else layout
+
+
+_LAYOUT_PLANS: dict[str, tuple[Callable[[nn.Module, int], None], Callable[[], dict[str, ParallelStyle]]]] = {
     "gpt2": (_prepare_gpt2_block, _gpt2_plan),
     "llama": (_prepare_llama_block, _llama_plan),
 }
 
 
-def apply_tensor_parallel(model: nn.Module, block_type: type[nn.Module], family: str, tp_mesh: DeviceMesh) -> None:
-    """Split every ``block_type`` block over ``tp_mesh`` in place (inside any checkpoint
-    wrapper: the plan names modules relative to the block)."""
-    prepare_block, plan = _FAMILY[family]
+def apply_tensor_parallel(model: nn.Module, block_type: type[nn.Module], layout: str, tp_mesh: DeviceMesh) -> None:
+    """Split every ``block_type`` block over ``tp_mesh`` in place by the plan for its ``layout``
+    (inside any checkpoint wrapper: the plan names modules relative to the block)."""
+    prepare_block, plan = _LAYOUT_PLANS[layout]
     degree = tp_mesh.size()
     for block in [m for m in model.modules() if isinstance(m, block_type)]:
         prepare_block(block, degree)
@@ -217,7 +220,10 @@ def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     mesh = _mesh(cell, env)  # through distributed.mesh: one per process group, built outside a trace's fake mode
     model = model.to(env.device)
-    apply_tensor_parallel(model, block_type, get_preset(cell.model).family, mesh["tp"])
+    layout = cell.model_spec.layout
+    if layout is None:  # combination_problem refused the cell before launch
+        raise ValueError(f"model={cell.model_name}: no tensor-parallel plan for its layout")
+    apply_tensor_parallel(model, block_type, layout, mesh["tp"])
     if cell.strategy.name == "tp":
         return Prepared(model=model, optimizer=optimizers.make(_param_groups(model), cell.strategy.optimizer, cell.lr),
                         data_rank=0)

@@ -1,0 +1,80 @@
+"""Family hf_config: a model from a transformers config.json, built with random weights by
+the Auto class of its task (harness.models.sources resolved the config; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForMaskedLM,
+    PretrainedConfig,
+)
+
+from . import bert
+from .common import ParamCount, causal_lm_batch, hf_attention, hf_loss
+from .spec import ModelSpec, TransformersConfig
+
+_AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "masked_lm": AutoModelForMaskedLM,
+                 "image_classification": AutoModelForImageClassification}
+loss = hf_loss
+
+
+def transformers_config(hf: TransformersConfig, attention: str | None = None) -> PretrainedConfig:
+    config = dict(hf.config)
+    model_type = config.pop("model_type")
+    if attention is not None:
+        config["attn_implementation"] = hf_attention(attention)
+    return AutoConfig.for_model(model_type, **config)
+
+
+def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
+    hf = _hf(spec)
+    module: nn.Module = _AUTO_CLASSES[hf.task].from_config(transformers_config(hf, attention))
+    return module
+
+
+def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> dict[str, torch.Tensor]:
+    task = _hf(spec).task
+    if task == "causal_lm":
+        return causal_lm_batch(spec, generator, batch_size)
+    if task == "masked_lm":
+        return bert.make_batch(spec, generator, batch_size)  # the same count of masked tokens per sample
+    channels = int(_hf(spec).config.get("num_channels", 3))
+    image_size = spec.required("image_size")
+    return {
+        "pixel_values": torch.randn((batch_size, channels, image_size, image_size), generator=generator),
+        "labels": torch.randint(spec.required("num_classes"), (batch_size,), generator=generator),
+    }
+
+
+def count_params(spec: ModelSpec) -> ParamCount:
+    """Counted on a build on the meta device (no memory): the lookup tables are the model's
+    nn.Embedding weights, a LM head tied to one of them is credited with its matmul."""
+    return _count_on_meta(spec)
+
+
+@functools.cache
+def _count_on_meta(spec: ModelSpec) -> ParamCount:
+    with torch.device("meta"):
+        module = build_module(spec)
+    return count_module(module)
+
+
+def count_module(module: nn.Module) -> ParamCount:
+    params = list(module.parameters())  # a tied weight once
+    tables = [m.weight for m in module.modules() if isinstance(m, nn.Embedding)]
+    head = getattr(module, "get_output_embeddings", lambda: None)()
+    tied = head is not None and any(head.weight is t for t in tables)
+    return ParamCount(total=sum(p.numel() for p in params), embedding=sum(t.numel() for t in tables),
+                      tied_head=head.weight.numel() if head is not None and tied else 0)
+
+
+def _hf(spec: ModelSpec) -> TransformersConfig:
+    if spec.hf is None:
+        raise ValueError(f"model {spec.name}: family hf_config without a config")
+    return spec.hf

@@ -1,0 +1,223 @@
+"""Where a cell's model comes from: a preset's name, a transformers config.json (with
+overrides of its own keys), or a factory of one's own, resolved here once into the ModelSpec
+a cell carries.
+
+    resolve("gpt2-124m")                                  -> "gpt2-124m" (a preset, by name)
+    resolve("configs/mistral.json")                       -> ModelSpec(family="hf_config", ...)
+    resolve({"config": "configs/mistral.json", "num_hidden_layers": 4})
+    resolve("mypackage.models:tiny")                      -> ModelSpec(family="factory", ...)
+
+A config is read as it is on disk: nothing is downloaded and no remote code runs (a config
+whose ``auto_map`` names remote code is refused). Its sizes are read through transformers'
+own config class (AutoConfig.for_model), its layout and parameter count from a build on the
+meta device. The resolved config, kept whole in the ModelSpec and so in every record, is the
+file's keys with the overrides applied, dropout probabilities set to 0 (dropout draws from
+each rank's RNG, which would break the equivalence with the one-process reference) and
+``use_cache`` off (a KV cache is for generation). The cell id names it
+``{model_type}-{size}-{hash}``: its parameters, and 6 hex digits of the resolved config.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from .presets import PRESETS
+from .spec import ModelSpec, Task, TransformersConfig
+
+# Which task an architecture's class name says it is trained for.
+_TASK_BY_SUFFIX: tuple[tuple[str, Task], ...] = (
+    ("ForCausalLM", "causal_lm"), ("LMHeadModel", "causal_lm"),
+    ("ForMaskedLM", "masked_lm"), ("ForImageClassification", "image_classification"),
+)
+# A config with no ``architectures`` entry is a causal LM (the common case), as
+# AutoModelForCausalLM would build it; give ``architectures`` for another task.
+_DEFAULT_TASK: Task = "causal_lm"
+# A config's model is trained by default at the largest power of two within its
+# max_position_embeddings (RoBERTa's 514 counts its padding offset: 512), at most this (a
+# config may allow 128k tokens): a cell's seq_len sets another.
+DEFAULT_SEQ_LEN = 2048
+CONFIG_KEY = "config"
+
+
+def resolve(model: str | dict[str, Any], where: str = "model") -> str | ModelSpec:
+    """A preset's name as it is, or the ModelSpec of a config file (``where`` names the
+    option in the messages: ``--model``, ``cells[2].model``)."""
+    if isinstance(model, dict):
+        overrides = dict(model)
+        path = overrides.pop(CONFIG_KEY, None)
+        if not isinstance(path, str):
+            raise ValueError(f"{where}: a table names its config.json as {CONFIG_KEY} = \"path/to/config.json\","
+                             " its other keys override the config's own")
+        return _resolve_config(path, json.dumps(overrides, sort_keys=True), where)
+    if not isinstance(model, str):
+        raise ValueError(f"{where}={model!r}: a preset's name, a config.json path, or a table with {CONFIG_KEY}")
+    if model in PRESETS:
+        return model
+    if model.endswith(".json") or Path(model).is_file():
+        return _resolve_config(model, "{}", where)
+    if ":" in model:
+        return _resolve_factory(model, where)
+    raise ValueError(f"{where}: unknown model {model!r}: not a preset ({', '.join(PRESETS)}), a config.json file"
+                     " nor a package.module:function factory")
+
+
+@functools.cache
+def _resolve_config(path: str, overrides_json: str, where: str) -> ModelSpec:
+    file = Path(path)
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where}={path}: cannot read it ({error})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}={path}: not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}={path}: a config.json holds one JSON object")
+    overrides = json.loads(overrides_json)
+    unknown = sorted(set(overrides) - set(config))
+    if unknown:
+        raise ValueError(f"{where}={path}: override(s) {', '.join(unknown)} are not keys of the config;"
+                         f" override the config's own keys only")
+    config |= overrides
+    _refuse_remote_code(config, path, where)
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f"{where}={path}: no model_type: a transformers config.json names its model_type")
+    _check_known(model_type, path, where)
+    task = _task(config, path, where)
+    config = _for_training(_with_defaults(config))
+    return _spec(path, model_type, task, config, where)
+
+
+def _refuse_remote_code(config: dict[str, Any], path: str, where: str) -> None:
+    if "auto_map" in config:
+        raise ValueError(f"{where}={path}: its auto_map names code outside transformers ({config['auto_map']});"
+                         " shardbench runs no remote code: use a model type transformers has, or a factory")
+
+
+def _check_known(model_type: str, path: str, where: str) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ValueError(f"{where}={path}: model_type={model_type!r} is not one this transformers knows"
+                         " (a newer transformers, or remote code, which shardbench does not run)")
+
+
+def _task(config: dict[str, Any], path: str, where: str) -> Task:
+    architectures = config.get("architectures") or []
+    if not architectures:
+        return _DEFAULT_TASK
+    for suffix, task in _TASK_BY_SUFFIX:
+        if architectures[0].endswith(suffix):
+            return task
+    raise ValueError(f"{where}={path}: architecture {architectures[0]} is not a causal LM, masked LM or image"
+                     " classifier (the tasks shardbench builds batches for)")
+
+
+def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """Every key the model is built from, the config class's defaults included, so that the
+    record holds the whole config and dropout the file leaves at its default is seen."""
+    from transformers import AutoConfig
+
+    given = {k: v for k, v in config.items() if k != "model_type"}
+    full: dict[str, Any] = AutoConfig.for_model(config["model_type"], **given).to_dict()
+    full.pop("transformers_version", None)  # which transformers wrote it: the provenance says so
+    return full
+
+
+def _for_training(config: dict[str, Any]) -> dict[str, Any]:
+    """Dropout (and layer drop, stochastic depth) off: every rank would draw its own masks; no KV cache."""
+    out = {k: 0.0 if _is_dropout(k, v) else v for k, v in config.items()}
+    out["use_cache"] = False
+    return out
+
+
+def _is_dropout(key: str, value: object) -> bool:
+    """A probability of dropping something at random: dropout, *_pdrop, layerdrop, drop_path_rate."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and "drop" in key and value > 0
+
+
+def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where: str) -> ModelSpec:
+    """The ModelSpec of a resolved config: its sizes as transformers reads them, its layout
+    and size from a build on the meta device."""
+    import torch
+
+    from . import hf_config, layouts
+
+    config_json = json.dumps(config, sort_keys=True)
+    hf = TransformersConfig(model_type=model_type, task=task, config_json=config_json, source=path)
+    c = hf_config.transformers_config(hf)
+    text = task != "image_classification"
+    max_positions = getattr(c, "max_position_embeddings", None) if text else None
+    sizes: dict[str, Any] = {
+        "n_layers": c.num_hidden_layers, "hidden": c.hidden_size, "n_heads": c.num_attention_heads,
+        "n_kv_heads": getattr(c, "num_key_value_heads", None),
+        "ffn_hidden": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None),
+        "vocab_size": c.vocab_size if text else None,
+        "seq_len": _default_seq_len(max_positions) if text else None,
+        "image_size": None if text else _side(c.image_size),
+        "patch_size": None if text or not hasattr(c, "patch_size") else _side(c.patch_size),
+        "num_classes": None if text else c.num_labels,
+        "n_experts": getattr(c, "num_local_experts", None), "top_k": getattr(c, "num_experts_per_tok", None),
+    }
+    if sizes["n_experts"] is None:
+        sizes["top_k"] = None
+    provisional = ModelSpec(name=model_type, family="hf_config", hf=hf, max_seq_len=max_positions,
+                            tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), **sizes)
+    with torch.device("meta"):
+        module = hf_config.build_module(provisional)
+    try:
+        layout = layouts.recognise(module)
+    except ValueError as error:
+        raise ValueError(f"{where}={path}: {error}") from None
+    n_params = sum(p.numel() for p in module.parameters())
+    digest = hashlib.sha1(config_json.encode()).hexdigest()[:6]
+    return ModelSpec(**{**provisional.__dict__, "name": f"{model_type}-{_size(n_params)}-{digest}",
+                        "hf": TransformersConfig(**{**hf.__dict__, "layout": layout})})
+
+
+@functools.cache
+def _resolve_factory(path: str, where: str) -> ModelSpec:
+    """A factory's ModelSpec: its repeated blocks, width and parameters from a build on the meta
+    device, its tokens per sample from one sample of its batches."""
+    import torch
+
+    from . import factory, layouts
+
+    try:
+        with torch.device("meta"):
+            module, make_batch = factory.made(path)
+        blocks = layouts.repeated_blocks(module)
+    except ValueError as error:
+        raise ValueError(f"{where}={path}: {error}") from None
+    sample = make_batch(torch.Generator().manual_seed(0), 1)
+    ids = sample.get("input_ids")
+    linears = [m for m in blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+    hidden = linears[0].in_features if linears else 1
+    n_params = sum(p.numel() for p in module.parameters())
+    digest = hashlib.sha1(path.encode()).hexdigest()[:6]
+    return ModelSpec(name=f"{path.rpartition(':')[2]}-{_size(n_params)}-{digest}", family="factory", factory=path,
+                     n_layers=len(blocks), hidden=hidden, seq_len=int(ids.shape[1]) if ids is not None else None)
+
+
+def _default_seq_len(max_positions: int | None) -> int:
+    if max_positions is None or max_positions >= DEFAULT_SEQ_LEN:
+        return DEFAULT_SEQ_LEN
+    return 1 << (max_positions.bit_length() - 1)
+
+
+def _side(size: int | list[int] | tuple[int, ...]) -> int:
+    """An image or patch size (transformers takes an int or a square's (h, w))."""
+    if isinstance(size, int):
+        return size
+    if len(set(size)) != 1:
+        raise ValueError(f"image or patch size {size}: only square images are built")
+    return int(size[0])
+
+
+def _size(n_params: int) -> str:
+    return f"{n_params / 1e9:.1f}b" if n_params >= 1e9 else f"{n_params / 1e6:.0f}m" if n_params >= 1e6 else (
+        f"{n_params / 1e3:.0f}k")

@@ -1,0 +1,166 @@
+"""Models as data: a transformers config.json resolved into a cell's model (harness/models/
+sources.py), its layout recognised from its modules, sequence length as a cell option."""
+
+import json
+from typing import get_args
+
+import pytest
+import torch
+
+import model_configs  # tests/ is on sys.path (rootdir conftest, prepend import mode)
+from harness import models, strategies, suite_files
+from harness.config import CellSpec, StrategySpec
+from harness.models import layouts, sources
+from harness.models.spec import Family
+from harness.predict import analytic
+from model_configs import CONFIGS, LAYOUTS, LLAMA_LIKE, TASKS
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("configs")
+    return {name: sources.resolve(str(model_configs.write(folder, name))) for name in CONFIGS}
+
+
+def test_six_architectures_beyond_the_built_in_families_are_tested():
+    assert len(CONFIGS) >= 6 and len(LLAMA_LIKE) >= 2
+    assert not {c["model_type"] for c in CONFIGS.values()} & set(get_args(Family))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_config_resolves_to_its_sizes_layout_and_task_and_trains(resolved, name):
+    spec = resolved[name]
+    config = CONFIGS[name]
+    assert spec.family == "hf_config" and spec.hf.model_type == config["model_type"]
+    assert spec.layout == LAYOUTS[name] and spec.task == TASKS.get(name, "causal_lm")
+    assert (spec.n_layers, spec.hidden, spec.n_heads) == (2, 64, 4)
+    built = models.build(spec)
+    # The repeated block is found in the model: the config's own decoder (or encoder) layer class.
+    assert built.block_type.__name__.endswith(("DecoderLayer", "Layer")) and built.block_type.__module__.startswith(
+        "transformers.models.")
+    assert built.n_params == models.analytic_n_params(spec) == models.param_layout(spec).numel
+    batch = built.make_batch(torch.Generator().manual_seed(0), 2)
+    loss = built.loss(built.module, batch)
+    assert torch.isfinite(loss) and loss.item() > 0
+    # Nothing draws from an RNG in the forward: the same batch gives the same loss (dropout,
+    # layer drop and stochastic depth are off).
+    assert built.loss(built.module, batch).item() == loss.item()
+    assert not [k for k, v in spec.hf.config.items() if "drop" in k and isinstance(v, float) and v]
+
+
+def test_the_cell_id_is_short_and_the_record_rebuilds_the_model(resolved):
+    spec = resolved["mistral"]
+    cell = CellSpec(model=spec, strategy=StrategySpec(name="ddp"), seq_len=32)
+    assert cell.cell_id.startswith(f"mistral-{spec.name.split('-')[1]}-") and "/seq32/" in cell.cell_id
+    assert len(cell.cell_id.split("/")[0]) <= len("mistral-140k-abcdef")
+    record = json.loads(json.dumps(cell.to_dict()))
+    assert record["model"]["hf"]["config"]["num_key_value_heads"] == 2  # the whole config, as JSON
+    again = CellSpec.from_dict(record)
+    assert again == cell and again.cell_id == cell.cell_id
+
+
+def test_the_same_config_from_another_file_is_the_same_model_and_an_override_is_another(resolved, tmp_path):
+    copy = sources.resolve(str(model_configs.write(tmp_path, "mistral")))
+    assert copy.name == resolved["mistral"].name
+    deeper = sources.resolve({"config": str(model_configs.write(tmp_path, "mistral")), "num_hidden_layers": 4})
+    assert deeper.n_layers == 4 and deeper.name != copy.name and deeper.hf.config["num_hidden_layers"] == 4
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}, "shardbench runs no remote code"),
+    ({"model_type": "not_a_model"}, "model_type='not_a_model' is not one this transformers knows"),
+    ({"architectures": ["MistralForTokenClassification"]}, "is not a causal LM, masked LM or image classifier"),
+])
+def test_a_config_that_cannot_be_built_here_is_refused_with_the_reason(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        sources.resolve(str(model_configs.write(tmp_path, "mistral", **change)))
+
+
+def test_an_override_of_a_key_the_config_lacks_is_refused(tmp_path):
+    path = str(model_configs.write(tmp_path, "mistral"))
+    with pytest.raises(ValueError, match="num_layers are not keys of the config"):
+        sources.resolve({"config": path, "num_layers": 4})
+    with pytest.raises(ValueError, match=r"unknown model 'gpt2-huge': not a preset"):
+        sources.resolve("gpt2-huge")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layout_strategies_take_recognised_layouts_and_refuse_the_rest_before_launch(resolved, name):
+    spec = resolved[name]
+    for strategy in ("tp", "pp_gpipe", "megatron"):
+        options = {"attention": "eager"} if strategy == "megatron" else {}
+        cell = CellSpec(model=spec, strategy=StrategySpec(name=strategy), **options)
+        problem = strategies.incompatibility(cell)
+        if LAYOUTS[name] == "llama":
+            assert problem is None, problem
+        else:
+            assert problem is not None and "layout" in problem
+    for strategy in ("ddp", "fsdp_full", "deepspeed_zero3", "zero1"):
+        for checkpointing in ("none", "full"):
+            cell = CellSpec(model=spec, strategy=StrategySpec(name=strategy, checkpointing=checkpointing))
+            assert strategies.incompatibility(cell) is None
+            assert "peak_bytes" in analytic.predict(cell)
+
+
+def test_every_preset_is_built_with_the_layout_it_declares():
+    for name, spec in models.PRESETS.items():
+        if spec.n_layers * spec.hidden > 64 * 64:
+            continue  # the real sizes are built on the meta device below
+        assert layouts.recognise(models.build(spec).module) == spec.layout, name
+    with torch.device("meta"):
+        assert layouts.recognise(models.built._FAMILIES["llama"].build_module(models.PRESETS["llama3-8b"])) == "llama"
+
+
+def test_seq_len_is_a_cell_option_the_model_and_predictions_follow():
+    short = CellSpec(model="gpt2-124m", strategy=StrategySpec(name="ddp"), seq_len=256)
+    assert short.model_spec.seq_len == 256 and short.cell_id.endswith("/seq256/mb2/ws2/seed0")
+    own = CellSpec(model="gpt2-124m", strategy=StrategySpec(name="ddp"), seq_len=1024)
+    assert own.seq_len is None and "seq" not in own.cell_id  # the preset's own length: the same cell
+    long_acts = analytic.predict(own)["activation_bytes"]["layers"]
+    assert analytic.predict(short)["activation_bytes"]["layers"] < long_acts / 3
+    with pytest.raises(ValueError, match="seq_len=8: applies to text models; vit-tiny"):
+        CellSpec(model="vit-tiny", strategy=StrategySpec(name="ddp"), seq_len=8)
+
+
+def test_a_config_longer_than_its_position_table_is_refused(resolved):
+    with pytest.raises(ValueError, match="takes at most 64 tokens"):
+        CellSpec(model=resolved["mistral"], strategy=StrategySpec(name="ddp"), seq_len=128)
+
+
+def test_a_suite_file_names_a_config_beside_it_and_overrides_its_keys(tmp_path):
+    model_configs.write(tmp_path, "qwen2")
+    suite = tmp_path / "mine.toml"
+    suite.write_text('[defaults]\nseq_len = 32\n[[cells]]\nmodel = "qwen2/config.json"\nstrategy = ["single", "ddp"]\n'
+                     '[[cells]]\nmodel = { config = "qwen2/config.json", num_hidden_layers = 4 }\nstrategy = "ddp"\n')
+    cells = suite_files.cells(suite, world_size=2)
+    assert [c.strategy.name for c in cells] == ["single", "ddp", "ddp"]
+    assert cells[0].model_name == cells[1].model_name != cells[2].model_name
+    assert cells[2].model_spec.n_layers == 4 and all(c.model_spec.seq_len == 32 for c in cells)
+
+
+def test_a_factory_of_ones_own_is_a_model(tmp_path):
+    spec = sources.resolve("factory_model:classifier")
+    assert spec.family == "factory" and spec.n_layers == 3 and spec.hidden == 32
+    assert spec.name.startswith("classifier-") and spec.layout is None and spec.tokens_per_sample == 1
+    built = models.build(spec, seed=3)
+    assert built.block_type.__name__ == "Block" and built.n_params == models.analytic_n_params(spec)
+    batch = built.make_batch(torch.Generator().manual_seed(0), 4)
+    assert built.loss(built.module, batch).item() > 0
+    again = models.build(spec, seed=3)  # the seed alone decides the weights
+    assert all(torch.equal(a, b) for a, b in zip(built.module.parameters(), again.module.parameters()))
+    cell = CellSpec(model=spec, strategy=StrategySpec(name="ddp"))
+    assert CellSpec.from_dict(json.loads(json.dumps(cell.to_dict()))) == cell
+    assert "family factory: no activation or parameter formula" in analytic.predict(cell)["unavailable"]
+    assert strategies.incompatibility(CellSpec(model=spec, strategy=StrategySpec(name="tp"))) is not None
+    with pytest.raises(ValueError, match="a factory's, which makes its own batches"):
+        CellSpec(model=spec, strategy=StrategySpec(name="ddp"), seq_len=16)
+
+
+@pytest.mark.parametrize("path, message", [
+    ("factory_model:not_a_pair", r"must return \(nn.Module, make_batch"),
+    ("factory_model:missing", "has no function missing"),
+    ("no_such_package.models:make", "cannot import no_such_package.models"),
+])
+def test_a_factory_that_breaks_the_contract_is_refused_with_the_reason(path, message):
+    with pytest.raises(ValueError, match=message):
+        sources.resolve(path)

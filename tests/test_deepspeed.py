@@ -8,6 +8,7 @@ or $TORCH_EXTENSIONS_DIR): the first run of this file on a machine takes ~80-160
 """
 
 import inspect
+import sys
 
 import pytest
 
@@ -15,6 +16,7 @@ pytest.importorskip("deepspeed")
 
 from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
+from harness.predict import analytic_data_parallel
 from harness.results.store import RunStore
 from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
@@ -25,34 +27,53 @@ def cell(model: str, strategy: str, **options) -> CellSpec:
     return CellSpec(model=model, strategy=StrategySpec(name=strategy, **options))
 
 
-def n_elements(model: str) -> int:
-    built = models.build(models.get_preset(model), seed=0)
-    return sum(p.numel() for p in built.module.parameters())
-
-
 # ---------------------------------------------------------------- without launching
 
-def test_config_is_built_from_the_cell_with_buckets_sized_to_the_model():
+def test_config_is_built_from_the_cell_with_transformers_auto_sizes():
     c = cell("gpt2-tiny", "deepspeed_zero3", precision="bf16", accumulation=4, offload="optimizer_params")
-    built = models.build(c.model_spec, seed=0)
-    config = deepspeed_zero.ds_config(built.module, c)
-    n = n_elements(c.model)
+    config = deepspeed_zero.ds_config(c)
     zero = config["zero_optimization"]
     assert zero["stage"] == 3
     assert config["train_micro_batch_size_per_gpu"] == c.micro_batch
     assert config["gradient_accumulation_steps"] == 4
     assert config["train_batch_size"] == c.global_batch
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
-    # DeepSpeed's defaults are 5e8-element buckets (~1.9 GiB fp32 per rank).
-    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == n < 5e8
-    assert zero["stage3_prefetch_bucket_size"] == n
-    assert zero["stage3_param_persistence_threshold"] == 0
+    # transformers' `auto` rules from gpt2-tiny's hidden size (64), never the model's size
+    # (134,912 elements), and DeepSpeed's defaults where transformers has no rule.
+    assert deepspeed_zero.model_hidden(c) == 64
+    assert zero["reduce_bucket_size"] == 64 * 64
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64) == 3686
+    assert zero["stage3_param_persistence_threshold"] == 640
+    assert zero["allgather_bucket_size"] == 500_000_000
+    assert zero["stage3_model_persistence_threshold"] == sys.maxsize
+    assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 1_000_000_000
+    assert zero["memory_efficient_linear"] is False
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
     assert config["comms_logger"]["enabled"]
 
-    fp16 = deepspeed_zero.ds_config(built.module, cell("gpt2-tiny", "deepspeed_zero1", precision="fp16"))
+    fp16 = deepspeed_zero.ds_config(cell("gpt2-124m", "deepspeed_zero1", precision="fp16"))
     assert fp16["fp16"] == {"enabled": True, "loss_scale": 0}  # dynamic loss scaling
-    assert fp16["zero_optimization"]["stage"] == 1 and "stage3_prefetch_bucket_size" not in fp16["zero_optimization"]
+    zero1 = fp16["zero_optimization"]
+    assert zero1 == {"stage": 1, "reduce_bucket_size": 768 * 768, "allgather_bucket_size": 500_000_000}
+
+
+def test_the_sizes_are_deepspeeds_own_defaults_where_transformers_has_no_rule():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    defaults = DeepSpeedZeroConfig()
+    assert defaults.allgather_bucket_size == deepspeed_zero.ALLGATHER_BUCKET_ELEMENTS
+    assert defaults.model_persistence_threshold == deepspeed_zero.MODEL_PERSISTENCE_THRESHOLD
+    assert defaults.max_live_parameters == deepspeed_zero.MAX_LIVE_PARAMETERS
+    assert defaults.max_reuse_distance == deepspeed_zero.MAX_REUSE_DISTANCE
+    # and DeepSpeed reads every key the rule sets (a misspelt key would be refused)
+    DeepSpeedZeroConfig(**deepspeed_zero.ds_config(cell("gpt2-tiny", "deepspeed_zero3"))["zero_optimization"])
+
+
+def test_persistent_elements_follow_deepspeeds_two_thresholds():
+    shapes = [(64, 64), (64,), (64,), (640,), (641,), (8, 8)]
+    assert deepspeed_zero.persistent_numel(shapes, 640, sys.maxsize) == 64 + 64 + 640 + 64
+    # the model-wide cap skips a parameter that would pass it and goes on with the next
+    assert deepspeed_zero.persistent_numel(shapes, 640, 700) == 64 + 64 + 64
 
 
 def test_parameter_offload_is_refused_below_stage_3():
@@ -133,12 +154,16 @@ def test_comms_logger_agrees_with_the_harness_counter(records, c):
 
 @pytest.mark.parametrize("c", CELLS, ids=lambda c: c.cell_id)
 def test_estimates_buckets_and_optimizer_are_recorded(records, c):
-    n = n_elements(c.model)
+    layout = models.param_layout(c.model_spec)
     for rank in records[c.cell_id]["per_rank"]:
         engine = rank["engine"]
         zero = engine["config"]["zero_optimization"]
         assert zero["stage"] == engine["zero_stage"] == deepspeed_zero.STAGES[c.strategy.name]
-        assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == n
+        assert engine["sizing_hidden"] == 64
+        assert zero["reduce_bucket_size"] == 64 * 64 and zero["allgather_bucket_size"] == 500_000_000
+        # The parameters the engine made persistent are the ones the predictor counts.
+        expected = analytic_data_parallel.persistent_numel(c, layout)
+        assert engine["persistent_numel"] == (expected if zero["stage"] == 3 else None)
         estimates = engine["memory_estimates"]
         if c.strategy.offload == "params":  # DeepSpeed has no estimator for it
             assert estimates["estimator"] is None and "offload_param" in estimates["note"]

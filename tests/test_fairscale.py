@@ -82,3 +82,13 @@ def test_gate_catches_sdp_with_set_to_none_zeroing(records):
     eq = record["equivalence"]
     assert not eq["passed"] and eq["max_rel_loss_diff"] > 10 * eq["tolerance"], eq
     assert records[gpt2("fairscale_sdp").cell_id]["equivalence"]["passed"]
+
+
+def test_engine_settings_are_recorded(records):
+    """FairScale's defaults and the DDP under OSS, in every rank's record (README "Engine settings")."""
+    sdp, oss = records[gpt2("fairscale_sdp").cell_id], records[gpt2("fairscale_oss").cell_id]
+    for rank in sdp["per_rank"]:
+        # 2**23 elements, capped by FairScale at gpt2-tiny's 134,912.
+        assert rank["engine"] == {"name": "fairscale_sdp", "reduce_buffer_size": 2**23,
+                                  "reduce_buffer_elements": sdp["model"]["n_params"]}
+    assert all(rank["engine"]["bucket_cap_mb"] == 25.0 for rank in oss["per_rank"])

@@ -144,6 +144,24 @@ def test_model_states_shrink_with_the_zero_stage():
     assert totals[2]["params"] == totals[2]["grads"] == 4 * n / 4
 
 
+def test_deepspeed_zero3_buckets_and_persistence_follow_the_hidden_size():
+    """gpt2-124m (h = 768) by hand: the h² reduce bucket held between steps, and the
+    parameters within 10·h elements (every block's norms and biases, the final norm) whole on
+    every rank, gathered once per step rather than in every micro-step's forward."""
+    n = models.param_layout(models.get_preset("gpt2-124m")).numel
+    persistent = 12 * (2 * 768 + 3 * 768 + 768 + 2 * 768 + 4 * 768 + 768) + 2 * 768
+    assert persistent == 121_344
+    p = analytic.predict(_cell("deepspeed_zero3"))
+    assert p["model_states_bytes"]["buffers"] == 4 * 768 * 768
+    assert p["model_states_bytes"]["params"] == 4 * n / 4 + 4 * persistent
+    assert p["transient_bytes"]["gathered"] == 4 * (n - persistent)  # within stage3_max_live_parameters
+    accumulated = analytic.predict(_cell("deepspeed_zero3", accumulation=4))["comm_bytes_by_op"]
+    assert accumulated == {"all_gather": 4 * (4 * (n - persistent) + persistent), "reduce_scatter": 4 * 4 * n}
+    offloaded = analytic.predict(_cell("deepspeed_zero3", offload="params"))["offloaded_bytes"]
+    assert offloaded["params"] == pytest.approx(4 * (n - persistent) / 4)  # the persistent ones stay
+    assert analytic.predict(_cell("deepspeed_zero2"))["model_states_bytes"]["buffers"] == 0
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_default_cell_has_a_prediction_or_a_reason(world_size):
     for cell in suites.cells_of("default", world_size):

@@ -39,7 +39,8 @@ MODEL_STATES = {
                         "4Ψ params + 4Ψ/N_d grads + (4 + 8)·Ψ/N_d fp32 master + moments"),
     "deepspeed_zero3": ("DeepSpeed ZeRO-3 shards parameters, gradients and optimizer state",
                         "(4 + 4 + 4 + 8)·Ψ/N_d: params, grads, fp32 master, moments; + the reduce bucket"
-                        " it keeps between steps, min(Ψ, 5e8)·4"),
+                        " it keeps between steps, h²·4 (reduce_bucket_size = h², hidden size h), and its"
+                        " persistent parameters (≤ 10·h elements each) whole: 4·Ψ_persistent"),
 }
 
 # strategy -> title: the comm_volume/<strategy> claims (ZeRO §7, FSDP §3.2.1), judged against

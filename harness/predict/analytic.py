@@ -103,7 +103,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> di
         parts = model_parallel_parts(cell, spec, layout)
         keys = ("states", "activations", "comm", "transient", "extra")
         states, acts, comm, transient, extra = (parts[k] for k in keys)
-    offloaded = offloaded_bytes(cell, states)
+    offloaded = offloaded_bytes(cell, states, layout)
     model_state_bytes = sum(states.values())
     return {
         "model_states_bytes": states,

@@ -23,12 +23,13 @@ from harness.predict.formulas import (
     blockwise_8bit_state_bytes,
     powersgd_elements,
 )
-from harness.strategies import deepspeed_zero  # its bucket sizing; DeepSpeed itself is imported on use
+from harness.strategies import deepspeed_zero  # its sizing rule; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
 
-# DeepSpeed's default stage3_max_live_parameters: a model within it stays gathered from
-# forward to backward (measured here: one all-gather per micro-step for the tiny models).
-DS_MAX_LIVE_PARAMETERS = 1e9
+# DeepSpeed's stage3_max_live_parameters as harness/strategies/deepspeed_zero.py sets it (its
+# default): a model within it stays gathered from forward to backward (measured here: one
+# all-gather per micro-step for the tiny models).
+DS_MAX_LIVE_PARAMETERS = deepspeed_zero.MAX_LIVE_PARAMETERS
 # Bytes of one value in the cell's compute precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -56,6 +57,21 @@ def tensor_parallel_degree(cell: CellSpec) -> int:
     return cell.world_size if _engine(cell).analytic == "tensor_parallel" else 1
 
 
+def _ds_sizes(cell: CellSpec) -> dict[str, int]:
+    """The ZeRO-3 sizes harness/strategies/deepspeed_zero.py configures for the cell's model."""
+    return deepspeed_zero.zero_sizes(deepspeed_zero.model_hidden(cell), 3)
+
+
+def persistent_numel(cell: CellSpec, layout: ParamLayout) -> int:
+    """Elements every rank keeps whole beside their shard: DeepSpeed ZeRO-3's persistent
+    parameters (those within stage3_param_persistence_threshold); 0 for other engines."""
+    if _engine(cell).persistent_params == "none":
+        return 0
+    sizes = _ds_sizes(cell)
+    return deepspeed_zero.persistent_numel(layout.shapes, sizes["stage3_param_persistence_threshold"],
+                                           sizes["stage3_model_persistence_threshold"])
+
+
 def optimizer_state_bytes(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], optimizer: str) -> float:
     """Bytes of optimizer state for fp32 parameters of the given shapes under the cell's
     optimizer (harness/features/optimizers.py), by its paper's formula."""
@@ -77,8 +93,9 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     precision and an fp32 master partition (K = 4 + the optimizer's state), as the paper.
     ``buffers``: DDP's flat gradient bucket (one gradient-sized copy; torch DDP,
     ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP); DeepSpeed ZeRO-3's gradient reduce
-    bucket, which stays allocated between steps (reduce_bucket_size elements: the model's
-    size up to DeepSpeed's default, as harness/strategies/deepspeed_zero.py configures it).
+    bucket, which stays allocated between steps (reduce_bucket_size elements: h² for hidden
+    size h, as harness/strategies/deepspeed_zero.py configures it). ZeRO-3's persistent
+    parameters are held whole on every rank beside their partitions (``params``).
     """
     s, engine = cell.strategy, _engine(cell)
     degree = shard_degree(cell, nodes)
@@ -94,11 +111,13 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
         return nbytes / degree if kind in engine.sharded else nbytes
 
     grads = psi * grad_bytes
-    buffers = {"none": 0.0, "ddp_bucket": grads,
-               "deepspeed_reduce_bucket": min(psi, deepspeed_zero.DEFAULT_BUCKET_ELEMENTS) * grad_bytes,
-               }[engine.grad_buffer]
+    buffers = 0.0
+    if engine.grad_buffer == "ddp_bucket":
+        buffers = grads
+    elif engine.grad_buffer == "deepspeed_reduce_bucket":
+        buffers = _ds_sizes(cell)["reduce_bucket_size"] * grad_bytes
     return {
-        "params": per_rank(psi * param_bytes, "params"),
+        "params": per_rank(psi * param_bytes, "params") + persistent_numel(cell, layout) * param_bytes,
         "grads": per_rank(grads, "grads"),
         "optimizer": per_rank(opt, "optimizer"),
         "buffers": buffers,
@@ -161,7 +180,8 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     backward; HSDP also all-reduces each shard over the replicate dimension; DeepSpeed
     ZeRO-1/2 all-reduces the gradients and all-gathers the updated partitions, ZeRO-3
     gathers in forward and, when the model exceeds its live-parameter budget
-    (stage3_max_live_parameters), again in backward, and reduce-scatters, each micro-step.
+    (stage3_max_live_parameters), again in backward, and reduce-scatters, each micro-step;
+    its persistent parameters are gathered once per step instead, after the update.
     Scalars (loss-scale and overflow flags) are left out.
     """
     s, engine = cell.strategy, _engine(cell)
@@ -190,18 +210,23 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
         if "params" not in engine.sharded:  # ZeRO-1/2
             return {"all_reduce": low * psi, "all_gather": low * psi}
         gathers = 1 if psi <= DS_MAX_LIVE_PARAMETERS else 2
-        return {"all_gather": gathers * low * psi * a, "reduce_scatter": low * psi * a}
+        persistent = persistent_numel(cell, layout)
+        return {"all_gather": low * (gathers * (psi - persistent) * a + persistent),
+                "reduce_scatter": low * psi * a}
     return {}  # the reference: nothing to communicate
 
 
-def offloaded_bytes(cell: CellSpec, states: dict[str, float]) -> dict[str, float]:
+def offloaded_bytes(cell: CellSpec, states: dict[str, float], layout: ParamLayout) -> dict[str, float]:
     """Which model states live in host memory rather than on the device (ZeRO-Offload,
     Ren et al. 2021; FSDP CPUOffload): parameter offload moves the sharded parameters and
-    gradients, optimizer offload the gradients' fp32 copy, master weights and moments."""
+    gradients, optimizer offload the gradients' fp32 copy, master weights and moments.
+    DeepSpeed keeps its persistent parameters on the device, whole and partitioned."""
     o = cell.strategy.offload
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     if o in ("params", "optimizer_params"):
-        out["params"] = states["params"]
+        persistent = persistent_numel(cell, layout)
+        kept = persistent * (1 + 1 / shard_degree(cell)) * PRECISION_BYTES[cell.strategy.precision]
+        out["params"] = states["params"] - kept
         # FSDP's CPU offload keeps the sharded gradients on the host too; DeepSpeed's
         # offload_param moves the parameters only.
         if strategies.get(cell.strategy.name).engine != "deepspeed":
@@ -220,7 +245,8 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
       and the one prefetched), in the compute dtype (DeepSpeed's ZeRO-3 estimator reserves
       the largest layer the same way); FSDP's grad_op (SHARD_GRAD_OP) keeps every unit
       gathered from forward to the end of backward, and so does DeepSpeed ZeRO-3 for a model
-      within its live-parameter budget;
+      within its live-parameter budget (all but its persistent parameters, which the model
+      states count whole);
     - ``autocast_copies``: torch autocast caches a 16-bit copy of every weight it casts
       for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
     - ``recompute``: with full checkpointing, one block's activations exist again while its
@@ -232,8 +258,8 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
     gathered = low * (layout.root_numel + 2 * layout.block_numel) if params_sharded else 0.0
     keeps_all_gathered = engine.keeps_gathered == "always" or (
         engine.keeps_gathered == "within_live_parameters" and layout.numel <= DS_MAX_LIVE_PARAMETERS)
-    if keeps_all_gathered:
-        gathered = low * layout.numel  # gathered in forward, kept through backward
+    if keeps_all_gathered:  # gathered in forward, kept through backward
+        gathered = low * (layout.numel - persistent_numel(cell, layout))
     # DeepSpeed casts the model itself (its fp32 master partition is the optimizer's).
     uses_autocast = s.precision != "fp32" and not params_sharded and not engine.fp32_master_partition
     return {"gathered": gathered, "autocast_copies": 2.0 * layout.numel if uses_autocast else 0.0,

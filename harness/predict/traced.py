@@ -56,7 +56,8 @@ Known differences from the measurement (default suite, CPU, 2 ranks):
 - Rank 0 only; the record's peak is the max over ranks. Where shards are uneven another
   rank can hold more: FairScale OSS/SDP on gpt2-tiny (rank 1's optimizer shard: max 0.7%
   above rank 0), FSDP2 on llama-tiny (0.26%); ZeroRedundancyOptimizer's greedy partition
-  can do the same.
+  can do the same, and DeepSpeed ZeRO-2 fp32, whose rank 1 allocates its gradient partition
+  early in backward (gpt2-tiny: 9.9% above rank 0; README "Predicted beside measured").
 - Comm hooks' future callbacks (PowerSGD's P/Q temporaries): the trace completes futures on
   the caller's thread, where the callbacks run inline; track_step_memory runs them without
   the tracker there, as it does on gloo's thread in the measured step (measure/memory.py), so

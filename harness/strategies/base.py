@@ -73,6 +73,9 @@ class EngineModel:
     # A gradient-sized buffer held between steps: DDP's flat bucket (a copy of every gradient)
     # or DeepSpeed ZeRO-3's reduce bucket (reduce_bucket_size elements).
     grad_buffer: Literal["none", "ddp_bucket", "deepspeed_reduce_bucket"] = "none"
+    # Parameters kept whole on every rank beside their shard: DeepSpeed ZeRO-3's persistent
+    # ones (at most stage3_param_persistence_threshold elements each), gathered once per step.
+    persistent_params: Literal["none", "deepspeed_threshold"] = "none"
     # How gradients and parameters cross the ranks in a step:
     # all_reduce: every gradient all-reduced (compression hooks apply); + a broadcast of the
     #   updated parameters where the optimizer state is sharded (ZeRO-1 over DDP);

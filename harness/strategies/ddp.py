@@ -1,10 +1,14 @@
 """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets
-during backward, optionally through a compression hook."""
+during backward, optionally through a compression hook.
+
+Buckets as torch's defaults (bucket_cap_mb 25 MiB, the first bucket 1 MiB), but for PowerSGD
+on gloo, which needs one bucket for the whole model (features/compression.py); the value is in
+the record's per-rank ``engine`` (``engine_report``)."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -31,12 +35,24 @@ def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParal
     return ddp_model
 
 
+def engine_report(ddp_model: DistributedDataParallel) -> dict[str, Any]:
+    """The bucket sizes DDP runs with, for the record's per-rank ``engine`` (ddp, zero1 and
+    fairscale_oss: every strategy over ``wrap``)."""
+    return {
+        "name": "torch_ddp",
+        "bucket_cap_mb": ddp_model.bucket_bytes_cap / 2**20,
+        # torch's default: a smaller first bucket (1 MiB) before the bucket_cap_mb ones.
+        "first_bucket_smaller": bool(ddp_model.bucket_bytes_cap_default),
+    }
+
+
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     ddp_model = wrap(model, cell, env)
     return Prepared(
         model=ddp_model,
         optimizer=optimizers.make(ddp_model.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=ddp_model.no_sync,
+        engine_report=lambda: engine_report(ddp_model),
     )
 
 

@@ -11,13 +11,15 @@ The engine's config is built from the cell (no JSON files):
   accelerator has fp16 where oneDNN has it (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``,
   e.g. AVX512-FP16/AMX CPUs); elsewhere deepspeed.initialize raises "Type fp16 is not
   supported on your device.", which ``unsupported_reason`` reports before launching.
-- buckets sized to the model: DeepSpeed's defaults (reduce/allgather buckets of 5e8
-  elements) allocate a ~1.9 GiB fp32 buffer per rank whatever the model, which would be
-  the peak of every small-model cell. Every bucket is set to the model's element count (one
-  bucket holds all gradients, like DDP with one bucket) and ZeRO-3's persistence threshold
-  to 0 so every parameter is partitioned (the default 1e5 elements would keep most of a
-  tiny model's parameters whole on every rank and make ZeRO-3 look like ZeRO-2). The values
-  are in ``engine_report()["config"]``.
+- buckets, prefetch and persistence as a transformers Trainer user gets them with ``auto``
+  (``zero_sizes``, README "Engine settings"): from the model's hidden size h,
+  reduce_bucket_size = h², stage3_prefetch_bucket_size = int(0.9·h²),
+  stage3_param_persistence_threshold = 10·h (transformers' HfTrainerDeepSpeedConfig
+  .trainer_config_finalize); DeepSpeed's own defaults for the keys it has no rule for
+  (allgather_bucket_size 5e8, stage3_model_persistence_threshold sys.maxsize,
+  stage3_max_live_parameters and stage3_max_reuse_distance 1e9). Never the whole model:
+  buckets of the model's size made ZeRO-3 hold a gradient-sized reduce buffer. The values
+  are in ``engine_report()["config"]``, the hidden size they came from in ``sizing_hidden``.
 - offload: "optimizer" -> ``offload_optimizer: cpu`` (stages 1-3) with DeepSpeed's CPU Adam
   (DeepSpeed refuses a client torch optimizer with ZeRO-Offload unless forced);
   "params" -> ``offload_param: cpu`` (stage 3 only; works without offload_optimizer);
@@ -34,7 +36,10 @@ accumulation boundary).
 
 from __future__ import annotations
 
+import math
 import os
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,36 +125,69 @@ _DS_KIND = {
 _GATHERED_BY_INPUT = {"all_gather_into_tensor", "allgather_fn"}
 
 
-# DeepSpeed's default reduce and all-gather bucket size (elements).
-DEFAULT_BUCKET_ELEMENTS = 500_000_000
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py, 0.19.8) for the keys transformers'
+# `auto` rules leave alone. allgather_bucket_size only splits ZeRO-1/2's all-gather of the
+# updated partitions into chunks (views: no buffer) and is unused wherever torch has
+# all_gather_into_tensor (torch >= 1.13, every backend); stage3_model_persistence_threshold
+# caps the persistent elements in all (sys.maxsize: no cap); a model within
+# stage3_max_live_parameters and stage3_max_reuse_distance stays gathered from forward to
+# the end of backward (measured: one all-gather per micro-step for the tiny models).
+ALLGATHER_BUCKET_ELEMENTS = 500_000_000
+MODEL_PERSISTENCE_THRESHOLD = sys.maxsize
+MAX_LIVE_PARAMETERS = 1_000_000_000
+MAX_REUSE_DISTANCE = 1_000_000_000
 
 
-def _bucket_config(model: nn.Module, stage: int) -> dict[str, Any]:
-    # No bigger than the model: the defaults would allocate ~1.9 GiB of fp32 buffers for a
-    # model of a few MB.
-    n_elements = min(sum(p.numel() for p in model.parameters()), DEFAULT_BUCKET_ELEMENTS)
-    zero: dict[str, Any] = {
-        "reduce_bucket_size": n_elements,
-        "allgather_bucket_size": n_elements,
-    }
+def model_hidden(cell: CellSpec) -> int:
+    """The hidden size the sizing rule reads: the cell's model's (the one place to change
+    where the model comes from)."""
+    return cell.model_spec.hidden
+
+
+def zero_sizes(hidden: int, stage: int) -> dict[str, int]:
+    """ZeRO's bucket, prefetch and persistence settings (elements) as transformers fills a
+    DeepSpeed config's ``auto`` values from the model's hidden size (transformers/
+    integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_finalize), and
+    DeepSpeed's defaults for the keys it has no rule for."""
+    sizes = {"reduce_bucket_size": hidden * hidden, "allgather_bucket_size": ALLGATHER_BUCKET_ELEMENTS}
     if stage == 3:
-        zero |= {
-            "stage3_prefetch_bucket_size": n_elements,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_model_persistence_threshold": 0,
-            # By default ZeRO-3 replaces torch.nn.functional.linear for the rest of the
-            # process, so every later cell of the same launch would run DeepSpeed's linear
-            # (a FairScale SDP bf16 cell measured 2,728,756 B after a ZeRO-3 cell, 2,786,100 B alone).
-            "memory_efficient_linear": False,
+        sizes |= {
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+            "stage3_model_persistence_threshold": MODEL_PERSISTENCE_THRESHOLD,
+            "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
+            "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
         }
+    return sizes
+
+
+def persistent_numel(shapes: Iterable[tuple[int, ...]], param_threshold: int, model_threshold: int) -> int:
+    """Elements ZeRO-3 keeps whole on every rank throughout training (gathered again after
+    every step): each parameter of at most ``param_threshold`` elements, in the module's
+    parameter order, while the running total stays within ``model_threshold``
+    (deepspeed/runtime/zero/parameter_offload.py, mark_persistent_parameters)."""
+    total = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if n <= param_threshold and total + n <= model_threshold:
+            total += n
+    return total
+
+
+def _zero_config(cell: CellSpec, stage: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, **zero_sizes(model_hidden(cell), stage)}
+    if stage == 3:
+        # By default ZeRO-3 replaces torch.nn.functional.linear for the rest of the
+        # process, so every later cell of the same launch would run DeepSpeed's linear
+        # (a FairScale SDP bf16 cell measured 2,728,756 B after a ZeRO-3 cell, 2,786,100 B alone).
+        zero["memory_efficient_linear"] = False
     return zero
 
 
-def ds_config(model: nn.Module, cell: CellSpec) -> dict[str, Any]:
+def ds_config(cell: CellSpec) -> dict[str, Any]:
     """The DeepSpeed config of a cell."""
     s = cell.strategy
-    stage = STAGES[s.name]
-    zero: dict[str, Any] = {"stage": stage, **_bucket_config(model, stage)}
+    zero = _zero_config(cell, STAGES[s.name])
     if s.offload in ("optimizer", "optimizer_params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if s.offload in ("params", "optimizer_params"):
@@ -306,7 +344,7 @@ def import_deepspeed(device: torch.device) -> Any:  # the deepspeed module: unty
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     deepspeed = import_deepspeed(env.device)
-    config = ds_config(model, cell)
+    config = ds_config(cell)
     estimates = _estimates(model, cell)
     client_optimizer = _client_optimizer(model, cell)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
@@ -316,6 +354,9 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     inner = getattr(optimizer, "optimizer", optimizer)
 
     steps = EngineSteps(engine, cell)
+    # ZeRO-3's persistent parameters, kept whole on every rank (stage3_param_persistence_threshold).
+    persistent = (sum(p.ds_numel for p in optimizer.persistent_parameters)
+                  if STAGES[cell.strategy.name] == 3 else None)
 
     def engine_report() -> dict[str, Any]:
         ds_ops = steps.comms_of_counted_step()
@@ -324,6 +365,8 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
             "version": deepspeed.__version__,
             "zero_stage": STAGES[cell.strategy.name],
             "config": config,
+            "sizing_hidden": model_hidden(cell),
+            "persistent_numel": persistent,
             "optimizer": type(inner).__name__,
             "optimizer_wrapper": type(optimizer).__name__,
             "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
@@ -378,8 +421,8 @@ STRATEGIES = (
         engine="deepspeed", families=("deepspeed",), zero_idea="zero3", capabilities=_STAGE3_CAPABILITIES,
         combination_problem=combination_problem, unsupported_reason=unsupported_reason,
         engine_model=EngineModel(sharded=frozenset({"optimizer", "grads", "params"}), fp32_master_partition=True,
-                                 grad_buffer="deepspeed_reduce_bucket", comm="deepspeed",
-                                 keeps_gathered="within_live_parameters"),
+                                 grad_buffer="deepspeed_reduce_bucket", persistent_params="deepspeed_threshold",
+                                 comm="deepspeed", keeps_gathered="within_live_parameters"),
         prepare=prepare,
     ),
 )

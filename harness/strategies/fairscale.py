@@ -10,6 +10,10 @@
   recorded ``unsupported`` there.
 
 The optimizer inside OSS is the cell's (features/optimizers.py), built by OSS on its shard.
+Buffers as FairScale's defaults (README "Engine settings"): OSS's broadcast_buffer_size is
+deprecated and unused (each rank broadcasts its shard's parameters); SDP's reduce_buffer_size
+2**23 elements (FairScale caps it at the model's size); FairScale FSDP's bucket_cap_mb 25 and
+flattened parameters. The values are in the record's per-rank ``engine``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ _FSDP_CAPABILITIES = dataclasses.replace(
 )
 
 
+# ShardedDataParallel's default (its signature's; its docstring's "default 0" is stale):
+# small gradients are views into per-owner buckets of up to this many elements.
+SDP_REDUCE_BUFFER_ELEMENTS = 2**23
+
 FSDP_NEEDS_CUDA = (
     "FairScale FullyShardedDataParallel needs CUDA: it creates CUDA streams and events"
     " ('Torch not compiled with CUDA enabled' / KeyError 'all_gather' on CPU)"
@@ -80,7 +88,7 @@ def _prepare_oss(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, 
     optimizer = _oss(ddp_model.parameters(), cell)
     # OSS keeps the sharded state in its local optimizer: that is what the tracker must see.
     return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync,
-                    memory_optimizer=optimizer.optim)
+                    memory_optimizer=optimizer.optim, engine_report=lambda: ddp.engine_report(ddp_model))
 
 
 def _prepare_sdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
@@ -88,7 +96,10 @@ def _prepare_sdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, 
 
     model = model.to(env.device)
     optimizer = _oss(model.parameters(), cell)
-    sdp_model = ShardedDataParallel(model, optimizer)
+    sdp_model = ShardedDataParallel(model, optimizer, reduce_buffer_size=SDP_REDUCE_BUFFER_ELEMENTS)
+    # What FairScale made of it: 0 on one rank, else at most the model's size.
+    report = {"name": "fairscale_sdp", "reduce_buffer_size": SDP_REDUCE_BUFFER_ELEMENTS,
+              "reduce_buffer_elements": sdp_model._buffer_max_size}
     # SDP's reduce hooks hold references to the .grad tensors: torch 2's default
     # zero_grad(set_to_none=True) detaches them and SDP then silently reduces wrong
     # gradients (1.2-1.9x too large, cpu-gloo-facts.md). The fault kind exists so the
@@ -96,7 +107,7 @@ def _prepare_sdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, 
     set_to_none = faults.planned().get(cell.cell_id) == faults.GRADS_SET_TO_NONE
     return Prepared(model=sdp_model, optimizer=optimizer, no_sync=sdp_model.no_sync,
                     grads_set_to_none=set_to_none, memory_module=model,
-                    memory_optimizer=optimizer.optim)
+                    memory_optimizer=optimizer.optim, engine_report=lambda: report)
 
 
 def _prepare_fsdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
@@ -117,12 +128,16 @@ def _prepare_fsdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec,
     for parent, name in targets:
         setattr(parent, name, FSDP(getattr(parent, name), **kwargs))
     wrapped = FSDP(model, **kwargs)
+    report = {"name": "fairscale_fsdp", "wrap_unit": f"each {block_type.__name__}, then the root",
+              "units": len(targets) + 1, "bucket_cap_mb": wrapped.bucket_cap_mb,
+              "flatten_parameters": wrapped.flatten_parameters}
     return Prepared(
         model=wrapped,
         optimizer=optimizers.make(wrapped.parameters(), s.optimizer, cell.lr),
         no_sync=wrapped.no_sync,
         # FairScale FSDP casts parameters itself (mixed_precision / compute_dtype).
         use_autocast=False,
+        engine_report=lambda: report,
     )
 
 

@@ -1,5 +1,8 @@
 """FSDP2 (``fully_shard``): per-parameter sharding with DTensor, one shard unit per
-transformer block plus the root.
+transformer block plus the root (torch's own recipe, as torchtitan applies it); FSDP2 has no
+bucket to size: each unit's parameters are gathered, and its gradients reduce-scattered, as
+one collective, with torch's implicit prefetch of the next unit. The unit is in the record's
+per-rank ``engine``.
 
 - fsdp_full: reshard after forward (ZeRO-3: parameters gathered again in backward)
 - fsdp_grad_op: keep parameters unsharded between forward and backward (ZeRO-2-like)
@@ -98,12 +101,15 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         if isinstance(module, block_type):
             fully_shard(module, **shard_kwargs)
     root = fully_shard(model, **shard_kwargs)  # model itself, now an FSDPModule too
+    report = {"name": "fsdp2", "wrap_unit": f"each {block_type.__name__}, then the root",
+              "units": sum(isinstance(m, FSDPModule) for m in model.modules())}
     return Prepared(
         model=model,
         optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=lambda: no_gradient_sync(root),
         use_autocast=False,
         fsdp2=True,
+        engine_report=lambda: report,
     )
 
 

@@ -1,10 +1,12 @@
 """FSDP1 (``FullyShardedDataParallel``): flat-parameter sharding, auto-wrapped per
-transformer block, in its four sharding strategies."""
+transformer block (then the root), in its four sharding strategies; prefetch and the
+all-gather limit are FSDP1's defaults (backward_prefetch BACKWARD_PRE, no forward prefetch,
+limit_all_gathers). The unit and those settings are in the record's per-rank ``engine``."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -76,7 +78,17 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         optimizer=optimizers.make(wrapped.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=wrapped.no_sync,
         use_autocast=False,
+        engine_report=lambda: engine_report(wrapped, block_type),
     )
+
+
+def engine_report(wrapped: FullyShardedDataParallel, block_type: type[nn.Module]) -> dict[str, Any]:
+    """FSDP1's wrapping unit and prefetch settings, for the record's per-rank ``engine``."""
+    prefetch = wrapped.backward_prefetch
+    return {"name": "fsdp1", "wrap_unit": f"each {block_type.__name__}, then the root",
+            "units": len(FullyShardedDataParallel.fsdp_modules(wrapped)),
+            "backward_prefetch": prefetch.name if prefetch is not None else None,
+            "forward_prefetch": wrapped.forward_prefetch, "limit_all_gathers": wrapped.limit_all_gathers}
 
 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:

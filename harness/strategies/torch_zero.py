@@ -21,7 +21,8 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     ddp_model = ddp.wrap(model, cell, env)
     optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(cell.strategy.optimizer, cell.lr)
     optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=optimizer_class, **kwargs)
-    return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync)
+    return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync,
+                    engine_report=lambda: ddp.engine_report(ddp_model))
 
 
 STRATEGIES = (

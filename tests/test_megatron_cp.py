@@ -63,7 +63,7 @@ def test_megatron_is_unsupported_on_cpu_and_runs_on_cuda_when_installed(monkeypa
     (dict(precision="bf16"), "precision=bf16: Megatron's bf16 recipe"),
     (dict(precision="fp16"), "precision=fp16: Megatron's fp16 needs its own loss scaler"),
     (dict(checkpointing="selective"), "checkpointing=selective: Megatron's selective recompute"),
-    (dict(model="bert-tiny"), "model bert-tiny: Megatron's GPTModel is built here for gpt2, llama only"),
+    (dict(model="bert-tiny"), "model bert-tiny: Megatron's GPTModel is built here for the gpt2 and llama layouts"),
     (dict(attention="sdpa"), "attention=sdpa: Megatron-core's local layer spec computes attention unfused"),
     (dict(world_size=3, tp_degree=3), "n_heads=4 is not divisible by the tensor-parallel size tp_degree=3"),
     (dict(world_size=4, tp_degree=4), "n_kv_heads=2 is not divisible by the tensor-parallel size tp_degree=4"),
@@ -334,7 +334,7 @@ def test_cpu_sdpa_has_no_ring_attention_as_the_reason_says(tmp_path):
 
 
 @pytest.mark.parametrize("options, refusal", [
-    (dict(model="gpt2-tiny"), "model gpt2-tiny: context parallel is wired for the llama family only"),
+    (dict(model="gpt2-tiny"), "model gpt2-tiny: context parallel is wired for the llama layout only"),
     (dict(attention="eager"), "attention=eager: context parallel replaces SDPA"),
     (dict(world_size=3), "seq_len=32 must be divisible by 2 x world_size = 6"),
     (dict(precision="fp16"), "precision=fp16: fp16 needs the GradScaler"),

@@ -9,7 +9,9 @@ pytest files in suites/ parametrise over it, one test per cell.
   the tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
 - real: real sizes on a CPU host: gpt2-124m and a LLaMA-style ~100M model (suites/configs/
   llama-100m.json) at seq_len 256 over the data-parallel and sharding strategies of torch and
-  DeepSpeed, with bf16 and full-checkpointing variants (about 15 minutes on 2 cores).
+  DeepSpeed, with full-checkpointing variants. No bf16 variant yet: on a CPU without bf16
+  arithmetic (no AVX512-BF16 or AMX, as this project's 2-core hosts) one gpt2-124m bf16 step
+  takes minutes (the reference had not finished 6 steps in 14 minutes).
 - perf: no matrix; the benchmarks of the harness itself in suites/test_perf.py (its step
   overhead against a bare training loop, launch amortisation, the default suite's wall time).
 - claims: the cells the published claims need (suites/claims/, harness/claims/): one test
@@ -196,8 +198,8 @@ def full(world_size: int) -> list[CellSpec]:
     return cells
 
 
-# The real suite's sharding strategies, against DDP; its variants run on the three that hold
-# the most, the least and DeepSpeed's take on the least.
+# The real suite's sharding strategies, against DDP; its checkpointing variant runs on the
+# three that hold the most, the least and DeepSpeed's take on the least.
 REAL_STRATEGIES = ("ddp", "zero1", "fsdp_full", "fsdp1_full", "deepspeed_zero2", "deepspeed_zero3")
 REAL_VARIANT_STRATEGIES = ("ddp", "fsdp_full", "deepspeed_zero3")
 REAL_SEQ_LEN = 256
@@ -213,7 +215,6 @@ def real(world_size: int) -> list[CellSpec]:
     cells = []
     for model in ("gpt2-124m", config_model("llama-100m")):
         cells += [cell(model, s) for s in ("single", *REAL_STRATEGIES)]
-    cells += [cell("gpt2-124m", s, precision="bf16") for s in ("single", *REAL_VARIANT_STRATEGIES)]
     cells += [cell(config_model("llama-100m"), s, checkpointing="full") for s in REAL_VARIANT_STRATEGIES]
     return cells
 

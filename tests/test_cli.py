@@ -32,7 +32,7 @@ SUITE_FILES = {
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["run", "--suite", "nightly"], "unknown suite 'nightly': choose one of smoke, default, full, perf"),
+        (["run", "--suite", "nightly"], "unknown suite 'nightly': choose one of smoke, default, full, real, perf"),
         (["run", "-m", "zero4 and bf16"], "unknown marker(s) zero4 in -m 'zero4 and bf16': choose from"),
         (["run", "--gpus", "0"], "--gpus 0: must be a positive number"),
         (["run", "--gpus", "1"], "--gpus 1: the suites compare strategies across ranks; use 2 or more"),

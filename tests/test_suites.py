@@ -5,7 +5,8 @@ from harness.config import CellSpec, StrategySpec
 
 # Markers the default suite leaves to other suites: world sizes other than its own, the
 # accumulation depths between 1 and 4, and tp_fsdp (a 2-D mesh: from 4 ranks on).
-NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8", "tp_fsdp"}
+# factory: a model of the user's own code; tests/test_model_sources.py builds and checks one.
+NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8", "tp_fsdp", "factory"}
 
 
 def test_default_suite_covers_every_axis_value():
@@ -57,7 +58,7 @@ def test_hardware_limits_are_reasons_not_errors():
 
 
 def test_unknown_suite_and_too_few_ranks():
-    with pytest.raises(ValueError, match="unknown suite 'nightly': choose one of smoke, default, full, perf"):
+    with pytest.raises(ValueError, match="unknown suite 'nightly': choose one of smoke, default, full, real, perf"):
         suites.cells_of("nightly", 2)
     with pytest.raises(ValueError, match="use 2 or more"):
         suites.cells_of("default", 1)

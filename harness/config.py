@@ -186,8 +186,8 @@ class CellSpec:
                                  " model (its tokens per sample follow from its own sizes)")
             if self.seq_len == own.seq_len:
                 object.__setattr__(self, "seq_len", None)  # the model's own: the same cell, the same id
-            else:
-                self.model_spec  # noqa: B018 -- ModelSpec checks the length against its position embeddings
+            else:  # ModelSpec refuses a length beyond a config's position table
+                dataclasses.replace(own, seq_len=self.seq_len)
         for name in ("micro_batch", "world_size", "steps"):
             _check_positive(name, getattr(self, name))
         least = min_warmup(self.strategy)

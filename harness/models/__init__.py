@@ -1,4 +1,5 @@
-"""Standard models built from configs with random init (no downloads), synthetic data, FLOPs.
+"""Models built with random init (no downloads): presets, transformers config.json files and
+factories of one's own (sources.py); synthetic data, FLOPs.
 
 The specs and presets are plain data, read by harness.config without torch; the built
 models (``build`` and what goes with it) load torch and transformers on first use.

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .common import ParamCount
+from .hf_config import count_module
 from .spec import ModelSpec
 
 MakeBatch = Callable[[torch.Generator, int], dict[str, torch.Tensor]]
@@ -73,8 +74,7 @@ def count_params(spec: ModelSpec) -> ParamCount:
 def _count_on_meta(spec: ModelSpec) -> ParamCount:
     with torch.device("meta"):
         module = build_module(spec)
-    return ParamCount(total=sum(p.numel() for p in module.parameters()),
-                      embedding=sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Embedding)))
+    return count_module(module)
 
 
 # The make_batch each factory returned in this process (a module cannot be rebuilt just to get it).

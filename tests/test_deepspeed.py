@@ -8,6 +8,8 @@ or $TORCH_EXTENSIONS_DIR): the first run of this file on a machine takes ~80-160
 """
 
 import inspect
+import os
+import subprocess
 import sys
 
 import pytest
@@ -111,6 +113,26 @@ def test_comms_logger_records_convert_to_the_harness_convention():
     assert deepspeed_zero.as_harness_ops(ds, world_size=2) == {
         "all_gather": {"count": 2, "bytes": 200}, "reduce_scatter": {"count": 1, "bytes": 400},
         "all_reduce": {"count": 1, "bytes": 8}}
+
+
+def test_a_dead_builders_lock_does_not_hang_the_next_cell():
+    """torch's build ``lock`` left by a killed process (here planted beside the cached ops)
+    would make every later load poll for ever; load_ops removes it under its flock."""
+    cache = deepspeed_zero.EXTENSIONS_CACHE
+    stale = cache / "op_of_a_killed_build" / "lock"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.touch()
+    code = ("from harness.config import CellSpec, StrategySpec\n"
+            "from harness.strategies import deepspeed_zero\n"
+            "deepspeed_zero.import_deepspeed(__import__('torch').device('cpu'))\n"
+            "deepspeed_zero.load_ops(CellSpec(model='gpt2-tiny', strategy=StrategySpec(name='deepspeed_zero3')))\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache)}
+    try:
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300, capture_output=True)
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        stale.parent.rmdir()
 
 
 # ---------------------------------------------------------------- real 2-rank runs

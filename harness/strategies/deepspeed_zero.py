@@ -36,6 +36,7 @@ accumulation boundary).
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import sys
@@ -87,18 +88,24 @@ _STAGE12_CAPABILITIES = Capabilities(
 )
 
 
+def _offloads_optimizer(cell: CellSpec) -> bool:
+    return cell.strategy.offload in ("optimizer", "optimizer_params")
+
+
 def combination_problem(cell: CellSpec) -> str | None:
     """A pair of individually allowed values that cannot go together."""
     s = cell.strategy
-    if s.offload in ("optimizer", "optimizer_params") and s.optimizer != "adamw":
+    if _offloads_optimizer(cell) and s.optimizer != "adamw":
         return (f"optimizer={s.optimizer} with offload={s.offload}: DeepSpeed's optimizer offload runs its own"
                 " CPU Adam (AdamW mode), not the cell's optimizer")
     return None
 
 
-# DeepSpeed JIT-compiles its CPU Adam (~80 s with gcc) into TORCH_EXTENSIONS_DIR; torch's
-# default (~/.cache/torch_extensions/<python-torch tag>) is fine too, but a named cache makes
-# the cost visible and shared by tests and runs. A user's setting wins.
+# DeepSpeed JIT-compiles its C++ ops into TORCH_EXTENSIONS_DIR: on a CPU accelerator its
+# shared-memory collectives (every cell, inside deepspeed.initialize) and CPU Adam (offload
+# cells, ~80 s with gcc). torch's default (~/.cache/torch_extensions/<python-torch tag>) is
+# fine too, but a named cache makes the cost visible and shared by tests and runs. A user's
+# setting wins.
 EXTENSIONS_CACHE = Path.home() / ".cache" / "shardbench" / "torch_extensions"
 
 # torch.optim.AdamW defaults, which the reference uses; DeepSpeedCPUAdam's weight_decay
@@ -188,7 +195,7 @@ def ds_config(cell: CellSpec) -> dict[str, Any]:
     """The DeepSpeed config of a cell."""
     s = cell.strategy
     zero = _zero_config(cell, STAGES[s.name])
-    if s.offload in ("optimizer", "optimizer_params"):
+    if _offloads_optimizer(cell):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if s.offload in ("params", "optimizer_params"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
@@ -214,13 +221,38 @@ def ds_config(cell: CellSpec) -> dict[str, Any]:
     return config
 
 
+def load_ops(cell: CellSpec) -> None:
+    """Build or load, once per process, the JIT ops the cell's engine will load, one process
+    at a time. torch marks a build in progress with a ``lock`` file that it removes when done
+    and that every other process polls for ever: a process killed in that window (a cell's
+    timeout, a SIGKILL) would hang every later DeepSpeed cell on the machine. Here builders
+    hold an flock, which the kernel releases when its holder dies, so a ``lock`` file found
+    while holding it is a dead builder's and is removed. Run inside prepare, before the
+    warm-up steps, so no compile lands in a measured step; DeepSpeed keeps the loaded ops
+    (OpBuilder._loaded_ops), so its own loads inside initialize are then no-ops."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    builders = [get_accelerator().create_op_builder("ShareMemCommBuilder")]
+    if _offloads_optimizer(cell):
+        builders.append(CPUAdamBuilder())
+    builders = [b for b in builders if b is not None and b.is_compatible(verbose=False)]
+    if not builders:
+        return
+    cache = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_CACHE)))
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".shardbench-build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        for stale in cache.glob("*/lock"):
+            stale.unlink(missing_ok=True)
+        for builder in builders:
+            builder.load(verbose=False)
+
+
 def _client_optimizer(model: nn.Module, cell: CellSpec) -> torch.optim.Optimizer:
-    if cell.strategy.offload in ("optimizer", "optimizer_params"):
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_CACHE))
+    if _offloads_optimizer(cell):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        # Built (or loaded from the cache) here, inside prepare: before the warm-up steps,
-        # so the compile never lands in a measured step.
         cpu_adam: torch.optim.Optimizer = DeepSpeedCPUAdam(  # untyped; a torch.optim.Optimizer subclass
             model.parameters(), lr=cell.lr, adamw_mode=True, bias_correction=True, **_ADAMW_DEFAULTS)
         return cpu_adam
@@ -237,7 +269,7 @@ def _estimates(model: nn.Module, cell: CellSpec) -> dict[str, Any]:
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     s = cell.strategy
-    offload_opt = s.offload in ("optimizer", "optimizer_params")
+    offload_opt = _offloads_optimizer(cell)
     if STAGES[s.name] == 3:
         total, largest_layer = zero3_params(model)
         if s.offload == "params":
@@ -344,6 +376,7 @@ def import_deepspeed(device: torch.device) -> Any:  # the deepspeed module: unty
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     deepspeed = import_deepspeed(env.device)
+    load_ops(cell)
     config = ds_config(cell)
     estimates = _estimates(model, cell)
     client_optimizer = _client_optimizer(model, cell)

@@ -16,7 +16,7 @@ from harness import suites
 from harness.cli_common import EXIT_USAGE, UsageError
 from harness.cli_list import cmd_list
 from harness.cli_plan import cmd_plan
-from harness.cli_report import cmd_accuracy, cmd_compare, cmd_publish, cmd_report
+from harness.cli_report import cmd_accuracy, cmd_compare, cmd_publish, cmd_report, cmd_savings
 from harness.cli_reproduce import cmd_reproduce
 from harness.cli_run import cmd_run
 from harness.cli_selection import SELECTION
@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--strict", action="store_true", help="exit 1 when any cell misses a ±10%% target")
     _out_option(acc)
     acc.set_defaults(func=cmd_accuracy)
+    sav = sub.add_parser("savings", help="each ZeRO stage's memory saving against DDP, beside the ZeRO formula")
+    sav.add_argument("run", nargs="?", default="latest",
+                     help="run id under results/ (default: latest), or a run folder")
+    _out_option(sav)
+    sav.set_defaults(func=cmd_savings)
     return parser
 
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
 import pytest
 
-from harness import markers, suites
+from harness import markers, suites, suites_gpu
 from harness.cli_common import run_options
 from harness.cli_selection import SUITES_DIR, check_selection, pytest_args
-
-if TYPE_CHECKING:
-    from harness.config import CellSpec
+from harness.config import CellSpec
+from harness.predict import fit, rough_time
 
 
 class _Collector:
@@ -35,9 +33,10 @@ class _Collector:
 def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
     """The cells pytest would select (its own collection, so selection is identical)."""
     from harness import strategies
+    from harness.distributed import selected_device
     from harness.runner.matrix import with_references
 
-    options = check_selection(run_options(args))
+    options = check_selection(run_options(args), listing=True)
     if options.suite in suites.BENCHMARK_SUITES:
         print(f"suite {options.suite} benchmarks the harness itself (suites/test_perf.py): run it with"
               f" ./run_all.sh --suite {options.suite}")
@@ -48,14 +47,37 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"shardbench: error: collecting {SUITES_DIR} failed (pytest exit {int(code)});"
               f" `pytest {SUITES_DIR} --collect-only` shows why", file=sys.stderr)
         return int(code)
-    from harness.distributed import device_type
-
+    gpu = suites_gpu.target(options.gpu_mem_bytes)
     added = [c for c in with_references(collector.cells) if c not in collector.cells]
     for cell in collector.cells:
-        reason = strategies.unsupported_reason(cell, device_type())
+        reason = strategies.unsupported_reason(cell, selected_device())
         note = f"  [unsupported here: {reason}]" if reason else ""
-        print(f"{cell.cell_id:<62} {' '.join(markers.markers_of(cell))}{note}")
+        print(f"{cell.cell_id:<62} {' '.join(markers.markers_of(cell))}{_fit_note(cell, gpu)}{note}")
     for cell in added:
-        print(f"{cell.cell_id:<62} (reference, added to gate the selection)")
+        print(f"{cell.cell_id:<62} (reference, added to gate the selection){_fit_note(cell, gpu)}")
     print(f"{len(collector.cells)} cells selected, {len(added)} references added")
+    if gpu is not None:
+        print(_gpu_summary(collector.cells + added, gpu))
     return 0
+
+
+def _fit_note(cell: CellSpec, gpu: suites_gpu.GpuTarget | None) -> str:
+    """On a GPU target: the cell's predicted peak per rank, and whether it is launched."""
+    if gpu is None:
+        return ""
+    checked = fit.check(cell, gpu.memory_bytes)
+    if checked is None:
+        return "  [no analytic prediction: launched]"
+    verdict = "fits" if checked.fits else "does_not_fit: not launched"
+    return f"  [predicted {checked.predicted_peak_bytes / 2**30:.1f} GiB per rank: {verdict}]"
+
+
+def _gpu_summary(cells: list[CellSpec], gpu: suites_gpu.GpuTarget) -> str:
+    checked = [(c, fit.check(c, gpu.memory_bytes)) for c in cells]
+    launched = [c for c, f in checked if f is None or f.fits]
+    seconds = sum(rough_time.cell_seconds(c, gpu.name) for c in launched)
+    on = gpu.name or f"{rough_time.ASSUMED_GPU} (assumed)"
+    return (f"{len(launched)} of {len(cells)} cells predicted to fit {gpu.memory_bytes / 2**30:.1f} GiB per GPU"
+            f" ({fit.USABLE_FRACTION:.0%} usable); rough wall time on {on}: {seconds / 60:.0f} min"
+            f" (harness/predict/rough_time.py: {rough_time.ASSUMED_MFU:.0%} MFU,"
+            f" {rough_time.ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth, {rough_time.CELL_START_S:.0f} s per cell)")

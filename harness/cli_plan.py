@@ -10,6 +10,7 @@ from harness.cli_common import UsageError
 
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     """Predicted peak memory per GPU of every strategy and option combination."""
+    from harness.config import parse_bytes
     from harness.features.precision import DTYPES
     from harness.models import sources
     from harness.predict import plan
@@ -19,7 +20,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         req = plan.PlanRequest(model=sources.resolve(args.model, "--model"), gpus=args.gpus, nodes=args.nodes,
                                seq=args.seq,
-                               micro_batch=args.micro_batch, gpu_mem_bytes=plan.parse_bytes(args.gpu_mem),
+                               micro_batch=args.micro_batch, gpu_mem_bytes=parse_bytes(args.gpu_mem),
                                precision=args.precision, optimizer=args.optimizer)
     except ValueError as error:
         raise UsageError(str(error)) from None

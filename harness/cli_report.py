@@ -1,6 +1,7 @@
 """The commands that read recorded runs: ``report`` (a run's HTML report, rebuilt), ``publish``
 (reports/ ready for static hosting), ``compare`` (run B against baseline A, cell by cell) and
-``accuracy`` (predicted against measured)."""
+``accuracy`` (predicted against measured) and ``savings`` (each ZeRO stage's memory against
+DDP's, beside the formula)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,12 @@ def cmd_accuracy(args: argparse.Namespace, extra: list[str]) -> int:
     text, all_met = accuracy.report(load_records(recorded_run(args.out, args.run)))
     print(text)
     return 0 if all_met or not args.strict else 1
+
+
+def cmd_savings(args: argparse.Namespace, extra: list[str]) -> int:
+    """Each sharding's measured memory saving against DDP beside the ZeRO formula's (markdown)."""
+    from harness.report import savings
+    from harness.results.store import load_records
+
+    print(savings.table(load_records(recorded_run(args.out, args.run))))
+    return 0

@@ -60,7 +60,7 @@ def _resolve_nodes(options: RunOptions) -> tuple[RunOptions, nodes.NodeSpec]:
 
 
 def _resume_selection(options: RunOptions, given: dict[str, Any], node: nodes.NodeSpec) -> RunOptions:
-    """--resume: the run's own selection (suite, -m, -k, world size, device) from its run.json;
+    """--resume: the run's own selection (suite, -m, -k, world size, device, --gpu-mem) from its run.json;
     an option ``given`` that differs from it is refused, as is a run that cannot be found."""
     from harness.distributed import DEVICES
     from harness.runner import resume
@@ -72,7 +72,7 @@ def _resume_selection(options: RunOptions, given: dict[str, Any], node: nodes.No
     try:
         original = resume.original_selection(run_dir)
         # The fields that run.json keeps under their own names.
-        kept = ("suite", "marker_expression", "keyword_expression", "device", "repeat")
+        kept = ("suite", "marker_expression", "keyword_expression", "device", "repeat", "gpu_mem")
         asked: dict[str, object] = {key: given[key] for key in kept if key in given}
         asked["nnodes"] = node.nnodes
         if "mem_cap_gib" in given:
@@ -86,6 +86,7 @@ def _resume_selection(options: RunOptions, given: dict[str, Any], node: nodes.No
         options, resume=str(run_dir), suite=original["suite"], marker_expression=original["marker_expression"],
         keyword_expression=original["keyword_expression"], gpus=original["world_size"] // original["nnodes"],
         mem_cap_gib=options.mem_cap_gib if original["mem_cap_bytes"] is None else gib_of(original["mem_cap_bytes"]),
+        gpu_mem=original["gpu_mem"],
         device=original["device"] if options.device is None and original["device"] in DEVICES else options.device,
         out=run_dir.parent.parent if options.out is None else options.out)  # reports/ beside the run's results/
 

@@ -8,13 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-from harness import markers, suite_files, suites
+from harness import markers, suite_files, suites, suites_gpu
 from harness.cli_common import REPO_ROOT, UsageError
 from harness.config import RunOptions
 
 SUITES_DIR = REPO_ROOT / "suites"
 # The options that say which cells run (and where), all that `list` takes.
-SELECTION = ("suite", "device", "gpus", "marker_expression", "keyword_expression")
+SELECTION = ("suite", "device", "gpus", "gpu_mem", "marker_expression", "keyword_expression")
 
 
 def use_device(options: RunOptions) -> None:
@@ -26,18 +26,22 @@ def use_device(options: RunOptions) -> None:
         os.environ[DEVICE_ENV_VAR] = options.device
 
 
-def check_selection(options: RunOptions, nnodes: int = 1) -> RunOptions:
+def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = False) -> RunOptions:
     """Everything pytest would otherwise discover late, or silently accept (``-m zero4``);
-    returns the options with a suite file's path made absolute."""
+    returns the options with a suite file's path made absolute. ``listing``: for ``list``,
+    which may show a GPU node's matrix on a host without GPUs (--device cuda --gpus N --gpu-mem)."""
     import torch
 
-    from harness.distributed import device_type
+    from harness.distributed import device_type, selected_device
     from harness.runner.session import world_size
 
     use_device(options)
     try:
-        on_cuda = device_type() == "cuda"
-        if on_cuda and options.gpus is not None and options.gpus > torch.cuda.device_count():
+        on_cuda = selected_device() == "cuda"
+        what_if = listing and on_cuda and options.gpu_mem is not None and options.gpus is not None
+        if not what_if:
+            device_type()  # ValueError where --device cuda names a GPU this host does not have
+        if on_cuda and not what_if and options.gpus is not None and options.gpus > torch.cuda.device_count():
             raise UsageError(f"--gpus {options.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
                              " use fewer, or --device cpu for CPU ranks")
         if not on_cuda and (options.gpus or 2) > (os.cpu_count() or 1):
@@ -47,7 +51,8 @@ def check_selection(options: RunOptions, nnodes: int = 1) -> RunOptions:
         if suite_files.is_suite_file(options.suite):
             # pytest and a resumed run must find the file wherever they are started from.
             options = dataclasses.replace(options, suite=str(Path(options.suite).resolve()))
-        suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes)
+        gpu = suites_gpu.target(options.gpu_mem_bytes)
+        suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes, gpu)
         if options.marker_expression:
             markers.check_marker_expression(options.marker_expression)
     except ValueError as error:

@@ -10,6 +10,7 @@ whether this machine can run it is decided at launch (``unsupported`` is a resul
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -321,6 +322,23 @@ class CellSpec:
         return cls(**d)
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB', '80 GB', '81920MiB', '8e10' -> bytes. GB = 1e9, GiB = 2^30."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(f"--gpu-mem {text!r}: give a size such as 80GiB, 40GB or 81920MiB"
+                         f" (units: {', '.join(u for u in _BYTE_UNITS if u)})")
+    value = float(match.group(1)) * _BYTE_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"--gpu-mem {text!r}: must be positive")
+    return value
+
+
 # A run's options. Device is where cells compute; a Surface is a parser that takes run options:
 # the CLI (`python -m harness run`), the suites' pytest plugin (suites/conftest.py), or the
 # worker every rank runs (harness/runner/worker.py).
@@ -419,6 +437,13 @@ class RunOptions:
         pytest_help="run folder to resume: run only its cells without a kept record, appending to it")
     retry_failed: bool = _option(False, name="--retry-failed", type=bool,
                                  help="with --resume: also re-run cells recorded failed, timeout or oom")
+    # The GPU matrix (harness/suites_gpu.py) and the fit check (harness/predict/fit.py) size for it.
+    gpu_mem: str | None = _option(
+        None, name="--gpu-mem",
+        help="memory per GPU to size the default suite's real-size matrix and its fit checks for, e.g. 80GiB"
+             " (default: the GPU's own); with --device cuda and --gpus, `list` shows a GPU node's matrix anywhere")
+    launch_anyway: bool = _option(False, name="--launch-anyway", type=bool,
+                                  help="launch cells predicted not to fit the GPU (recorded does_not_fit otherwise)")
 
     def __post_init__(self) -> None:
         self._check(self.device is None or self.device in get_args(Device), "device",
@@ -429,6 +454,8 @@ class RunOptions:
         self._check(self.mem_cap_gib is None or self.mem_cap_gib > 0, "mem_cap_gib",
                     "must be a positive number of GiB per rank")
         self._check(self.repeat is None or self.repeat >= 1, "repeat", "must be 1 or more trials per cell")
+        if self.gpu_mem is not None:
+            parse_bytes(self.gpu_mem)  # ValueError, one line, for a size it cannot read
         if self.retry_failed and self.resume is None:
             raise ValueError("--retry-failed: only with --resume RUN_ID")
 
@@ -436,6 +463,10 @@ class RunOptions:
         # Named as the user typed it: options come from flags (`--gpus 0: must be ...`).
         if not ok:
             raise ValueError(f"{_FLAGS[field_name].name} {getattr(self, field_name)}: {allowed}")
+
+    @property
+    def gpu_mem_bytes(self) -> int | None:
+        return None if self.gpu_mem is None else int(parse_bytes(self.gpu_mem))
 
     @property
     def mem_cap_bytes(self) -> int | None:

@@ -28,16 +28,23 @@ class DistEnv:
         return self.device.type == "cuda"
 
 
-def device_type() -> str:
-    """Where cells run: SHARDBENCH_DEVICE (cpu | cuda) if set, else CUDA where a GPU is
-    visible and the CPU elsewhere. Forcing "cpu" on a GPU host runs gloo ranks on the CPU
-    (the harness's own tests do, so they pass on any host)."""
+def selected_device() -> str:
+    """The device the cells are for: SHARDBENCH_DEVICE (cpu | cuda) if set, else CUDA where a
+    GPU is visible and the CPU elsewhere. Not checked against this host: ``list --device cuda``
+    shows a GPU node's matrix on any machine."""
     chosen = os.environ.get(DEVICE_ENV_VAR, "")
     if chosen and chosen not in DEVICES:
         raise ValueError(f"{DEVICE_ENV_VAR}={chosen!r}: choose one of {', '.join(DEVICES)}")
+    return chosen or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_type() -> str:
+    """Where cells run (``selected_device``), which must be on this host. Forcing "cpu" on a
+    GPU host runs gloo ranks on the CPU (the harness's own tests do, so they pass on any host)."""
+    chosen = selected_device()
     if chosen == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{DEVICE_ENV_VAR}=cuda: no CUDA device is visible on this host")
-    return chosen or ("cuda" if torch.cuda.is_available() else "cpu")
+    return chosen
 
 
 def init_from_torchrun() -> DistEnv:

@@ -4,7 +4,7 @@ pytest files in suites/ parametrise over it, one test per cell.
 - smoke: a handful of fast cells (run by ./run_tests.sh and CI).
 - default: every axis value at least once, for one GPT-2 and one LLaMA preset, plus BERT,
   ViT, the MLP and a model from a transformers config.json (what ./run_all.sh runs when asked
-  nothing).
+  nothing). On GPUs, real sizes instead: harness/suites_gpu.py, for the GPUs' count and memory.
 - full: the product of strategies × {fp32, bf16} × checkpointing × accumulation {1, 4} over
   the tiny GPT-2 and LLaMA presets, where the strategy supports the combination.
 - real: real sizes on a CPU host: gpt2-124m and a LLaMA-style ~100M model (suites/configs/
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import strategies, suite_files
+from harness import strategies, suite_files, suites_gpu
 from harness.claims import catalogue as claims_catalogue
 from harness.config import CellSpec, StrategySpec
 from harness.models import ModelSpec, sources
@@ -239,8 +239,9 @@ BENCHMARK_SUITES = frozenset({"perf"})
 CLAIMS_SUITES = frozenset({"claims"})
 
 
-def cells_of(suite: str, world_size: int, nnodes: int = 1) -> list[CellSpec]:
-    """The suite's cells, de-duplicated, each checked for compatibility up front."""
+def cells_of(suite: str, world_size: int, nnodes: int = 1, gpu: suites_gpu.GpuTarget | None = None) -> list[CellSpec]:
+    """The suite's cells, de-duplicated, each checked for compatibility up front. On GPUs
+    (``gpu``: their memory) the default suite is the real-size matrix of harness/suites_gpu.py."""
     if suite_files.is_suite_file(suite):
         return list({c.cell_id: c for c in suite_files.cells(Path(suite), world_size, nnodes)}.values())
     if suite not in SUITES:
@@ -248,9 +249,11 @@ def cells_of(suite: str, world_size: int, nnodes: int = 1) -> list[CellSpec]:
                          " suite file")
     if suite in BENCHMARK_SUITES:
         return []
-    if world_size < 2:
+    on_gpus = suite == "default" and gpu is not None
+    if world_size < 2 and not on_gpus:
         raise ValueError(f"--gpus {world_size}: the suites compare strategies across ranks; use 2 or more")
-    cells = list({c.cell_id: c for c in SUITES[suite](world_size)}.values())
+    made = suites_gpu.cells(world_size, gpu) if on_gpus and gpu is not None else SUITES[suite](world_size)
+    cells = list({c.cell_id: c for c in made}.values())
     for cell in cells:
         problem = strategies.incompatibility(cell)
         if problem:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import markers, suites
+from harness import markers, suites, suites_gpu
 from harness.config import add_run_options
 from harness.runner import resume
 from harness.runner import session as run_session
@@ -60,7 +60,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     options, nnodes = run_session.run_options(metafunc.config), run_session.node_spec(metafunc.config).nnodes
     try:
-        cells = suites.cells_of(options.suite, run_session.world_size(options.gpus, nnodes), nnodes)
+        cells = suites.cells_of(options.suite, run_session.world_size(options.gpus, nnodes), nnodes,
+                                suites_gpu.target(options.gpu_mem_bytes))
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
     metafunc.parametrize(

@@ -62,7 +62,7 @@ def test_the_formulas_are_plain_numbers():
 # --- Korthikanti et al. 2022, Table 2 (bytes per layer / (s·b·h)) ---------------------------
 
 from harness import models, suites  # noqa: E402
-from harness.config import CellSpec, StrategySpec  # noqa: E402
+from harness.config import CellSpec, StrategySpec, parse_bytes  # noqa: E402
 from harness.predict import accuracy, analytic, analytic_parallel, formulas, plan  # noqa: E402
 from harness.predict.analytic_data_parallel import activation_bytes, optimizer_state_bytes  # noqa: E402
 
@@ -207,13 +207,13 @@ def test_accuracy_names_the_category_that_is_off():
 
 @pytest.mark.parametrize("text, value", [("80GiB", 80 * 2**30), ("40 GB", 40e9), ("512MiB", 2**29), ("1e9", 1e9)])
 def test_parse_bytes(text, value):
-    assert plan.parse_bytes(text) == value
+    assert parse_bytes(text) == value
 
 
 @pytest.mark.parametrize("text", ["80XB", "", "GiB", "-5GB", "0GB"])
 def test_parse_bytes_refuses(text):
     with pytest.raises(ValueError, match="--gpu-mem"):
-        plan.parse_bytes(text)
+        parse_bytes(text)
 
 
 def test_plan_recommends_a_fitting_configuration():

@@ -79,7 +79,7 @@ class Readings:
         if record["status"] != "ok":
             first = (record.get("reason") or "").strip().splitlines()
             raise NotMeasurable(f"{c.cell_id}: {record['status']}" + (f": {first[0]}" if first else ""),
-                                failed=record["status"] not in ("unsupported", "oom"))
+                                failed=record["status"] not in ("unsupported", "oom", "does_not_fit"))
         return record
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 from harness import models, strategies
 from harness.config import CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
@@ -29,23 +28,6 @@ PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
                            and s.splits_batch and "reference" not in s.families)
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")
 OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "params", "optimizer", "optimizer_params")
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """'80GiB', '80 GB', '81920MiB', '8e10' -> bytes. GB = 1e9, GiB = 2^30."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"--gpu-mem {text!r}: give a size such as 80GiB, 40GB or 81920MiB"
-                         f" (units: {', '.join(u for u in _UNITS if u)})")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ValueError(f"--gpu-mem {text!r}: must be positive")
-    return value
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
     model: str | models.ModelSpec  # a preset's name, or a resolved config (harness.models.sources)

@@ -39,7 +39,7 @@ A cell's status, peak memory and throughput are its trials folded (harness/resul
 ``ok`` only when every trial is, the median peak and throughput).
 
 Cells only in A or only in B, and cells not ``ok`` in one run, are listed with their statuses;
-``ok`` in A and ``oom``/``timeout``/``failed``/``unsupported`` in B is a regression (mark
+``ok`` in A and ``oom``/``timeout``/``failed``/``unsupported``/``does_not_fit`` in B is a regression (mark
 ``worse``), the reverse is ``better``.
 
 ``--fail-on`` thresholds (``parse_thresholds``): "mem:5%,time:10%,throughput:10%" (any subset).

@@ -14,8 +14,9 @@ from harness import strategies
 from harness.config import CellSpec
 from harness.results import provenance
 
-SCHEMA_VERSION = 3
-STATUSES = ("ok", "oom", "timeout", "failed", "unsupported")
+SCHEMA_VERSION = 4
+# does_not_fit: predicted not to fit the GPU, so not launched (harness/predict/fit.py).
+STATUSES = ("ok", "oom", "timeout", "failed", "unsupported", "does_not_fit")
 
 # A cell record as json.loads gives it back: its fields are described in README "Results format".
 Record = dict[str, Any]
@@ -39,6 +40,7 @@ def make_record(
     losses: list[float] | None = None,
     equivalence: dict[str, Any] | None = None,
     predicted: dict[str, Any] | None = None,
+    fit: dict[str, Any] | None = None,
     wall_s: float | None = None,
     trial: int = 0,
 ) -> Record:
@@ -63,6 +65,7 @@ def make_record(
         "losses": _finite_or_none(losses or []),
         "equivalence": equivalence,
         "predicted": predicted,
+        "fit": fit,
         "wall_s": wall_s,
     }
 
@@ -121,3 +124,11 @@ def _models_as_data(record: Record) -> Record:
     let ``cell.model`` be a resolved transformers config (an object) as well as a preset's
     name: a record before it trained a preset at its own length."""
     return {**record, "cell": {**record["cell"], "seq_len": None}}
+
+
+@migration(3)
+def _fit(record: Record) -> Record:
+    """4 added ``fit`` (on GPUs, the predicted peak against the memory a rank may use, checked
+    before launch; the status ``does_not_fit`` for a cell over it) and ``equivalence.passed``
+    None for a cell whose reference does not fit: a record before it was never checked."""
+    return {**record, "fit": None}

@@ -94,7 +94,7 @@ def _worst_equivalence(ok: list[Record], shown: Record) -> dict[str, Any] | None
     if not verdicts:
         equivalence: dict[str, Any] | None = shown.get("equivalence")
         return equivalence
-    failed = [v for v in verdicts if not v.get("passed")]
+    failed = [v for v in verdicts if v.get("passed") is False]
     return failed[0] if failed else max(verdicts, key=lambda v: v.get("max_rel_loss_diff") or 0.0)
 
 

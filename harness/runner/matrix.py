@@ -6,7 +6,8 @@ round 2 every cell again in fresh launches, and so on, so machine noise (another
 thermal or frequency change) spreads over every cell instead of landing on one cell's trials.
 Each record carries its ``trial`` (0-based); a trial is gated against the reference's record
 of the same trial (it ran earlier in the same round), else any recorded trial of it. Cells are
-traced once, and an ``unsupported`` cell is recorded once (trial 0): it does not run.
+traced once, and a cell not launched is recorded once (trial 0): ``unsupported``, or on a GPU
+``does_not_fit`` (harness/predict/fit.py; ``launch_anyway`` launches those).
 
 A resumed run starts from the records it keeps (``recorded``, by (cell, trial)) and runs only
 the (cell, trial) pairs without one.
@@ -24,7 +25,7 @@ from typing import Any
 from harness import equivalence, markers, strategies
 from harness.config import CellSpec
 from harness.measure import flops, summary
-from harness.predict import accuracy, traced
+from harness.predict import accuracy, fit, traced
 from harness.results import trials
 from harness.results.schema import make_record
 from harness.results.store import RunStore
@@ -70,7 +71,8 @@ class MatrixRun:
     def __init__(self, cells: list[CellSpec], store: RunStore, options: LaunchOptions, *,
                  device_type: str, device_name: str | None, progress: Callable[[str], None],
                  repeat: int = 1, recorded: dict[tuple[str, int], dict] | None = None,
-                 on_round_end: Callable[[int], None] | None = None):
+                 on_round_end: Callable[[int], None] | None = None,
+                 fit_memory_bytes: int | None = None, launch_anyway: bool = False):
         if repeat < 1:
             raise ValueError(f"repeat={repeat}: run each cell at least once")
         self.cells = with_references(cells)
@@ -82,9 +84,15 @@ class MatrixRun:
         self.repeat = repeat
         self.on_round_end = on_round_end  # called with the trial number as each round ends
         self._unsupported = {c.cell_id: strategies.unsupported_reason(c, device_type) for c in self.cells}
-        # Every (cell, trial) to record, round by round; an unsupported cell only in round 1.
+        # With a GPU's memory per rank: each cell's predicted fit, checked before anything launches.
+        self._fit = ({c.cell_id: fit.check(c, fit_memory_bytes) for c in self.cells}
+                     if fit_memory_bytes is not None else {})
+        self._not_launched = ({cell_id for cell_id, reason in self._unsupported.items() if reason}
+                              | {cell_id for cell_id, f in self._fit.items()
+                                 if f is not None and not f.fits and not launch_anyway})
+        # Every (cell, trial) to record, round by round; a cell not launched only in round 1.
         self.planned = [(c, trial) for trial in range(repeat) for c in self.cells
-                        if trial == 0 or not self._unsupported[c.cell_id]]
+                        if trial == 0 or c.cell_id not in self._not_launched]
         # Kept records of a resumed run count as done; a kept reference gates the cells run now.
         self.by_trial: dict[tuple[str, int], dict] = {(c.cell_id, t): recorded[c.cell_id, t] for c, t in self.planned
                                                       if recorded and (c.cell_id, t) in recorded}
@@ -109,7 +117,8 @@ class MatrixRun:
         """Per trial, the cells ``run`` will launch, in launch order (what node 0 serves to
         the other nodes: runner/nodes.py)."""
         todo = self._todo()
-        return [[c for c, t in todo if t == trial and not self._unsupported[c.cell_id]] for trial in range(self.repeat)]
+        return [[c for c, t in todo if t == trial and c.cell_id not in self._not_launched]
+                for trial in range(self.repeat)]
 
     def run(self) -> dict[str, dict]:
         todo = self._todo()
@@ -118,7 +127,7 @@ class MatrixRun:
             self.progress(no_peak)
         if self._resumed_from:
             self.progress(f"shardbench: resuming: {self.recorded_count()} recorded and kept, {len(todo)} to run")
-        runnable = list({c.cell_id: c for c, _ in todo if not self._unsupported[c.cell_id]}.values())
+        runnable = list({c.cell_id: c for c, _ in todo if c.cell_id not in self._not_launched}.values())
         if runnable:
             # Before any cell runs: the trace would compete with the ranks for the cores.
             started = time.monotonic()
@@ -134,12 +143,14 @@ class MatrixRun:
         return self.records
 
     def _run_round(self, cells: list[CellSpec], trial: int) -> None:
-        for cell in cells:
-            if reason := self._unsupported[cell.cell_id]:
-                self._finish(make_record(cell, markers=markers.markers_of(cell), status="unsupported",
-                                         reason=reason,
-                                         predicted=accuracy.prediction(cell, None), trial=trial))
-        runnable = [c for c in cells if not self._unsupported[c.cell_id]]
+        for cell in (c for c in cells if c.cell_id in self._not_launched):
+            unsupported, checked = self._unsupported[cell.cell_id], self._fit.get(cell.cell_id)
+            status = "unsupported" if unsupported else "does_not_fit"
+            reason = unsupported or (checked.reason() if checked is not None else "")
+            self._finish(make_record(cell, markers=markers.markers_of(cell), status=status, reason=reason,
+                                     predicted=accuracy.prediction(cell, None), fit=self._fit_of(cell),
+                                     trial=trial))
+        runnable = [c for c in cells if c.cell_id not in self._not_launched]
         launch_round(runnable, trial, self.options, self.store.path / "launches",
                      partial(self._on_outcome, trial=trial))
 
@@ -152,7 +163,8 @@ class MatrixRun:
     def _on_outcome(self, outcome: CellOutcome, trial: int) -> None:
         cell = outcome.cell
         predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id))
-        common: dict[str, Any] = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial)
+        common: dict[str, Any] = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial,
+                                      fit=self._fit_of(cell))
         if outcome.status != "ok":
             # An oom keeps the peak it reached (worker.py); nothing else was measured.
             reached = {} if outcome.peak_reached_bytes is None else {"peak_mem_bytes": outcome.peak_reached_bytes}
@@ -179,6 +191,10 @@ class MatrixRun:
             )
         self._finish(record)
 
+    def _fit_of(self, cell: CellSpec) -> dict[str, Any] | None:
+        checked = self._fit.get(cell.cell_id)
+        return None if checked is None else checked.to_dict()
+
     def _finish(self, record: dict) -> None:
         self.by_trial[record["cell_id"], record["trial"]] = record
         self.store.append(record)
@@ -191,7 +207,7 @@ class MatrixRun:
         m = record["metrics"]
         status = record["status"]
         eq = record["equivalence"]
-        if eq is not None and not eq["passed"]:
+        if eq is not None and eq["passed"] is False:
             status = "ok, NOT EQUIVALENT" if status == "ok" else status
         detail = (f"peak {human_bytes(m['peak_mem_bytes'])}  step {m['step_time_s'] * 1e3:.1f} ms"
                   if status.startswith("ok") else record["reason"].splitlines()[0][:100] if record["reason"] else "")

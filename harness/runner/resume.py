@@ -38,7 +38,8 @@ def original_selection(run_dir: Path) -> dict:
             "device": (info.get("device") or {}).get("type"),
             "nnodes": (info.get("nodes") or {}).get("nnodes", 1),
             "repeat": info.get("repeat", 1),  # runs from before --repeat ran each cell once
-            "mem_cap_bytes": info.get("mem_cap_bytes")}
+            "mem_cap_bytes": info.get("mem_cap_bytes"),
+            "gpu_mem": info.get("gpu_mem")}  # runs from before --gpu-mem sized for their GPU's own
 
 
 def check_same_selection(run_dir: Path, original: dict, asked: dict) -> None:
@@ -49,7 +50,8 @@ def check_same_selection(run_dir: Path, original: dict, asked: dict) -> None:
         # left out: every node must be started again.
         raise ValueError(f"cannot resume {run_dir.name} on {asked['nnodes']} node(s): it ran on {original['nnodes']};"
                          " start as many nodes again, or start a new run")
-    for key, option in (*SELECTION, ("device", "--device"), ("repeat", "--repeat"), ("mem_cap_bytes", "--mem-cap-gib")):
+    for key, option in (*SELECTION, ("device", "--device"), ("repeat", "--repeat"), ("mem_cap_bytes", "--mem-cap-gib"),
+                        ("gpu_mem", "--gpu-mem")):
         if key in asked and asked[key] != original.get(key):
             raise ValueError(f"cannot resume {run_dir.name} with {option} {_as_given(key, asked)}: it ran with"
                              f" {option} {_as_given(key, original)}; resume without {option}, or start a new run")

@@ -1,0 +1,51 @@
+"""Whether a cell is predicted to fit its device, decided before anything is launched: the
+analytic predictor's whole peak per rank against the memory a rank may use.
+
+A rank may use ``USABLE_FRACTION`` of its device's memory: the CUDA context, NCCL's buffers
+and the caching allocator's fragmentation (reserved beyond allocated) take the rest. A cell
+predicted above it is recorded ``does_not_fit`` with both numbers instead of being launched
+(``--launch-anyway`` launches it to find out); a cell the analytic model does not describe
+(a factory's model) is launched. The same rule sizes the GPU matrix's batches
+(harness/suites_gpu.py), so the matrix and the run agree on what fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from harness.config import CellSpec
+from harness.predict import analytic
+
+USABLE_FRACTION = 0.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fit:
+    predicted_peak_bytes: int  # the analytic whole peak per rank
+    available_bytes: int  # the device's memory per rank (or --gpu-mem, or --mem-cap-gib)
+    predictor: str = "analytic"
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.available_bytes * USABLE_FRACTION)
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_peak_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict[str, int | str | bool]:
+        return {**asdict(self), "usable_bytes": self.usable_bytes, "fits": self.fits}
+
+    def reason(self) -> str:
+        return (f"predicted peak {self.predicted_peak_bytes / 2**30:.1f} GiB per rank ({self.predictor}) over the"
+                f" {self.usable_bytes / 2**30:.1f} GiB usable of {self.available_bytes / 2**30:.1f} GiB"
+                f" ({USABLE_FRACTION:.0%}); not launched (--launch-anyway runs it)")
+
+
+def check(cell: CellSpec, available_bytes: int) -> Fit | None:
+    """The cell's fit on ``available_bytes`` per rank; None where the analytic model has no
+    prediction for the cell."""
+    predicted = analytic.predict(cell)
+    if "peak_bytes" not in predicted:
+        return None
+    return Fit(predicted_peak_bytes=int(predicted["peak_bytes"]), available_bytes=int(available_bytes))

@@ -94,3 +94,28 @@ def test_a_suite_file_table_without_cells_is_refused(tmp_path):
     path.write_text("description = 'nothing'\n")
     with pytest.raises(ValueError, match="no \\[\\[cells\\]\\] tables"):
         suites.cells_of(str(path), 2)
+
+
+def test_the_real_suite_is_both_models_at_256_tokens_over_the_shardings_with_their_variants():
+    cells = suites.cells_of("real", 2)
+    assert {c.model_name for c in cells} == {"gpt2-124m", suites.config_model("llama-100m").name}
+    assert {c.model_spec.seq_len for c in cells} == {suites.REAL_SEQ_LEN}
+    plain = {c.strategy.name for c in cells if c.strategy.precision == "fp32" and c.strategy.checkpointing == "none"}
+    assert plain == {"single", *suites.REAL_STRATEGIES}
+    for variant in ({"checkpointing": "full"}, {"precision": "bf16"}):
+        chosen = {c.strategy.name for c in cells if all(getattr(c.strategy, k) == v for k, v in variant.items())}
+        assert chosen == set(suites.REAL_VARIANT_STRATEGIES), variant
+
+
+def test_a_cpu_cell_too_slow_at_the_measured_rate_is_unsupported_with_the_arithmetic(monkeypatch):
+    from harness.runner import timeouts
+
+    rates = {"fp32": 30e9, "bf16": 0.9e9, "fp16": 0.9e9}  # this project's hosts: bf16 emulated
+    monkeypatch.setattr(timeouts, "cpu_flops_per_s", lambda precision: rates[precision])
+    real = {c.strategy.precision: c for c in suites.cells_of("real", 2) if c.strategy.name == "ddp"}
+    assert timeouts.too_slow_reason(real["fp32"], "cpu") is None
+    reason = timeouts.too_slow_reason(real["bf16"], "cpu")
+    assert reason is not None and "0.9 GFLOP/s per thread, against 30.0 in fp32" in reason
+    assert timeouts.too_slow_reason(real["bf16"], "cuda") is None
+    tiny = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", precision="bf16"))
+    assert timeouts.too_slow_reason(tiny, "cpu") is None

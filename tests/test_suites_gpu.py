@@ -16,7 +16,7 @@ from harness.predict import fit
 from harness.results.store import RunStore
 from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun, with_references
-from harness.suites_gpu import GpuTarget, LARGE_MODEL_GPU_BYTES, MAX_PER_RANK, cells, sized
+from harness.suites_gpu import LARGE_MODEL_GPU_BYTES, MAX_PER_RANK, GpuTarget, sized
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -102,7 +102,7 @@ def test_the_global_batch_is_the_largest_whose_reference_fits_one_gpu(matrix):
 
 
 def test_8_gpus_of_80gb_train_llama3_8b_only_where_sharded(matrix):
-    world_size, gpu, chosen = matrix
+    _, gpu, chosen = matrix
     large = [c for c in chosen if c.model_name == "llama3-8b"]
     if not large:
         pytest.skip("llama3-8b needs 8 GPUs of 80 GB")

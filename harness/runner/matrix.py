@@ -29,6 +29,7 @@ from harness.predict import accuracy, fit, traced
 from harness.results import trials
 from harness.results.schema import make_record
 from harness.results.store import RunStore
+from harness.runner import timeouts
 from harness.runner.launcher import CellOutcome, LaunchOptions, run_batch
 
 
@@ -83,7 +84,8 @@ class MatrixRun:
         self.progress = progress
         self.repeat = repeat
         self.on_round_end = on_round_end  # called with the trial number as each round ends
-        self._unsupported = {c.cell_id: strategies.unsupported_reason(c, device_type) for c in self.cells}
+        self._unsupported = {c.cell_id: strategies.unsupported_reason(c, device_type)
+                             or timeouts.too_slow_reason(c, device_type) for c in self.cells}
         # With a GPU's memory per rank: each cell's predicted fit, checked before anything launches.
         self._fit = ({c.cell_id: fit.check(c, fit_memory_bytes) for c in self.cells}
                      if fit_memory_bytes is not None else {})

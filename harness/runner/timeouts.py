@@ -27,6 +27,9 @@ from harness.measure import flops
 
 START_UP_S = 300.0
 SAFETY = 20.0
+# A CPU cell whose steps would each take longer than this at the measured rate is not run:
+# it is recorded ``unsupported`` with the arithmetic (``too_slow_reason``).
+MAX_CPU_STEP_S = 60.0
 FALLBACK_S = 600.0
 _MATMUL_N = 512
 _MEASURE_FOR_S = 0.2
@@ -81,3 +84,23 @@ def for_cell(cell: CellSpec, fixed_s: float | None, device_type: str, device_nam
     return CellTimeout(seconds=START_UP_S + SAFETY * expected,
                        why=f"{START_UP_S:.0f} s start-up + {SAFETY:.0f} × {expected:.2f} s expected compute"
                            f" at {rate / 1e9:.1f} GFLOP/s; --cell-timeout sets it")
+
+
+def too_slow_reason(cell: CellSpec, device_type: str) -> str | None:
+    """Why a CPU cell cannot run here in useful time, or None: its model FLOPs per step on
+    one rank at this CPU's measured one-thread matmul rate in the cell's precision, a lower
+    bound on its step time, over ``MAX_CPU_STEP_S``. What it catches is a precision this CPU
+    computes without units of its own: bf16 without AVX512-BF16 or AMX is emulated, 20-40x
+    slower than fp32 (a gpt2-124m bf16 step at 256 tokens takes minutes)."""
+    if device_type != "cpu":
+        return None
+    rate = cpu_flops_per_s(cell.strategy.precision)
+    per_step = expected_compute_s(cell, rate) / cell.steps
+    if per_step <= MAX_CPU_STEP_S:
+        return None
+    fp32 = cpu_flops_per_s("fp32")
+    return (f"a step would take at least {per_step:.0f} s on this CPU ({models.flops_per_sample(cell.model_spec):.2e}"
+            f" FLOPs per sample at its measured {cell.strategy.precision} matmul rate of {rate / 1e9:.1f} GFLOP/s"
+            f" per thread, against {fp32 / 1e9:.1f} in fp32), over the {MAX_CPU_STEP_S:.0f} s a CPU step may take"
+            f" (harness/runner/timeouts.py); it runs where the CPU computes {cell.strategy.precision} natively,"
+            " and on GPUs")

@@ -125,6 +125,25 @@ def test_trace_cells_survives_a_subprocess_that_dies_or_hangs(monkeypatch):
     assert all("timeout" in r["unavailable"] for r in results.values())
 
 
+def test_trace_cells_shares_the_cells_among_a_subprocess_per_core(monkeypatch):
+    cells = [_cell("single", 1), _cell("ddp", 2), _cell("fsdp_full", 2)]
+    shares = []
+
+    def fake(share, timeout_s):
+        shares.append([c.cell_id for c in share])
+        return {c.cell_id: {"peak_bytes": len(shares)} for c in share}
+
+    monkeypatch.setattr(traced, "_trace_in_subprocess", fake)
+    monkeypatch.setattr(traced.os, "cpu_count", lambda: 2)
+    results = traced.trace_cells(cells)
+    assert sorted(shares) == sorted([[cells[0].cell_id, cells[2].cell_id], [cells[1].cell_id]])
+    assert list(results) == [c.cell_id for c in cells]  # in the order given
+    monkeypatch.setattr(traced.os, "cpu_count", lambda: 64)
+    shares.clear()
+    traced.trace_cells(cells)
+    assert len(shares) == len(cells)  # never more subprocesses than cells (nor than MAX_TRACE_PROCESSES)
+
+
 def test_cli_reports_a_spec_that_is_no_cell(tmp_path):
     refused = _cell("deepspeed_zero3", 2, offload="optimizer")
     specs = [{"model": "gpt2-huge", "strategy": {"name": "ddp"}}, refused.to_dict()]

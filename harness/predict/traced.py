@@ -83,6 +83,7 @@ else that raises while tracing gives its exception and the frame that raised it,
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -109,6 +110,8 @@ from harness.measure import memory
 from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
 DEFAULT_TIMEOUT_S = 600.0
+# Trace subprocesses at once (each one thread, its own torch and transformers: ~1 GB of memory).
+MAX_TRACE_PROCESSES = 8
 _REASON_CHARS = 400
 
 # Found by trying (DeepSpeed 0.19.8): the step segfaults, in the C++ kernel of DeepSpeedCPUAdam.
@@ -352,16 +355,26 @@ def trace(cell: CellSpec) -> dict:
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, dict]:
-    """cell_id -> trace(cell), computed in one fresh subprocess for the whole list (``python -m
+    """cell_id -> trace(cell), computed in fresh subprocesses (``python -m
     harness.predict.traced``), so this process (which may hold a real process group) is
-    untouched. A cell whose trace raises gets {"unavailable": reason} and the others go on;
-    if the subprocess dies or runs past `timeout_s`, every cell without a result gets
-    {"unavailable": ...} saying so (the first of them is the one it was tracing). Never
-    raises for a cell.
+    untouched: one per core up to ``MAX_TRACE_PROCESSES``, each tracing every n-th cell (a trace
+    is one thread's work, and nothing else runs while the cells are traced). A cell whose trace
+    raises gets {"unavailable": reason} and the others go on; if a subprocess dies or runs past
+    `timeout_s`, every cell of its share without a result gets {"unavailable": ...} saying so
+    (the first of them is the one it was tracing). Never raises for a cell.
     """
-    results: dict[str, dict] = {}
     if not cells:
-        return results
+        return {}
+    processes = max(1, min(MAX_TRACE_PROCESSES, os.cpu_count() or 1, len(cells)))
+    shares = [cells[k::processes] for k in range(processes)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=processes) as pool:
+        traced = list(pool.map(lambda share: _trace_in_subprocess(share, timeout_s), shares))
+    results = {cell_id: result for share in traced for cell_id, result in share.items()}
+    return {cell.cell_id: results[cell.cell_id] for cell in cells}  # in the order given
+
+
+def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float) -> dict[str, dict]:
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="shardbench-trace-") as tmp:
         cells_path, out_path = Path(tmp) / "cells.json", Path(tmp) / "out.json"
         cells_path.write_text(json.dumps([cell.to_dict() for cell in cells]))

@@ -30,14 +30,17 @@ def test_each_stage_against_its_ddp_cell_beside_the_formula():
     rows = savings.rows([ddp, zero1, fsdp, other_ckpt, eight_bit, bf16])
     assert [(r["record"]["cell_id"], r["stage"]) for r in rows] == [(zero1["cell_id"], 1), (fsdp["cell_id"], 3)]
     one, three = rows
-    assert one["baseline"] is ddp and one["peak_saving"] == 4 * MIB and one["states_saving"] == 4e6
+    assert one["baseline"] is ddp and one["peak_saving"] == 4 * MIB
     dp = zero_model_states(N_PARAMS, 2, 0, **FP32_ADAM).total
     assert one["formula_saving"] == dp - zero_model_states(N_PARAMS, 2, 1, **FP32_ADAM).total == 4e6
     assert three["formula_saving"] == dp - zero_model_states(N_PARAMS, 2, 3, **FP32_ADAM).total == 8e6
-    assert three["states_saving"] == 8e6
+    assert one["states"] == 12e6 == one["formula_states"]  # held at the optimizer step
+    assert three["states"] == 8e6 == three["formula_states"]
     table = savings.table([ddp, zero1, fsdp])
     assert table.count(ddp["cell_id"]) == 1  # the baseline once, above its rows
-    assert "| 4.00 | 3.81 | 3.81 | 1.00 |" in table.splitlines()[3]  # MiB: peak, states, formula, ratio
+    lines = table.splitlines()
+    assert lines[2].endswith("| — | — | 15.26 | 15.26 | 1.00 |")  # DDP: 16 bytes per parameter, as the formula
+    assert lines[3].endswith("| 4.00 | 3.81 | 11.44 | 11.44 | 1.00 |")  # MiB
     assert table.endswith("(harness/report/savings.py).") and "MiB per rank" in table
 
 

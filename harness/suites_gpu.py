@@ -65,8 +65,7 @@ def target(memory_bytes: int | None) -> GpuTarget | None:
     if not torch.cuda.is_available():
         raise ValueError("--device cuda: no GPU is visible here; give --gpu-mem (e.g. 80GiB) and --gpus to list"
                          " a GPU node's matrix")
-    props = torch.cuda.get_device_properties(0)
-    return GpuTarget(memory_bytes=props.total_memory, name=props.name)
+    return GpuTarget(memory_bytes=torch.cuda.get_device_properties(0).total_memory, name=torch.cuda.get_device_name(0))
 
 
 def models_for(world_size: int, gpu: GpuTarget) -> list[tuple[str, int]]:

@@ -49,32 +49,33 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
         return int(code)
     gpu = suites_gpu.target(options.gpu_mem_bytes)
     added = [c for c in with_references(collector.cells) if c not in collector.cells]
+    # On a GPU target, each cell's fit, checked once for its line and the summary.
+    fits = {} if gpu is None else {c.cell_id: fit.check(c, gpu.memory_bytes) for c in collector.cells + added}
     for cell in collector.cells:
         reason = strategies.unsupported_reason(cell, selected_device())
         note = f"  [unsupported here: {reason}]" if reason else ""
-        print(f"{cell.cell_id:<62} {' '.join(markers.markers_of(cell))}{_fit_note(cell, gpu)}{note}")
+        print(f"{cell.cell_id:<62} {' '.join(markers.markers_of(cell))}{_fit_note(cell, gpu, fits)}{note}")
     for cell in added:
-        print(f"{cell.cell_id:<62} (reference, added to gate the selection){_fit_note(cell, gpu)}")
+        print(f"{cell.cell_id:<62} (reference, added to gate the selection){_fit_note(cell, gpu, fits)}")
     print(f"{len(collector.cells)} cells selected, {len(added)} references added")
     if gpu is not None:
-        print(_gpu_summary(collector.cells + added, gpu))
+        print(_gpu_summary(collector.cells + added, gpu, fits))
     return 0
 
 
-def _fit_note(cell: CellSpec, gpu: suites_gpu.GpuTarget | None) -> str:
+def _fit_note(cell: CellSpec, gpu: suites_gpu.GpuTarget | None, fits: dict[str, fit.Fit | None]) -> str:
     """On a GPU target: the cell's predicted peak per rank, and whether it is launched."""
     if gpu is None:
         return ""
-    checked = fit.check(cell, gpu.memory_bytes)
+    checked = fits[cell.cell_id]
     if checked is None:
         return "  [no analytic prediction: launched]"
     verdict = "fits" if checked.fits else "does_not_fit: not launched"
     return f"  [predicted {checked.predicted_peak_bytes / 2**30:.1f} GiB per rank: {verdict}]"
 
 
-def _gpu_summary(cells: list[CellSpec], gpu: suites_gpu.GpuTarget) -> str:
-    checked = [(c, fit.check(c, gpu.memory_bytes)) for c in cells]
-    launched = [c for c, f in checked if f is None or f.fits]
+def _gpu_summary(cells: list[CellSpec], gpu: suites_gpu.GpuTarget, fits: dict[str, fit.Fit | None]) -> str:
+    launched = [c for c in cells if (f := fits[c.cell_id]) is None or f.fits]
     seconds = sum(rough_time.cell_seconds(c, gpu.name) for c in launched)
     on = gpu.name or f"{rough_time.ASSUMED_GPU} (assumed)"
     return (f"{len(launched)} of {len(cells)} cells predicted to fit {gpu.memory_bytes / 2**30:.1f} GiB per GPU"

@@ -5,7 +5,6 @@ import os
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from harness.measure.comm import OpStats, _Op, _profiler_kind, _summarise, busbw_factor, count_comm
+from harness.measure.comm import OpStats, _Event, _Op, _profiler_kind, _summarise, busbw_factor, count_comm
 
 
 def _model():
@@ -168,8 +167,7 @@ def test_busbw_factor():
 
 
 def _event(name, shapes, dtypes, start, us):
-    return SimpleNamespace(name=name, input_shapes=shapes, input_dtypes=dtypes,
-                           time_range=SimpleNamespace(start=start, elapsed_us=lambda: us))
+    return _Event(name, start, us * 1000, shapes, dtypes)
 
 
 def test_profiler_fills_in_what_dispatch_missed():

@@ -53,7 +53,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -206,28 +205,46 @@ def _profiler_kind(name: str) -> str | None:
     return None
 
 
-def _event_numel_bytes(event: FunctionEvent) -> tuple[int | None, int | None]:
+@dataclass(frozen=True)
+class _Event:
+    """A profiler event of a collective: gloo's worker-thread op or an NCCL kernel."""
+
+    name: str
+    start_ns: int
+    duration_ns: int
+    input_shapes: list[list[int]]  # empty for a GPU kernel
+    input_dtypes: list[str]
+
+
+def _comm_events(prof: profile) -> list[_Event]:
+    """The profile's collective events, read from kineto's raw events: torch's
+    ``prof.events()`` first builds every op's FunctionEvent and their tree (0.3 s a tiny
+    step on the reference host, a quarter of a cell's time), and only these few are needed."""
+    raw = prof.profiler.kineto_results.events() if prof.profiler and prof.profiler.kineto_results else []
+    return [_Event(e.name(), e.start_ns(), e.duration_ns(), e.shapes(), e.dtypes())
+            for e in raw if _profiler_kind(e.name()) is not None]
+
+
+def _event_numel_bytes(event: _Event) -> tuple[int | None, int | None]:
     shapes = [s for s in (event.input_shapes or []) if s]
     if not shapes:
         return None, None
-    # Each entry is one input's shape: torch annotates input_shapes as tuple[int, ...], but its
-    # docstring (and the profiler) give List[List[int]].
-    numels = [int(torch.Size(s).numel()) for s in shapes]  # type: ignore[arg-type]
+    numels = [int(torch.Size(s).numel()) for s in shapes]
     sizes = [_DTYPE_BYTES.get(d) for d in event.input_dtypes[: len(numels)]]
     known = [s for s in sizes if s is not None]
     nbytes = None if len(known) < len(sizes) else sum(n * s for n, s in zip(numels, known))
     return sum(numels), nbytes
 
 
-def _summarise(ops: list[_Op], events: Iterable[FunctionEvent]) -> dict[str, OpStats]:
+def _summarise(ops: list[_Op], events: Iterable[_Event]) -> dict[str, OpStats]:
     seen_kinds = {op.kind for op in ops}
     extra: dict[str, list[float]] = {}  # profiler-only kind -> [count, bytes, time, unsized]
     comm_events = sorted(
         ((e, k) for e in events if (k := _profiler_kind(e.name)) is not None),
-        key=lambda ek: ek[0].time_range.start,
+        key=lambda ek: ek[0].start_ns,
     )
     for event, kind in comm_events:
-        seconds = event.time_range.elapsed_us() / 1e6
+        seconds = event.duration_ns / 1e9
         numel, nbytes = _event_numel_bytes(event)
         allowed = _COMPATIBLE.get(kind, (kind,))
         match = next((op for op in ops if not op.timed and op.kind in allowed
@@ -272,4 +289,4 @@ def count_comm(device: torch.device) -> Iterator[Callable[[], dict[str, OpStats]
             yield lambda: result[0]
         if on_cuda:
             torch.cuda.synchronize(device)  # let the NCCL kernels finish inside the profile
-    result.append(_summarise(mode.ops, prof.events()))
+    result.append(_summarise(mode.ops, _comm_events(prof)))

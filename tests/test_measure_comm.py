@@ -167,7 +167,7 @@ def test_busbw_factor():
 
 
 def _event(name, shapes, dtypes, start, us):
-    return _Event(name, start, us * 1000, shapes, dtypes)
+    return _Event(name, _profiler_kind(name), start, us * 1000, shapes, dtypes)
 
 
 def test_profiler_fills_in_what_dispatch_missed():

@@ -210,6 +210,7 @@ class _Event:
     """A profiler event of a collective: gloo's worker-thread op or an NCCL kernel."""
 
     name: str
+    kind: str  # _profiler_kind(name)
     start_ns: int
     duration_ns: int
     input_shapes: list[list[int]]  # empty for a GPU kernel
@@ -221,8 +222,8 @@ def _comm_events(prof: profile) -> list[_Event]:
     ``prof.events()`` first builds every op's FunctionEvent and their tree (0.3 s a tiny
     step on the reference host, a quarter of a cell's time), and only these few are needed."""
     raw = prof.profiler.kineto_results.events() if prof.profiler and prof.profiler.kineto_results else []
-    return [_Event(e.name(), e.start_ns(), e.duration_ns(), e.shapes(), e.dtypes())
-            for e in raw if _profiler_kind(e.name()) is not None]
+    return [_Event(e.name(), kind, e.start_ns(), e.duration_ns(), e.shapes(), e.dtypes())
+            for e in raw if (kind := _profiler_kind(e.name())) is not None]
 
 
 def _event_numel_bytes(event: _Event) -> tuple[int | None, int | None]:
@@ -239,11 +240,8 @@ def _event_numel_bytes(event: _Event) -> tuple[int | None, int | None]:
 def _summarise(ops: list[_Op], events: Iterable[_Event]) -> dict[str, OpStats]:
     seen_kinds = {op.kind for op in ops}
     extra: dict[str, list[float]] = {}  # profiler-only kind -> [count, bytes, time, unsized]
-    comm_events = sorted(
-        ((e, k) for e in events if (k := _profiler_kind(e.name)) is not None),
-        key=lambda ek: ek[0].start_ns,
-    )
-    for event, kind in comm_events:
+    for event in sorted(events, key=lambda e: e.start_ns):
+        kind = event.kind
         seconds = event.duration_ns / 1e9
         numel, nbytes = _event_numel_bytes(event)
         allowed = _COMPATIBLE.get(kind, (kind,))

@@ -40,6 +40,11 @@ bootstrap() {
     # own setuptools build shardbench too, so bring it up to what pyproject.toml asks.
     "$VENV/bin/pip" install --quiet -c "$constraints" "setuptools>=68" wheel
     "$VENV/bin/pip" install --quiet -c "$constraints" --no-build-isolation -e ".[engines,test]"
+    # DeepSpeed compiles its ops on first use; build them now rather than inside a run's first
+    # cells (harness/strategies/deepspeed_zero.py, build_ops).
+    echo "shardbench: building DeepSpeed's ops for $VENV (a few minutes, once)"
+    "$VENV/bin/python" -W ignore -c "from harness import distributed; from harness.strategies import deepspeed_zero
+deepspeed_zero.build_ops(distributed.selected_device())"
     rm -f "$VENV"/.installed-*
     touch "$stamp"
 }

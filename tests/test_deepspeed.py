@@ -3,8 +3,8 @@ real 2-rank runs (one MatrixRun) gated against the single-process reference, wit
 DeepSpeed's comms_logger checked against the harness's own communication counter.
 
 The offload cell uses DeepSpeed's CPU Adam, JIT-compiled on first use into
-harness.strategies.deepspeed_zero.EXTENSIONS_CACHE (~/.cache/shardbench/torch_extensions,
-or $TORCH_EXTENSIONS_DIR): the first run of this file on a machine takes ~80-160 s longer.
+harness.strategies.deepspeed_zero.EXTENSIONS_CACHE (~/.cache/shardbench/torch_extensions/<venv hash>,
+or $TORCH_EXTENSIONS_DIR; run_all.sh's set-up builds it ahead): without the build, this file takes ~80-160 s longer.
 """
 
 import inspect

@@ -37,6 +37,7 @@ accumulation boundary).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import math
 import os
 import sys
@@ -104,9 +105,12 @@ def combination_problem(cell: CellSpec) -> str | None:
 # DeepSpeed JIT-compiles its C++ ops into TORCH_EXTENSIONS_DIR: on a CPU accelerator its
 # shared-memory collectives (every cell, inside deepspeed.initialize) and CPU Adam (offload
 # cells, ~80 s with gcc). torch's default (~/.cache/torch_extensions/<python-torch tag>) is
-# fine too, but a named cache makes the cost visible and shared by tests and runs. A user's
+# fine too, but a named cache makes the cost visible and shared by tests and runs. One folder
+# per Python environment: a build's flags name the venv's include paths, so two venvs sharing
+# one folder (two clones) would rebuild over each other's ops on every switch. A user's
 # setting wins.
-EXTENSIONS_CACHE = Path.home() / ".cache" / "shardbench" / "torch_extensions"
+EXTENSIONS_CACHE = (Path.home() / ".cache" / "shardbench" / "torch_extensions"
+                    / hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])
 
 # torch.optim.AdamW defaults, which the reference uses; DeepSpeedCPUAdam's weight_decay
 # default is 0, so every value is passed explicitly.
@@ -230,13 +234,30 @@ def load_ops(cell: CellSpec) -> None:
     while holding it is a dead builder's and is removed. Run inside prepare, before the
     warm-up steps, so no compile lands in a measured step; DeepSpeed keeps the loaded ops
     (OpBuilder._loaded_ops), so its own loads inside initialize are then no-ops."""
+    _load(_op_builders(cpu_adam=_offloads_optimizer(cell)))
+
+
+def build_ops(device_type: str) -> None:
+    """Every JIT op a cell on ``device_type`` can load, built ahead: run_all.sh's set-up runs
+    this, so a fresh clone's first run does not pay the builds inside its cells and its trace
+    (about 3 minutes on the reference host). The cache is keyed by the build's flags, which
+    name the venv's paths: each new .venv builds its own."""
+    import_deepspeed(torch.device(device_type))
+    _load(_op_builders(cpu_adam=True))
+
+
+def _op_builders(cpu_adam: bool) -> list[Any]:
+    """DeepSpeed's op builders a cell needs on this process's accelerator: the shared-memory
+    collectives always (the CPU accelerator's; none on CUDA), CPU Adam for optimizer offload."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    builders = [get_accelerator().create_op_builder("ShareMemCommBuilder")]
-    if _offloads_optimizer(cell):
-        builders.append(CPUAdamBuilder())
-    builders = [b for b in builders if b is not None and b.is_compatible(verbose=False)]
+    builders = [get_accelerator().create_op_builder("ShareMemCommBuilder"), CPUAdamBuilder() if cpu_adam else None]
+    return [b for b in builders if b is not None and b.is_compatible(verbose=False)]
+
+
+def _load(builders: list[Any]) -> None:
+    """Build or load ``builders``' ops under the flock (load_ops says why)."""
     if not builders:
         return
     cache = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_CACHE)))

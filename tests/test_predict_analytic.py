@@ -179,13 +179,13 @@ def test_a_failing_analytic_model_is_recorded_as_unavailable_not_raised(monkeypa
         raise ZeroDivisionError("division by zero")
 
     monkeypatch.setattr(analytic, "predict", broken)
-    predicted = accuracy.prediction(_cell("ddp", world_size=2), None)
+    predicted = accuracy.prediction(_cell("ddp", world_size=2), None, "cpu")
     assert predicted["analytic"] == {"unavailable": "the analytic model failed: ZeroDivisionError: division by zero"}
 
 
 def test_accuracy_names_the_category_that_is_off():
     cell = _cell("ddp", world_size=2)
-    predicted = accuracy.prediction(cell, {"peak_bytes": 100, "breakdown_bytes": {"params": 60, "other": 40}})
+    predicted = accuracy.prediction(cell, {"peak_bytes": 100, "breakdown_bytes": {"params": 60, "other": 40}}, "cpu")
     states = predicted["analytic"]["model_state_bytes"]
     metrics = {
         "peak_mem_bytes": 200, "mem_breakdown_bytes": {"params": 60, "other": 140},
@@ -201,6 +201,11 @@ def test_accuracy_names_the_category_that_is_off():
     assert ratios["traced_peak"]["off"].startswith("other:")
     assert ratios["analytic_model_states"]["ratio"] == pytest.approx(1.0)
     assert ratios["analytic_comm"] == {"ratio": 1.0, "within_target": True, "off": None}
+    # The analytic whole peak against the same measured peak, by the same categories.
+    peak = predicted["analytic"]["peak_breakdown_bytes"]
+    assert sum(peak.values()) == predicted["analytic"]["peak_bytes"]
+    assert ratios["analytic_peak"]["ratio"] == pytest.approx(predicted["analytic"]["peak_bytes"] / 200)
+    assert ratios["analytic_peak"]["off"].split(":")[0] in peak
 
 
 # --- plan --------------------------------------------------------------------------------------

@@ -54,6 +54,13 @@ class ParamLayout:
     shapes: tuple[tuple[int, ...], ...]  # every parameter, a tied weight once
     root_numel: int  # outside the repeated blocks: FSDP's root unit (embeddings, final norm, head)
     block_numel: int  # one repeated block: the unit FSDP and ZeRO-3 gather at a time
+    # The weights and biases of the matmul layers (nn.Linear, transformers' Conv1D, a head
+    # tied to the token table): what torch autocast casts to 16 bits, and caches for the rest
+    # of the forward. Embedding tables and norms are not cast.
+    matmul_numel: int = 0
+    # The repeated block's MLP activation module, by class name (e.g. "NewGELUActivation",
+    # "SiLUActivation"): how many tensors it keeps for backward depends on how it is written.
+    mlp_activation: str = ""
 
     @property
     def numel(self) -> int:
@@ -74,11 +81,29 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
     blocks = list(layouts.repeated_blocks(module))
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     params = list(module.parameters())  # de-duplicates tied weights
+    matmul = {id(p): p.numel() for m in module.modules() if _is_matmul(m) for p in m.parameters(recurse=False)}
     return ParamLayout(
         shapes=tuple(tuple(p.shape) for p in params),
         root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
         block_numel=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+        matmul_numel=sum(matmul.values()),
+        mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
     )
+
+
+def _is_matmul(module: nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2's projections) is a linear layer with its weight transposed.
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _mlp_activation(block: nn.Module) -> str:
+    """The class name of the first activation module inside the block's MLP (or the block)."""
+    mlp = getattr(block, "mlp", None) or block
+    for m in mlp.modules():
+        name = type(m).__name__
+        if "Activation" in name or name in ("GELU", "SiLU", "ReLU", "GELUTanh", "Tanh"):
+            return name
+    return ""
 
 
 @dataclass

@@ -4,6 +4,8 @@ Three comparisons, each predicted ÷ measured, and the targets they are held to:
 
 - ``traced_peak``: the traced step peak (harness/predict/traced.py) against the measured
   peak per rank (metrics.peak_mem_bytes, the max over ranks): ±10 %.
+- ``analytic_peak``: the analytic whole peak (what ``plan`` and the fit check decide by)
+  against the same measured peak: ±10 %.
 - ``analytic_model_states``: the analytic model states (params + grads + optimizer + the
   engine's gradient buffers, harness/predict/analytic.py) against everything a rank held
   when its optimizer step began (metrics.at_optimizer_step_bytes: activations are freed by
@@ -23,22 +25,23 @@ from harness.predict import analytic
 from harness.results import trials
 
 TOLERANCE = 0.10
-TARGETS = ("traced_peak", "analytic_model_states", "analytic_comm")
+TARGETS = ("traced_peak", "analytic_peak", "analytic_model_states", "analytic_comm")
 
 
-def prediction(cell: CellSpec, traced: dict | None) -> dict:
-    """The record's ``predicted`` entry before any measurement: both predictors."""
+def prediction(cell: CellSpec, traced: dict | None, device_type: str) -> dict:
+    """The record's ``predicted`` entry before any measurement: both predictors, the
+    analytic one for the ranks' ``device_type``."""
     return {
-        "analytic": _analytic(cell),
+        "analytic": _analytic(cell, device_type),
         "traced": traced if traced is not None else {"unavailable": "not traced in this run"},
     }
 
 
-def _analytic(cell: CellSpec) -> dict:
+def _analytic(cell: CellSpec, device_type: str) -> dict:
     """The analytic prediction; one that raises is recorded as unavailable, with the error,
     because the measured record it belongs to must still be written."""
     try:
-        return analytic.predict(cell)
+        return analytic.predict(cell, device_type=device_type)
     except Exception as error:  # any bug in a formula, for any cell
         return {"unavailable": f"the analytic model failed: {type(error).__name__}: {error}"}
 
@@ -73,6 +76,8 @@ def compare(predicted: dict, metrics: dict) -> dict:
                                          traced["breakdown_bytes"], metrics["mem_breakdown_bytes"])
     if "unavailable" in a:
         return out
+    out["analytic_peak"] = _comparison(a["peak_bytes"], metrics["peak_mem_bytes"],
+                                       a["peak_breakdown_bytes"], metrics["mem_breakdown_bytes"])
     held = metrics.get("at_optimizer_step_bytes")
     if held:
         states = a["model_states_bytes"]

@@ -20,6 +20,7 @@ from harness.predict.analytic_data_parallel import (
     comm_bytes_per_step,
     model_states_at_step,
     offloaded_bytes,
+    optimizer_step_bytes,
     transient_bytes,
 )
 from harness.predict.analytic_parallel import (
@@ -82,12 +83,14 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
     return None
 
 
-def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> dict:
+def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, device_type: str = "cuda") -> dict:
     """The analytic prediction for one cell, per rank; the record's ``predicted.analytic``.
 
     ``spec`` replaces the cell's preset (``harness plan`` with another sequence length);
-    ``nodes`` shapes the HSDP mesh (replicate across nodes). A cell the model does not
-    describe (``unavailable_reason``) gets ``{"unavailable": reason}``."""
+    ``nodes`` shapes the HSDP mesh (replicate across nodes); ``device_type`` the ranks'
+    devices ("cuda" where it plans for GPUs), whose default kernels keep different
+    temporaries. A cell the model does not describe (``unavailable_reason``) gets
+    ``{"unavailable": reason}``."""
     spec = spec or cell.model_spec
     why = unavailable_reason(cell, spec)
     if why:
@@ -105,15 +108,15 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> di
         states, acts, comm, transient, extra = (parts[k] for k in keys)
     offloaded = offloaded_bytes(cell, states, layout)
     model_state_bytes = sum(states.values())
+    step_temporaries = optimizer_step_bytes(cell, layout, device_type) if not offloaded["optimizer"] else 0.0
+    peak = peak_breakdown(cell, states, offloaded, acts, transient, step_temporaries)
     return {
         "model_states_bytes": states,
         "model_state_bytes": model_state_bytes,
         "activation_bytes": acts,
         "transient_bytes": transient,
-        # A first-order peak: the states on the device, one micro-batch's activations and
-        # the transients all at once (the traced predictor times them exactly).
-        "peak_bytes": (model_state_bytes - sum(offloaded.values()) + acts["layers"] + acts["logits"]
-                       + sum(transient.values())),
+        "peak_bytes": sum(peak.values()),
+        "peak_breakdown_bytes": peak,
         "offloaded_bytes": offloaded,
         "comm_bytes_by_op": comm,
         "comm_bytes_per_step": sum(comm.values()),
@@ -122,3 +125,42 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1) -> di
         "n_params": layout.numel,
         **extra,
     }
+
+
+
+def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str, float], acts: dict[str, float],
+                   transient: dict[str, float], step_temporaries: float) -> dict[str, float]:
+    """The peak per rank in the measured categories (harness/measure/memory.py
+    BREAKDOWN_KEYS): the larger of the step's two high points.
+
+    - The start of backward: the states on the device, the gathered parameters, every
+      activation of the micro-batch, the loss's gradients and a recomputed block; gradients
+      only where accumulation or a pipeline's schedule holds them from the micro-batches
+      before, or the engine zeroes them in place (zero_grad otherwise sets them to None, so a step's first backward
+      starts without any).
+    - The optimizer step: the states and every gradient, no activations, and the
+      optimizer's own temporaries.
+
+    Gathered parameters count as parameters; autocast's weight copies and a recomputed block
+    are made in forward, so the trackers count them as activations; the engines' buffers and
+    the loss's gradients are "other". The traced predictor times every tensor exactly; this
+    is the first-order figure that ``plan`` and the fit check decide by."""
+    on_device = {k: states[k] - offloaded.get(k, 0.0) for k in ("params", "grads", "optimizer")}
+    buffers = states.get("buffers", 0.0)
+    engine = strategies.get(cell.strategy.name).engine_model
+    # A pipeline's schedule runs later micro-batches' forwards while earlier ones' gradients
+    # are held, as accumulation does.
+    pipelined = engine.analytic == "pipeline" or (engine.analytic == "megatron"
+                                                  and cell.strategy.layout("pp_degree") > 1)
+    held_grads = cell.strategy.accumulation > 1 or pipelined or engine.grads_between_steps == "zeroed"
+    backward = {
+        "params": on_device["params"] + transient.get("gathered", 0.0),
+        "grads": on_device["grads"] if held_grads else 0.0,
+        "optimizer": on_device["optimizer"],
+        "activations": (acts["layers"] + acts["logits"] + transient.get("autocast_copies", 0.0)
+                        + transient.get("recompute", 0.0)),
+        "other": buffers + transient.get("loss", 0.0),
+    }
+    step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
+            "other": buffers}
+    return max(backward, step, key=lambda phase: sum(phase.values()))

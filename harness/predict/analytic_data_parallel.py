@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from harness import strategies
+from harness import models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
 from harness.features.optimizers import BITSANDBYTES
@@ -149,8 +149,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     moe = spec.layout == "mixtral"
     heads = spec.required("n_heads")
     per_layer = activation_bytes_per_layer(
-        spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn,
-        mlp="swiglu" if spec.layout in ("llama", "mixtral") else "gelu",
+        spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn, mlp=_mlp_kind(cell, spec),
         value_bytes=PRECISION_BYTES[cell.strategy.precision], dropout=False, fused_attention=fused,
         checkpointing=cell.strategy.checkpointing, tensor_parallel=tensor_parallel_degree(cell),
         kv_heads=spec.kv_heads if fused else heads,
@@ -163,6 +162,51 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
         "logits": 4.0 * spec.tokens_per_sample * cell.micro_batch * logits_width
         if spec.task != "image_classification" else 4.0 * cell.micro_batch * logits_width,
     }
+
+
+def _mlp_kind(cell: CellSpec, spec: ModelSpec) -> str:
+    """How the model's MLP keeps its activations (formulas.activation_bytes_per_layer's
+    ``mlp``), read from the built block's activation module. Selective checkpointing saves
+    the matmul outputs and recomputes the pointwise ops between them (features/
+    checkpointing.py), so an unfused GeLU keeps only what a fused one does."""
+    if spec.layout in ("llama", "mixtral"):
+        return "swiglu"
+    unfused = models.param_layout(spec).mlp_activation == "NewGELUActivation"
+    return "gelu_tanh_unfused" if unfused and cell.strategy.checkpointing != "selective" else "gelu"
+
+
+def loss_bytes(cell: CellSpec, spec: ModelSpec) -> float:
+    """What the loss's backward holds at the start of backward: the gradients of the
+    log-probabilities and of the logits, two fp32 logits-sized tensors (transformers upcasts
+    the logits to fp32 and cross_entropy's log_softmax keeps its fp32 output, the
+    activations' ``logits`` term)."""
+    return 2.0 * activation_bytes(cell, spec)["logits"]
+
+
+def optimizer_step_bytes(cell: CellSpec, layout: ParamLayout, device_type: str) -> float:
+    """The optimizer step's own temporaries, beside every state: torch's AdamW computes the
+    denominator sqrt(v̂) + ε out of place, over the whole parameter list at once where it
+    takes its multi-tensor path (torch's default for CUDA tensors: one fp32 copy of the
+    rank's parameters), one tensor at a time on the CPU (the sqrt and the quotient of the
+    largest tensor). DeepSpeed hands the optimizer one flat partition, its largest tensor.
+    bitsandbytes' 8-bit kernels and Adafactor's factored update keep none worth counting."""
+    if cell.strategy.optimizer != "adamw":
+        return 0.0
+    engine = _engine(cell)
+    degree = shard_degree(cell) if "optimizer" in engine.sharded else 1
+    if device_type == "cuda":
+        return 4.0 * layout.numel / degree
+    if engine.fp32_master_partition:
+        return 2 * 4.0 * layout.numel / degree
+    largest = max(_numel(s) for s in layout.shapes)
+    return 2 * 4.0 * largest / (shard_degree(cell) if "params" in engine.sharded else 1)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> dict[str, float]:
@@ -247,10 +291,11 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
       gathered from forward to the end of backward, and so does DeepSpeed ZeRO-3 for a model
       within its live-parameter budget (all but its persistent parameters, which the model
       states count whole);
-    - ``autocast_copies``: torch autocast caches a 16-bit copy of every weight it casts
-      for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
+    - ``autocast_copies``: torch autocast caches a 16-bit copy of every matmul weight it
+      casts for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
     - ``recompute``: with full checkpointing, one block's activations exist again while its
-      backward recomputes them.
+      backward recomputes them;
+    - ``loss``: the loss's gradients at the start of backward (``loss_bytes``).
     """
     s, engine = cell.strategy, _engine(cell)
     low = PRECISION_BYTES[s.precision]
@@ -262,8 +307,8 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
         gathered = low * (layout.numel - persistent_numel(cell, layout))
     # DeepSpeed casts the model itself (its fp32 master partition is the optimizer's).
     uses_autocast = s.precision != "fp32" and not params_sharded and not engine.fp32_master_partition
-    return {"gathered": gathered, "autocast_copies": 2.0 * layout.numel if uses_autocast else 0.0,
-            "recompute": recompute_bytes(cell, spec)}
+    return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast else 0.0,
+            "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec)}
 
 
 def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:

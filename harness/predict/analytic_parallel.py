@@ -19,6 +19,7 @@ from harness.predict.analytic_data_parallel import (
     PRECISION_BYTES,
     activation_bytes,
     comm_bytes_per_step,
+    loss_bytes,
     model_states_at_step,
     optimizer_state_bytes,
     recompute_bytes,
@@ -134,7 +135,7 @@ def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, 
 def _tp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
     states = _tp_states(cell, spec, layout)
     transient = {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, states["params"] / 4),
-                 "recompute": recompute_bytes(cell, spec)}
+                 "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec)}  # replicated logits
     if _sharded_over_data_parallel(cell):  # FSDP2 casts itself; it gathers as fsdp_full does
         t = tensor_parallel_degree(cell)
         block = layout.block_numel - _split_numel(spec) / spec.n_layers * (1 - 1 / t)
@@ -419,7 +420,8 @@ def _expert_parallel_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout)
 
     worst = all_to_all(expert_parallel_most_received_rows(tokens, top_k, n_experts, ep))
     return {"states": states, "activations": activation_bytes(cell, spec),
-            "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": recompute_bytes(cell, spec)},
+            "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": recompute_bytes(cell, spec),
+                          "loss": loss_bytes(cell, spec)},
             "comm": {"all_reduce": 4.0 * local, "all_to_all": all_to_all()},
             "extra": {"all_to_all_worst_case_bytes": worst}}
 

@@ -42,10 +42,10 @@ class Fit:
                 f" ({USABLE_FRACTION:.0%}); not launched (--launch-anyway runs it)")
 
 
-def check(cell: CellSpec, available_bytes: int) -> Fit | None:
-    """The cell's fit on ``available_bytes`` per rank; None where the analytic model has no
-    prediction for the cell."""
-    predicted = analytic.predict(cell)
+def check(cell: CellSpec, available_bytes: int, device_type: str = "cuda") -> Fit | None:
+    """The cell's fit on ``available_bytes`` per rank (of a ``device_type`` device); None
+    where the analytic model has no prediction for the cell."""
+    predicted = analytic.predict(cell, device_type=device_type)
     if "peak_bytes" not in predicted:
         return None
     return Fit(predicted_peak_bytes=int(predicted["peak_bytes"]), available_bytes=int(available_bytes))

@@ -87,7 +87,7 @@ class MatrixRun:
         self._unsupported = {c.cell_id: strategies.unsupported_reason(c, device_type)
                              or timeouts.too_slow_reason(c, device_type) for c in self.cells}
         # With a GPU's memory per rank: each cell's predicted fit, checked before anything launches.
-        self._fit = ({c.cell_id: fit.check(c, fit_memory_bytes) for c in self.cells}
+        self._fit = ({c.cell_id: fit.check(c, fit_memory_bytes, device_type) for c in self.cells}
                      if fit_memory_bytes is not None else {})
         self._not_launched = ({cell_id for cell_id, reason in self._unsupported.items() if reason}
                               | {cell_id for cell_id, f in self._fit.items()
@@ -150,8 +150,8 @@ class MatrixRun:
             status = "unsupported" if unsupported else "does_not_fit"
             reason = unsupported or (checked.reason() if checked is not None else "")
             self._finish(make_record(cell, markers=markers.markers_of(cell), status=status, reason=reason,
-                                     predicted=accuracy.prediction(cell, None), fit=self._fit_of(cell),
-                                     trial=trial))
+                                     predicted=accuracy.prediction(cell, None, self.device_type),
+                                     fit=self._fit_of(cell), trial=trial))
         runnable = [c for c in cells if c.cell_id not in self._not_launched]
         launch_round(runnable, trial, self.options, self.store.path / "launches",
                      partial(self._on_outcome, trial=trial))
@@ -164,7 +164,7 @@ class MatrixRun:
 
     def _on_outcome(self, outcome: CellOutcome, trial: int) -> None:
         cell = outcome.cell
-        predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id))
+        predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id), self.device_type)
         common: dict[str, Any] = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial,
                                       fit=self._fit_of(cell))
         if outcome.status != "ok":

@@ -91,6 +91,9 @@ class EngineModel:
     # at a time), always (SHARD_GRAD_OP) or while the model is within DeepSpeed's
     # stage3_max_live_parameters.
     keeps_gathered: Literal["never", "always", "within_live_parameters"] = "never"
+    # What zero_grad leaves of the gradients between steps: nothing (set_to_none, so a step's
+    # first backward starts without them) or every gradient, zeroed in place (FairScale SDP).
+    grads_between_steps: Literal["freed", "zeroed"] = "freed"
     # The torch pipeline schedule's name in the formulas (pipeline strategies only).
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = None
 

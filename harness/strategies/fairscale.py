@@ -157,7 +157,8 @@ STRATEGIES = (
         engine="fairscale", families=("fairscale",), zero_idea="zero2", capabilities=_SDP_CAPABILITIES,
         # Each gradient is reduced to its owner, but the other ranks' .grad tensors stay
         # allocated: the harness zeroes them in place (set_to_none silently breaks SDP).
-        engine_model=EngineModel(sharded=frozenset({"optimizer"}), comm="reduce_to_owner"),
+        engine_model=EngineModel(sharded=frozenset({"optimizer"}), comm="reduce_to_owner",
+                                 grads_between_steps="zeroed"),
         prepare=_prepare_sdp,
     ),
     Strategy(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# s·b·ffn-wide tensors an MLP keeps for backward, by how its activation is computed.
+_MLP_KEPT = {"gelu": 2, "swiglu": 4, "gelu_tanh_unfused": 5}
+
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, ffn: int | None = None,
                                mlp: str = "gelu", value_bytes: int = 2, dropout: bool = True,
@@ -23,7 +26,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         without dropout): attention 10sbh + 2as²b, MLP 18sbh;
       - ``ffn`` (default 4h) widens the MLP terms; ``mlp="swiglu"`` (LLaMA) keeps the gate
         and up projections' outputs, the SiLU output and their product (4 × s·b·ffn) where
-        GeLU keeps 2;
+        GeLU keeps 2; ``mlp="gelu_tanh_unfused"``, the tanh GeLU written as separate tensor
+        ops (transformers' NewGELUActivation, GPT-2's), keeps 5: its input, the tanh output,
+        0.5·x and 1 + tanh (the operands of its last multiply), and its output;
       - ``fused_attention`` (flash / SDPA kernels) keeps no s×s score matrix: the a·s² terms
         vanish (the kernel's per-row statistics, 4·a·s·b bytes, are kept instead);
       - ``checkpointing="full"``: only the layer input, 2sbh (§4.3); "selective": the
@@ -46,6 +51,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     """
     if checkpointing not in ("none", "full", "selective"):
         raise ValueError(f"checkpointing={checkpointing!r}: choose none, full or selective")
+    if mlp not in _MLP_KEPT:
+        raise ValueError(f"mlp={mlp!r}: choose one of {', '.join(_MLP_KEPT)}")
     s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
     f = ffn or 4 * h
     v, mask = value_bytes, (1 if dropout else 0)
@@ -63,7 +70,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         scores = 0.0  # the attention core is recomputed from Q, K, V
     else:  # softmax output; with dropout also its mask and output
         scores = (v + (1 + v if dropout else 0)) * a * s * s * b
-    mlp_kept = (2 if mlp == "gelu" else 4) * v * s * b * f * experts_per_token
+    mlp_kept = _MLP_KEPT[mlp] * v * s * b * f * experts_per_token
     inside = qk + value_in + proj_in + scores + mlp_kept
     # Outside it (divided by t only with sequence parallelism): the inputs of the QKV and
     # the first MLP matmul, the two LayerNorm inputs, the two dropout masks.

@@ -175,7 +175,7 @@ def test_every_default_cell_has_a_prediction_or_a_reason(world_size):
 
 def test_a_failing_analytic_model_is_recorded_as_unavailable_not_raised(monkeypatch):
     """The record the prediction belongs to holds a measurement: it must still be written."""
-    def broken(cell):
+    def broken(cell, device_type):
         raise ZeroDivisionError("division by zero")
 
     monkeypatch.setattr(analytic, "predict", broken)

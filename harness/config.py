@@ -444,6 +444,13 @@ class RunOptions:
              " (default: the GPU's own); with --device cuda and --gpus, `list` shows a GPU node's matrix anywhere")
     launch_anyway: bool = _option(False, name="--launch-anyway", type=bool,
                                   help="launch cells predicted not to fit the GPU (recorded does_not_fit otherwise)")
+    # Both skip work done once per run before the cells (seconds for a few cells, minutes for
+    # the default suite's trace): for iterating on a cell, and for the harness's own tests.
+    no_bandwidth: bool = _option(False, name="--no-bandwidth", type=bool,
+                                 help="skip the collective bandwidth sweep before the cells (run.json says so)")
+    no_trace: bool = _option(False, name="--no-trace", type=bool,
+                             help="skip tracing each cell's peak under FakeTensorMode before it runs (its record"
+                                  " says so; the analytic prediction stays)")
 
     def __post_init__(self) -> None:
         self._check(self.device is None or self.device in get_args(Device), "device",

@@ -20,9 +20,9 @@ from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.predict import analytic_data_parallel
 from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
 from harness.strategies import deepspeed_zero
+from launch_options import untraced
 
 
 def cell(model: str, strategy: str, **options) -> CellSpec:
@@ -150,7 +150,7 @@ CELLS = [
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> dict[str, dict]:
     store = RunStore(tmp_path_factory.mktemp("ds") / "results", "run")
-    return MatrixRun(CELLS, store, LaunchOptions(), device_type="cpu", device_name=None, progress=print).run()
+    return MatrixRun(CELLS, store, untraced(), device_type="cpu", device_name=None, progress=print).run()
 
 
 @pytest.mark.parametrize("c", CELLS, ids=lambda c: c.cell_id)

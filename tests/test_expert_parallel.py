@@ -12,9 +12,9 @@ from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.markers import markers_of
 from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
 from harness.strategies import expert_parallel
+from launch_options import untraced
 
 MOE = "moe-tiny"  # 2 MoE layers of 4 experts, top-2
 
@@ -57,7 +57,7 @@ def _bytes(params) -> int:
 def test_expert_parallel_trains_the_reference_model_with_half_the_experts_per_rank(tmp_path):
     plain, checkpointed = ep_cell(), ep_cell(checkpointing="full")
     assert plain.reference() == checkpointed.reference()
-    records = MatrixRun([plain, checkpointed], RunStore(tmp_path / "results", "run"), LaunchOptions(),
+    records = MatrixRun([plain, checkpointed], RunStore(tmp_path / "results", "run"), untraced(),
                         device_type="cpu", device_name=None, progress=print).run()
 
     hf = models.build(models.get_preset(MOE), seed=0).module

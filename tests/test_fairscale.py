@@ -12,8 +12,8 @@ import pytest
 from harness import faults
 from harness.config import CellSpec, StrategySpec
 from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
+from launch_options import untraced
 
 
 def gpt2(strategy: str, seed: int = 0, **options) -> CellSpec:
@@ -42,7 +42,7 @@ def records(tmp_path_factory) -> dict[str, dict]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(faults.ENV_VAR, f"{SDP_SET_TO_NONE.cell_id}={faults.GRADS_SET_TO_NONE}")
         return MatrixRun([*OK_CELLS, FSDP, SDP_SET_TO_NONE], RunStore(tmp / "results", "run"),
-                         LaunchOptions(), device_type="cpu", device_name=None, progress=print).run()
+                         untraced(), device_type="cpu", device_name=None, progress=print).run()
 
 
 @pytest.mark.parametrize("cell", OK_CELLS, ids=lambda c: c.cell_id)

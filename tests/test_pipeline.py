@@ -10,9 +10,9 @@ from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.features import checkpointing
 from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
 from harness.strategies import pipeline
+from launch_options import untraced
 
 
 def test_blocks_are_split_evenly_and_the_middle_stages_take_the_extra_ones():
@@ -84,7 +84,7 @@ def test_the_three_schedules_train_the_reference_model_and_1f1b_holds_fewer_acti
              for name in ("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b")]
     tied = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b"))
     store = RunStore(tmp_path / "results", "run")
-    records = MatrixRun([*cells, tied], store, LaunchOptions(), device_type="cpu", device_name=None,
+    records = MatrixRun([*cells, tied], store, untraced(), device_type="cpu", device_name=None,
                         progress=print).run()
     for cell in [*cells, tied]:
         record = records[cell.cell_id]

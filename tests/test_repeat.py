@@ -20,8 +20,10 @@ REFERENCE = "gpt2-tiny/single/fp32/ckpt_none/mb4/ws1/seed0"
 
 
 def suite(*args: str) -> subprocess.CompletedProcess:
+    # The trace and the bandwidth sweep are not what is tested: skipped, to reach the cells sooner.
     return subprocess.run([sys.executable, "-m", "pytest", "suites", "--suite", "smoke", "-p", "no:cacheprovider",
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           "--no-trace", "--no-bandwidth", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "SHARDBENCH_DEVICE": "cpu"})
 
 
@@ -36,10 +38,12 @@ def test_repeat_runs_interleaved_rounds_records_every_trial_and_resumes_the_miss
     assert json.loads((run_dir / "run.json").read_text())["repeat"] == 2
     # Rounds: the reference first, then the cell, in each; every trial 0 before any trial 1.
     assert order(run_dir) == [(REFERENCE, 0), (CELL, 0), (REFERENCE, 1), (CELL, 1)]
-    # One launch per world size and round, and the run's bandwidth sweep before them.
+    # One launch per world size and round (and no bandwidth sweep: --no-bandwidth).
     assert {p.name for p in (run_dir / "launches").iterdir()} == {
-        "bandwidth", *(launch_dir_name(ws, trial) for ws in (1, 2) for trial in (0, 1))}
+        launch_dir_name(ws, trial) for ws in (1, 2) for trial in (0, 1)}
+    assert json.loads((run_dir / "run.json").read_text())["environment"]["bandwidth"] == {"skipped": "--no-bandwidth"}
     records = load_records(run_dir)
+    assert all(r["predicted"]["traced"] == {"unavailable": "not traced: --no-trace"} for r in records)
     for cell_id in (REFERENCE, CELL):
         trials = [r for r in records if r["cell_id"] == cell_id]
         assert [r["status"] for r in trials] == ["ok", "ok"]

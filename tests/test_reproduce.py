@@ -48,7 +48,7 @@ def test_harness_code_hash_changes_with_the_code(tmp_path, monkeypatch):
 
 
 def test_a_recorded_cell_reproduces_bitwise(tmp_path):
-    run = shardbench("run", "--suite", "smoke", "-k", CELL, "--out", str(tmp_path))
+    run = shardbench("run", "--suite", "smoke", "-k", CELL, "--no-trace", "--no-bandwidth", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     run_dir = (tmp_path / "results" / "latest").resolve()
     record = next(json.loads(line) for line in (run_dir / "cells.jsonl").read_text().splitlines()

@@ -14,14 +14,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness import suites
+from harness import cli, suites
 from harness.results.store import load_records
 from harness.runner import resume
 from harness.runner.matrix import with_references
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_CELLS = {c.cell_id for c in with_references(suites.cells_of("smoke", 2))}
-START_TIMEOUT_S = 240  # tracing and the first cells on a busy 2-core host
+START_TIMEOUT_S = 240  # the first cells on a busy 2-core host
+QUICK = ("--no-trace", "--no-bandwidth")
 
 
 def shardbench(*args: str) -> subprocess.CompletedProcess:
@@ -39,7 +40,8 @@ def complete_lines(path: Path) -> int:
 def start_smoke_run(out: Path, log: Path) -> subprocess.Popen:
     with log.open("w") as f:
         # A session of its own: the driver, torchrun and its workers share one process group.
-        return subprocess.Popen([sys.executable, "-m", "harness", "run", "--suite", "smoke", "--out", str(out)],
+        # The trace and the bandwidth sweep are not what is tested: skipped, to reach the cells sooner.
+        return subprocess.Popen([sys.executable, "-m", "harness", "run", "--suite", "smoke", *QUICK, "--out", str(out)],
                                 cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "SHARDBENCH_DEVICE": "cpu"})
 
@@ -93,7 +95,7 @@ def test_a_killed_run_resumes_into_the_same_run_with_one_record_per_cell(tmp_pat
     kept = len(load_records(run_dir))
     assert 2 <= kept < len(SMOKE_CELLS)
 
-    resumed = shardbench("run", "--resume", "latest", "--out", str(tmp_path))
+    resumed = shardbench("run", *QUICK, "--resume", "latest", "--out", str(tmp_path))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"{kept} of {len(SMOKE_CELLS)} cells recorded and kept" in resumed.stdout
     after = cells.read_bytes()
@@ -145,21 +147,22 @@ def fake_run(tmp_path: Path, **info) -> Path:
     (["--resume", "run-a", "--gpus", "4"], "with --gpus 4"),
     (["--retry-failed"], "--retry-failed: only with --resume"),
 ], ids=["unknown", "suite", "marker", "keyword", "world-size", "retry-alone"])
-def test_resume_refuses_another_selection_in_one_line_and_launches_nothing(tmp_path, args, message):
+def test_resume_refuses_another_selection_in_one_line_and_launches_nothing(tmp_path, args, message, capsys):
     run_dir = fake_run(tmp_path)
-    result = shardbench("run", *args, "--out", str(tmp_path))
-    assert result.returncode == 2
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert cli.main(["run", *args, "--out", str(tmp_path)]) == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not (run_dir / "cells.jsonl").exists() and "resumes" not in json.loads((run_dir / "run.json").read_text())
 
 
-def test_resume_of_a_run_without_run_json_is_refused_in_one_line(tmp_path):
+def test_resume_of_a_run_without_run_json_is_refused_in_one_line(tmp_path, capsys):
     run_dir = tmp_path / "results" / "run-b"
     run_dir.mkdir(parents=True)
     (run_dir / "cells.jsonl").write_text("")
-    result = shardbench("run", "--resume", "run-b", "--out", str(tmp_path))
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "cannot resume" in result.stderr and "original selection is unknown" in result.stderr
+    assert cli.main(["run", "--resume", "run-b", "--out", str(tmp_path)]) == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert "cannot resume" in stderr and "original selection is unknown" in stderr
     assert (run_dir / "cells.jsonl").read_text() == ""
 
 

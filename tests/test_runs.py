@@ -11,6 +11,7 @@ from harness.config import CellSpec, RunOptions, StrategySpec
 from harness.results.store import RunStore, load_records
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
+from launch_options import untraced
 
 
 def gpt2(strategy: str, **options) -> CellSpec:
@@ -19,7 +20,7 @@ def gpt2(strategy: str, **options) -> CellSpec:
 
 def run_matrix(cells, tmp_path: Path, **run_options) -> dict[str, dict]:
     store = RunStore(tmp_path / "results", "run")
-    return MatrixRun(cells, store, LaunchOptions(run=RunOptions(**run_options)), device_type="cpu", device_name=None,
+    return MatrixRun(cells, store, untraced(**run_options), device_type="cpu", device_name=None,
                      progress=print).run()
 
 

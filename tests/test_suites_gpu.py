@@ -14,9 +14,9 @@ from harness import equivalence, suites
 from harness.config import CellSpec, StrategySpec
 from harness.predict import fit
 from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun, with_references
 from harness.suites_gpu import LARGE_MODEL_GPU_BYTES, MAX_PER_RANK, GpuTarget, sized
+from launch_options import untraced
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -115,7 +115,7 @@ def test_8_gpus_of_80gb_train_llama3_8b_only_where_sharded(matrix):
 def test_cells_predicted_not_to_fit_are_recorded_and_not_launched(tmp_path):
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))
     store = RunStore(tmp_path / "results", "run")
-    run = MatrixRun([cell], store, LaunchOptions(), device_type="cpu", device_name=None, progress=print,
+    run = MatrixRun([cell], store, untraced(), device_type="cpu", device_name=None, progress=print,
                     fit_memory_bytes=1 * 2**20)
     assert run.launch_rounds() == [[]]
     records = run.run()
@@ -124,7 +124,7 @@ def test_cells_predicted_not_to_fit_are_recorded_and_not_launched(tmp_path):
     assert record["fit"]["predicted_peak_bytes"] > record["fit"]["usable_bytes"] == int(0.9 * 2**20)
     assert record["fit"]["available_bytes"] == 2**20 and record["fit"]["fits"] is False
     assert "--launch-anyway" in record["reason"] and "GiB per rank" in record["reason"]
-    anyway = MatrixRun([cell], RunStore(tmp_path / "results", "anyway"), LaunchOptions(), device_type="cpu",
+    anyway = MatrixRun([cell], RunStore(tmp_path / "results", "anyway"), untraced(), device_type="cpu",
                        device_name=None, progress=print, fit_memory_bytes=2**20, launch_anyway=True)
     assert [c.cell_id for c in anyway.launch_rounds()[0]] == [c.cell_id for c in with_references([cell])]
 

@@ -130,7 +130,9 @@ class MatrixRun:
         if self._resumed_from:
             self.progress(f"shardbench: resuming: {self.recorded_count()} recorded and kept, {len(todo)} to run")
         runnable = list({c.cell_id: c for c, _ in todo if c.cell_id not in self._not_launched}.values())
-        if runnable:
+        if self.options.run.no_trace:
+            self._traced = {c.cell_id: {"unavailable": "not traced: --no-trace"} for c in runnable}
+        elif runnable:
             # Before any cell runs: the trace would compete with the ranks for the cores.
             started = time.monotonic()
             self.progress(f"shardbench: tracing {len(runnable)} cells under FakeTensorMode (predicted peak memory)")

@@ -97,7 +97,7 @@ def start(config: pytest.Config) -> MatrixRun:
         ranks_per_node = world_size(options.gpus)
         environment_info = environment.collect(REPO_ROOT)
         # This node's ranks only: the one launch that needs no other node to take part.
-        environment_info["bandwidth"] = {
+        environment_info["bandwidth"] = {"skipped": "--no-bandwidth"} if options.no_bandwidth else {
             "scope": f"{ranks_per_node} rank(s) of one node",
             **run_bandwidth_sweep(ranks_per_node, store.path / "launches" / "bandwidth", BANDWIDTH_TIMEOUT_S),
         }

@@ -14,6 +14,7 @@ from harness import equivalence, markers
 from harness.config import CellSpec, StrategySpec
 from harness.measure.memory import track_step_memory
 from harness.models import ModelSpec, analytic_n_params, build, flops_per_sample, get_preset, param_layout
+from harness.predict import traced
 from harness.runner.launcher import LaunchOptions, run_batch
 
 FP32_BYTES = 4
@@ -199,3 +200,7 @@ def test_moe_tiny_trains_alike_under_ddp_and_fsdp2(tmp_path: Path) -> None:
     for outcome in outcomes[1:]:
         check = equivalence.check(outcome.cell, outcome.per_rank[0]["losses"], reference)
         assert check["passed"], check
+        # The trace follows the experts' grouped matmul in fp32 (traced._grouped_mm_shape).
+        predicted = traced.trace(outcome.cell)
+        assert predicted.get("peak_bytes"), predicted
+        assert abs(predicted["peak_bytes"] / outcome.per_rank[0]["peak_mem_bytes"] - 1) <= 0.10, outcome.cell.cell_id

@@ -70,7 +70,9 @@ def test_fsdp2_full_shards_the_optimizer_state_by_the_world_size():
     (_cell("fsdp1_full", 2, offload="params"), "pins host memory"),
     (_cell("ddp", 2, compression="bf16"), "bf16_compress_hook"),
     (_cell("zero1", 1), "not a valid cell: zero1 needs world_size >= 2"),
-], ids=["deepspeed-cpu-adam", "fsdp1-offload", "bf16-hook", "invalid"])
+    (CellSpec(model="moe-tiny", strategy=StrategySpec(name="deepspeed_autoep"), world_size=2),
+     "the routing's counts"),
+], ids=["deepspeed-cpu-adam", "fsdp1-offload", "bf16-hook", "invalid", "autoep"])
 def test_refused_cells_are_unavailable_with_the_reason(cell, reason):
     result = traced.trace(cell)
     assert set(result) == {"unavailable"} and reason in result["unavailable"]

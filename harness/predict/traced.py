@@ -51,6 +51,9 @@ real peers:
   references), and DeepSpeed's debug map of parameter names is not filled.
 - DeepSpeed ZeRO-3 checks that every rank fetches parameters in the same order (skipped: no
   peers).
+- A mixture of experts' grouped matmul (``aten._grouped_mm``): torch's meta kernel keeps
+  CUDA's bf16-only rule, and the CPU kernel the cell runs takes fp32 too, so fp32 calls get
+  their output shape (``_grouped_mm_shape``) from the fake mode directly.
 
 Known differences from the measurement (default suite, CPU, 2 ranks):
 - Rank 0 only; the record's peak is the max over ranks. Where shards are uneven another
@@ -72,7 +75,8 @@ Known differences from the measurement (default suite, CPU, 2 ranks):
 Not traced (``{"unavailable": reason}``): cells that are not valid combinations; cells the
 CPU cannot run as themselves (strategies.unsupported_reason(cell, "cpu"): the trace runs the
 CPU step); DeepSpeed's optimizer offload (DeepSpeedCPUAdam, a C++ kernel on the tensors'
-data, segfaults on fake tensors: refused before it can take the process down). Anything
+data, segfaults on fake tensors: refused before it can take the process down); DeepSpeed
+AutoEP (``_AUTOEP``). Their records keep the analytic prediction alone. Anything
 else that raises while tracing gives its exception and the frame that raised it, condensed.
 
 ``trace`` needs a process without a process group (it makes and destroys a fake one);
@@ -114,6 +118,12 @@ DEFAULT_TIMEOUT_S = 600.0
 MAX_TRACE_PROCESSES = 8
 _REASON_CHARS = 400
 
+# Found by trying (DeepSpeed 0.19.8): with its activation check (an allclose on a probe) run on
+# real tensors, the step fails in backward: "IndexPutBackward0 returned an invalid gradient at
+# index 1 - got [128, 64] but expected shape compatible with [0, 64]".
+_AUTOEP = ("DeepSpeed AutoEP sizes each expert's token buffers from the routing's counts, values that"
+           " fake tensors do not have (they read as 0, so the traced shapes are wrong: its backward fails"
+           " on a [0, hidden] buffer); the analytic prediction stands in")
 # Found by trying (DeepSpeed 0.19.8): the step segfaults, in the C++ kernel of DeepSpeedCPUAdam.
 _DEEPSPEED_CPU_ADAM = (
     "DeepSpeed's offload_optimizer steps with DeepSpeedCPUAdam, a C++ kernel that reads the"
@@ -140,6 +150,13 @@ def _fake_world_mode():
 
     class FakeWorldMode(FakeTensorMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                # Its meta kernel keeps CUDA's bf16-only rule; the CPU kernel the cell runs
+                # (a mixture of experts' grouped matmul) takes fp32 too.
+                shape = _grouped_mm_shape(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs"))
+                dtype = kwargs.get("out_dtype") or args[0].dtype
+                return super().__torch_dispatch__(torch.ops.aten.empty.memory_format, types, (shape,),
+                                                  {"dtype": dtype, "device": args[0].device})
             if func is torch.ops.aten._local_scalar_dense.default:
                 try:  # fake mode knows the constants it made (an optimizer's step count)
                     return super().__torch_dispatch__(func, types, args, kwargs)
@@ -162,6 +179,21 @@ def _fake_world_mode():
     # the converter memo is what holds them (see the module docstring).
     mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None
     return mode
+
+
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
+    """aten._grouped_mm's output shape: 2-D × 2-D gives a matrix per group (offs splits the
+    shared dimension), 2-D × 3-D and 3-D × 2-D split the rows of the 2-D side, 3-D × 3-D is a
+    batched matmul."""
+    if a.dim() == 2 and b.dim() == 2:
+        if offs is None:
+            raise ValueError("_grouped_mm of two matrices needs offs")
+        return [offs.size(0), a.size(0), b.size(1)]
+    if a.dim() == 2:
+        return [a.size(0), b.size(-1)]
+    if b.dim() == 2:
+        return [a.size(1), b.size(1)]
+    return [a.size(0), a.size(1), b.size(-1)]
 
 
 def _zero_of(dtype: torch.dtype) -> bool | int | float:
@@ -330,6 +362,8 @@ def _refusal(cell: CellSpec) -> str | None:
     s = cell.strategy
     if s.name.startswith("deepspeed") and s.offload in ("optimizer", "optimizer_params"):
         return _DEEPSPEED_CPU_ADAM
+    if s.name == "deepspeed_autoep":
+        return _AUTOEP
     return None
 
 

@@ -181,6 +181,9 @@ def _registry_lookup_by_class_name() -> Iterator[None]:
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     deepspeed = deepspeed_zero.import_deepspeed(env.device)
+    # Its shared-memory collectives from the run's op cache, as every DeepSpeed cell's: without
+    # it DeepSpeed builds them into torch's default folder inside the cell (3 minutes here).
+    deepspeed_zero.load_ops(cell)
     config = ds_config(cell)
     client_optimizer = optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr)
     # The engine replaces the MoE blocks and moves the client optimizer onto the new

@@ -127,7 +127,6 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
     }
 
 
-
 def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str, float], acts: dict[str, float],
                    transient: dict[str, float], step_temporaries: float) -> dict[str, float]:
     """The peak per rank in the measured categories (harness/measure/memory.py
@@ -136,8 +135,8 @@ def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str
     - The start of backward: the states on the device, the gathered parameters, every
       activation of the micro-batch, the loss's gradients and a recomputed block; gradients
       only where accumulation or a pipeline's schedule holds them from the micro-batches
-      before, or the engine zeroes them in place (zero_grad otherwise sets them to None, so a step's first backward
-      starts without any).
+      before, or the engine zeroes them in place (zero_grad otherwise sets them to None, so
+      a step's first backward starts without any).
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries.
 

@@ -135,11 +135,13 @@ def test_smoke_suite_end_to_end(tmp_path):
             ratios = r["predicted"]["ratios"]
             assert ratios["traced_peak"]["within_target"], (r["cell_id"], ratios)
             assert ratios["analytic_model_states"]["within_target"], (r["cell_id"], ratios)
+            assert ratios["analytic_peak"]["within_target"], (r["cell_id"], ratios)
     accuracy = shardbench("accuracy", "--out", str(tmp_path), "--strict")
     assert accuracy.returncode == 0, accuracy.stdout + accuracy.stderr
     assert "traced_peak: 5 of 5 cells within ±10%" in accuracy.stdout
     page = (tmp_path / "reports" / run_dir.name / "cells").glob("*ddp*fp32*.html")
-    assert "Predicted beside measured" in next(page).read_text()
+    cell_page = next(page).read_text()
+    assert "Predicted beside measured" in cell_page and "peak (analytic)" in cell_page
 
 
 def test_plan_prints_every_candidate_and_a_recommendation():

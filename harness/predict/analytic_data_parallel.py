@@ -8,6 +8,7 @@ model-parallel parts (analytic_parallel.py) reuse.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -198,15 +199,8 @@ def optimizer_step_bytes(cell: CellSpec, layout: ParamLayout, device_type: str) 
         return 4.0 * layout.numel / degree
     if engine.fp32_master_partition:
         return 2 * 4.0 * layout.numel / degree
-    largest = max(_numel(s) for s in layout.shapes)
+    largest = max(math.prod(shape) for shape in layout.shapes)
     return 2 * 4.0 * largest / (shard_degree(cell) if "params" in engine.sharded else 1)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""The collective bandwidth sweep: for real on 2 gloo ranks (CPU sizes, 1 KiB .. 1 MiB), its
-nccl-tests arithmetic, and its table in the report's environment."""
+"""The collective bandwidth sweep: for real on 2 gloo ranks (CPU sizes, 1 KiB .. 16 MiB), its
+nccl-tests arithmetic, its table in the report's environment, and the compute rates the same
+launch measures."""
 
 import pytest
 import torch
@@ -54,3 +55,19 @@ def test_report_shows_the_sweep_or_why_there_is_none(swept):
     assert "1,048,576" in page and "2 rank(s) of one node" in page
     none = template.render(env=html._environment({"environment": {"bandwidth": {"error": "needs 2 ranks"}}}))
     assert "No sweep: needs 2 ranks" in none
+
+
+def test_the_same_launch_measures_the_ranks_compute_rates(swept):
+    """harness/measure/compute_rate.py: what the step-time predictor prices a step at."""
+    rates = swept["compute_rates"]
+    assert rates["world_size"] == 2 and min(rates["tiny_step_ops"].values()) > 100
+    for scope in ("concurrent", "alone"):
+        measured = rates[scope]
+        assert set(measured["matmul_flops_per_s"]) == {"fp32", "bf16", "fp16"}
+        # A 1-thread rank computes well over a GFLOP/s and dispatches an op in well under 1 ms.
+        assert all(1e9 < f < 1e14 for f in measured["matmul_flops_per_s"].values())
+        assert set(measured["op_s"]) == {"fp32", "bf16", "fp16"}
+        assert all(1e-7 < seconds < 1e-3 for seconds in measured["op_s"].values())
+        working_sets = [size for size, _ in measured["memory_bytes_per_s"]]
+        assert working_sets == sorted(working_sets) and working_sets[-1] > 2**25  # past the last-level cache
+        assert all(rate > 1e8 for _, rate in measured["memory_bytes_per_s"])

@@ -24,7 +24,8 @@ def _cell(strategy: str, world_size: int, model: str = "gpt2-tiny", **options) -
 
 
 def _assert_prediction(result: dict) -> None:
-    assert set(result) == {"peak_bytes", "breakdown_bytes", "tracker"}, result
+    assert set(result) == {"peak_bytes", "breakdown_bytes", "tracker", "work"}, result
+    assert result["work"]["ops"] > 0 and result["work"]["matmul_flops"] > 0
     assert tuple(result["breakdown_bytes"]) == BREAKDOWN_KEYS
     assert sum(result["breakdown_bytes"].values()) == result["peak_bytes"] > 0
 

@@ -13,6 +13,9 @@ the number to hold against the link's bandwidth.
 On gloo the ranks share the host's memory bus and cores: the numbers describe that
 process group, not a network.
 
+The same launch then measures the ranks' compute rates (harness/measure/compute_rate.py),
+kept beside the sweep as ``compute_rates``: one launch calibrates the step-time predictor.
+
 Run as ``python -m torch.distributed.run ... -m harness.measure.bandwidth --out FILE``:
 rank 0 writes the JSON.
 """
@@ -30,15 +33,16 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import DistEnv, init_from_torchrun
+from harness.measure import compute_rate
 from harness.measure.comm import busbw_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 WARMUP_ITERS = 5
 ITERS = 20
-# 1 KiB .. 64 MiB on CUDA (×4 steps); 1 KiB .. 1 MiB on CPU, where gloo at 64 MiB takes
+# 1 KiB .. 64 MiB on CUDA (×4 steps); 1 KiB .. 16 MiB on CPU, where gloo at 64 MiB takes
 # seconds per call and the sweep would cost more than the cells it describes.
 CUDA_SIZES = tuple(2**k for k in range(10, 27, 2))
-CPU_SIZES = tuple(2**k for k in range(10, 21, 2))
+CPU_SIZES = tuple(2**k for k in range(10, 25, 2))
 ELEMENT = torch.float32
 
 
@@ -102,6 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     env = init_from_torchrun()
     rows = sweep(env, message_sizes(env.device.type))
+    rates = compute_rate.measure(env)
     if env.rank == 0:
         args.out.write_text(json.dumps({
             "world_size": env.world_size,
@@ -110,6 +115,7 @@ def main() -> None:
             "warmup_iters": WARMUP_ITERS,
             "iters": ITERS,
             "rows": rows,
+            "compute_rates": rates,
         }))
     dist.destroy_process_group()
 

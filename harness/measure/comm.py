@@ -180,17 +180,26 @@ class _CommDispatchMode(TorchDispatchMode):
         if any(t not in (torch.Tensor, nn.Parameter) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        spec = _TABLES.get(func.namespace, {}).get(func._opname)
-        if spec is not None:
-            kind, at_bytes, at_input = spec
-
-            def src(at: int | Literal["out"]) -> Any:
-                return out if at == "out" else args[at]
-
-            nbytes = 0 if at_bytes is None else sum(t.nbytes for t in _tensors(src(at_bytes)))
-            numel = None if at_input is None else sum(t.numel() for t in _tensors(src(at_input)))
-            self.ops.append(_Op(kind, nbytes, numel))
+        call = collective_call(func, args, out)
+        if call is not None:
+            self.ops.append(_Op(*call))
         return out
+
+
+def collective_call(func: torch._ops.OpOverload, args: tuple[Any, ...], out: Any) -> tuple[str, int, int | None] | None:
+    """(kind, bytes by the module's convention, input elements) of a dispatched c10d or
+    functional collective; None for any other op."""
+    spec = _TABLES.get(func.namespace, {}).get(func._opname)
+    if spec is None:
+        return None
+    kind, at_bytes, at_input = spec
+
+    def src(at: int | Literal["out"]) -> Any:
+        return out if at == "out" else args[at]
+
+    nbytes = 0 if at_bytes is None else sum(t.nbytes for t in _tensors(src(at_bytes)))
+    numel = None if at_input is None else sum(t.numel() for t in _tensors(src(at_input)))
+    return kind, nbytes, numel
 
 
 def _profiler_kind(name: str) -> str | None:

@@ -12,6 +12,9 @@ Three comparisons, each predicted ÷ measured, and the targets they are held to:
   then, so what remains is model state and the engine's buffers): ±10 %.
 - ``analytic_comm``: the analytic bytes per step against the counted bytes
   (metrics.comm_bytes_per_step): ±10 %.
+- ``step_time``: the predicted step time (harness/predict/step_time.py) against the measured
+  median (metrics.step_time_s): a cell within ±50 %, and over a run the median cell within
+  ±20 % (``STEP_TIME_MEDIAN_TOLERANCE``) with 90 % of cells within ±50 %.
 
 A ratio outside its target names the category (or collective) that is furthest off, so a
 reader sees where the model and the measurement part ways. The known reasons are listed in
@@ -20,21 +23,34 @@ README "Predicted beside measured".
 
 from __future__ import annotations
 
+import statistics
+
 from harness.config import CellSpec
-from harness.predict import analytic
+from harness.predict import analytic, step_time
 from harness.results import trials
 
 TOLERANCE = 0.10
-TARGETS = ("traced_peak", "analytic_peak", "analytic_model_states", "analytic_comm")
+STEP_TIME_TOLERANCE = 0.50
+STEP_TIME_MEDIAN_TOLERANCE = 0.20
+STEP_TIME_SHARE = 0.90  # of cells within STEP_TIME_TOLERANCE
+TARGETS = ("traced_peak", "analytic_peak", "analytic_model_states", "analytic_comm", "step_time")
 
 
-def prediction(cell: CellSpec, traced: dict | None, device_type: str) -> dict:
-    """The record's ``predicted`` entry before any measurement: both predictors, the
-    analytic one for the ranks' ``device_type``."""
-    return {
-        "analytic": _analytic(cell, device_type),
-        "traced": traced if traced is not None else {"unavailable": "not traced in this run"},
-    }
+def tolerance(target: str) -> float:
+    return STEP_TIME_TOLERANCE if target == "step_time" else TOLERANCE
+
+
+def prediction(cell: CellSpec, traced: dict | None, device_type: str, calibration: dict | None) -> dict:
+    """The record's ``predicted`` entry before any measurement: both memory predictors, the
+    analytic one for the ranks' ``device_type``, and the step time priced at the run's
+    ``calibration`` (run.json's ``environment.bandwidth``, which holds the compute rates too)."""
+    analytic = _analytic(cell, device_type)
+    traced = traced if traced is not None else {"unavailable": "not traced in this run"}
+    try:
+        step = step_time.predict(cell, analytic, traced, calibration, device_type)
+    except Exception as error:  # as for the analytic model: the record must still be written
+        step = {"unavailable": f"the step-time model failed: {type(error).__name__}: {error}"}
+    return {"analytic": analytic, "traced": traced, "step_time": step, "step_time_s": step.get("step_time_s")}
 
 
 def _analytic(cell: CellSpec, device_type: str) -> dict:
@@ -64,6 +80,21 @@ def _comparison(predicted_total: float, measured_total: float | None, predicted:
             "off": None if within else _furthest(predicted, measured)}
 
 
+def _step_time_comparison(step: dict, metrics: dict) -> dict | None:
+    """Predicted ÷ measured step time; where off, the predicted parts beside the measured
+    communication time (metrics.comm_time_s_per_step, the profiled comm step's)."""
+    measured = metrics.get("step_time_s")
+    if "step_time_s" not in step or not measured:
+        return None
+    ratio = step["step_time_s"] / measured
+    within = abs(ratio - 1) <= STEP_TIME_TOLERANCE
+    off = None if within else (
+        f"predicted {step['step_time_s'] * 1e3:.1f} ms (compute {step['compute_s'] * 1e3:.1f}, exposed comm"
+        f" {step['exposed_comm_s'] * 1e3:.1f}, work {step['work']}), measured {measured * 1e3:.1f} ms"
+        f" (comm {metrics.get('comm_time_s_per_step', 0) * 1e3:.1f})")
+    return {"ratio": ratio, "within_target": within, "off": off}
+
+
 def compare(predicted: dict, metrics: dict) -> dict:
     """Ratios of a measured cell: {target: {ratio, within_target, off} | None}.
 
@@ -71,6 +102,7 @@ def compare(predicted: dict, metrics: dict) -> dict:
     (``{"unavailable": reason}``), no state snapshot)."""
     a, traced = predicted["analytic"], predicted["traced"]
     out: dict[str, dict | None] = dict.fromkeys(TARGETS)
+    out["step_time"] = _step_time_comparison(predicted.get("step_time") or {}, metrics)
     if "peak_bytes" in traced:
         out["traced_peak"] = _comparison(traced["peak_bytes"], metrics["peak_mem_bytes"],
                                          traced["breakdown_bytes"], metrics["mem_breakdown_bytes"])
@@ -119,9 +151,18 @@ def report(records: list[dict]) -> tuple[str, bool]:
             continue
         worst_record, worst = max(compared, key=lambda rc: abs(rc[1]["ratio"] - 1))
         missed = [(r, c) for r, c in compared if not c["within_target"]]
-        all_met &= not missed
-        lines.append(f"{t}: {len(compared) - len(missed)} of {len(compared)} cells within ±{TOLERANCE:.0%};"
+        lines.append(f"{t}: {len(compared) - len(missed)} of {len(compared)} cells within ±{tolerance(t):.0%};"
                      f" worst {worst['ratio']:.3f} ({worst_record['cell_id']})")
+        if t == "step_time":
+            median = statistics.median(c["ratio"] for _, c in compared)
+            met = (abs(median - 1) <= STEP_TIME_MEDIAN_TOLERANCE
+                   and len(compared) - len(missed) >= STEP_TIME_SHARE * len(compared))
+            lines.append(f"  median ratio {median:.3f} (target ±{STEP_TIME_MEDIAN_TOLERANCE:.0%}), and"
+                         f" {STEP_TIME_SHARE:.0%} of cells within ±{STEP_TIME_TOLERANCE:.0%}:"
+                         f" {'met' if met else 'MISSED'}")
+            all_met &= met
+        else:
+            all_met &= not missed
         for r, c in missed:
             lines.append(f"  MISS {r['cell_id']}: ratio {c['ratio']:.3f}; furthest off: {c['off']}")
     for r in measured:

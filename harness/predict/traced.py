@@ -111,6 +111,7 @@ from harness import distributed, strategies, training
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.measure import memory
+from harness.predict.dispatched_work import DispatchedWork
 from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -149,7 +150,15 @@ def _fake_world_mode():
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     class FakeWorldMode(FakeTensorMode):
+        work: DispatchedWork | None = None  # set while the memory-tracked step runs
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = self._answer(func, types, args, kwargs)
+            if self.work is not None:
+                self.work.add(func, args, kwargs or {}, out)
+            return out
+
+        def _answer(self, func, types, args, kwargs):
             if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
                 # Its meta kernel keeps CUDA's bf16-only rule; the CPU kernel the cell runs
                 # (a mixture of experts' grouped matmul) takes fp32 too.
@@ -321,15 +330,16 @@ def _rebuild_ddp_buckets(model: torch.nn.Module) -> None:
             model.reducer._rebuild_buckets()
 
 
-def _run(cell: CellSpec, env: DistEnv) -> memory.StepMemory:
+def _run(cell: CellSpec, env: DistEnv, mode) -> tuple[memory.StepMemory, DispatchedWork]:
     """The training step's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP
-    would make it, before the second step)."""
+    would make it, before the second step), and what the tracked step dispatched."""
     session = training.prepare_cell(cell, env)
     for i in range(cell.warmup_steps):
         if i == 1:
             _rebuild_ddp_buckets(session.prep.model)
         session.step(i)
-    return session.tracked_step(cell.warmup_steps)[1]
+    mode.work = DispatchedWork()
+    return session.tracked_step(cell.warmup_steps)[1], mode.work
 
 
 def _condensed(error: BaseException) -> str:
@@ -369,7 +379,9 @@ def _refusal(cell: CellSpec) -> str | None:
 
 def trace(cell: CellSpec) -> dict:
     """Rank 0's predicted step peak: {"peak_bytes", "breakdown_bytes" {memory.BREAKDOWN_KEYS,
-    summing to peak_bytes}, "tracker"}, or {"unavailable": "<one-line reason>"} when the cell
+    summing to peak_bytes}, "tracker", "work" (what the tracked step dispatched:
+    dispatched_work.DispatchedWork.to_dict, for the step-time predictor)}, or
+    {"unavailable": "<one-line reason>"} when the cell
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
     the reason).
 
@@ -381,11 +393,13 @@ def trace(cell: CellSpec) -> dict:
         return {"unavailable": refused}
     with _fake_group(cell.world_size) as env:
         try:
-            with _fake_world_mode(), _patched_for_fake_world(cell):
-                mem = _run(cell, env)
+            mode = _fake_world_mode()
+            with mode, _patched_for_fake_world(cell):
+                mem, work = _run(cell, env, mode)
         except Exception as error:  # an untraceable cell is a result, like an unsupported one
             return {"unavailable": f"tracing failed: {_condensed(error)}"}
-    return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker}
+    return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
+            "work": work.to_dict()}
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, dict]:

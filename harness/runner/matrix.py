@@ -73,7 +73,8 @@ class MatrixRun:
                  device_type: str, device_name: str | None, progress: Callable[[str], None],
                  repeat: int = 1, recorded: dict[tuple[str, int], dict] | None = None,
                  on_round_end: Callable[[int], None] | None = None,
-                 fit_memory_bytes: int | None = None, launch_anyway: bool = False):
+                 fit_memory_bytes: int | None = None, launch_anyway: bool = False,
+                 calibration: dict | None = None):
         if repeat < 1:
             raise ValueError(f"repeat={repeat}: run each cell at least once")
         self.cells = with_references(cells)
@@ -84,6 +85,8 @@ class MatrixRun:
         self.progress = progress
         self.repeat = repeat
         self.on_round_end = on_round_end  # called with the trial number as each round ends
+        # run.json's environment.bandwidth: the sweep and compute rates the step times are priced at.
+        self.calibration = calibration
         self._unsupported = {c.cell_id: strategies.unsupported_reason(c, device_type)
                              or timeouts.too_slow_reason(c, device_type) for c in self.cells}
         # With a GPU's memory per rank: each cell's predicted fit, checked before anything launches.
@@ -152,7 +155,7 @@ class MatrixRun:
             status = "unsupported" if unsupported else "does_not_fit"
             reason = unsupported or (checked.reason() if checked is not None else "")
             self._finish(make_record(cell, markers=markers.markers_of(cell), status=status, reason=reason,
-                                     predicted=accuracy.prediction(cell, None, self.device_type),
+                                     predicted=accuracy.prediction(cell, None, self.device_type, self.calibration),
                                      fit=self._fit_of(cell), trial=trial))
         runnable = [c for c in cells if c.cell_id not in self._not_launched]
         launch_round(runnable, trial, self.options, self.store.path / "launches",
@@ -166,7 +169,7 @@ class MatrixRun:
 
     def _on_outcome(self, outcome: CellOutcome, trial: int) -> None:
         cell = outcome.cell
-        predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id), self.device_type)
+        predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id), self.device_type, self.calibration)
         common: dict[str, Any] = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial,
                                       fit=self._fit_of(cell))
         if outcome.status != "ok":

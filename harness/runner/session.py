@@ -16,7 +16,7 @@ from harness.config import RunOptions, gib_of
 from harness.measure import environment
 from harness.report import history, html
 from harness.results import provenance
-from harness.results.store import RunStore, new_run_id
+from harness.results.store import RunStore, load_run_info, new_run_id
 from harness.runner import nodes, resume
 from harness.runner.launcher import LaunchOptions, nodes_of, run_bandwidth_sweep
 from harness.runner.matrix import MatrixRun, human_bytes
@@ -91,6 +91,7 @@ def start(config: pytest.Config) -> MatrixRun:
         options = dataclasses.replace(options, repeat=original["repeat"],
                                       mem_cap_gib=gib_of(original["mem_cap_bytes"]), gpu_mem=original["gpu_mem"])
         recorded = resume.begin(store, command=sys.argv, retry_failed=options.retry_failed)
+        run_info = load_run_info(resume_dir)
     else:
         store = RunStore(root / "results", new_run_id())
         suite = options.suite
@@ -101,7 +102,7 @@ def start(config: pytest.Config) -> MatrixRun:
             "scope": f"{ranks_per_node} rank(s) of one node",
             **run_bandwidth_sweep(ranks_per_node, store.path / "launches" / "bandwidth", BANDWIDTH_TIMEOUT_S),
         }
-        store.write_run_info({
+        run_info = {
             "run_id": store.run_id,
             "suite": suite,
             # A suite file's text too: the file may change or vanish after the run.
@@ -116,7 +117,8 @@ def start(config: pytest.Config) -> MatrixRun:
             "nodes": node_spec(config).to_dict(),
             "device": {"type": device_type, "name": device_name},
             "environment": environment_info,
-        })
+        }
+        store.write_run_info(run_info)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
     if reporter is None or capture is None:
@@ -135,7 +137,8 @@ def start(config: pytest.Config) -> MatrixRun:
                            follower_refusal=follower_refusal(config))
     run = MatrixRun(cells, store, launch,
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
-                    recorded=recorded, fit_memory_bytes=fit_memory_bytes(options), launch_anyway=options.launch_anyway)
+                    recorded=recorded, fit_memory_bytes=fit_memory_bytes(options), launch_anyway=options.launch_anyway,
+                    calibration=run_info["environment"].get("bandwidth"))
     config.stash[_RUN] = run
     if launch.nodes.multi:
         spanning = [[c for c in cells if nodes_of(c.world_size, launch.nodes) > 1] for cells in run.launch_rounds()]

@@ -1,0 +1,192 @@
+"""A cell's step time, predicted from the work its step does and the rates the run measured:
+the record's ``predicted.step_time_s`` and its parts (``predicted.step_time``).
+
+The work (per rank, one optimizer step):
+- traced (harness/predict/dispatched_work.py), where the cell was traced: every aten op rank
+  0 dispatched, the FLOPs of its matmuls and attention kernels (recomputation included, as
+  the checkpointed step really runs it), the bytes its other ops read and wrote, and every
+  collective call with its size;
+- analytic otherwise (``analytic_work``): the PaLM FLOPs of the rank's samples (one forward
+  more under full checkpointing), the optimizer's and the activations' memory traffic, and
+  the analytic bytes per collective as one call each; no op count (what dispatch costs is
+  then missing, which on the CPU's tiny presets is most of a step).
+
+The rates (harness/measure/compute_rate.py and the bandwidth sweep, both measured in the
+run's own calibration launch; the record names which was used):
+- compute = ops × op_s + matmul FLOPs ÷ the matmul rate, both at the cell's precision, +
+  each op size's bytes ÷ the memory bandwidth measured for that working set. A
+  single-process cell takes the rates rank 0 measured alone, a distributed one those
+  measured with every rank busy; on the CPU a cell with more ranks than the calibration had
+  (and so more ranks than cores) gets its share of them.
+- communication: each call at the time the sweep measured for its collective and size
+  (log-log between measured sizes, the smallest size's latency below them, the largest's
+  bandwidth above them; all-reduce's bus factor 2(n−1)/n and the others' (n−1)/n rescale a
+  sweep of another world size). Collectives the sweep does not run (broadcast, p2p,
+  all-to-all, gather, scatter) are priced as an all-gather of the same bytes.
+- overlap: on the CPU none — gloo's threads compute the reductions on the cores the ranks
+  compute on, so a collective in flight takes its time from the step. On CUDA the
+  collectives run on their own stream: a data-parallel engine's gradient reductions overlap
+  backward (two thirds of the compute), a sharded engine's gathers and reductions overlap
+  forward and backward, all but the first gather, which nothing precedes.
+- a pipeline: rank 0's stage compute, stretched by the bubble, (m + p − 1) / m for m
+  micro-batches over p stages (GPipe's and 1F1B's idle time, Huang et al. 2019).
+- offload on CUDA: the offloaded parameters cross PCIe twice a step and gradients once
+  (``PCIE_BYTES_PER_S``, an assumption stated here), and an offloaded optimizer's step is
+  memory traffic at host bandwidth (the rate the CPU calibration would measure; none on a
+  GPU run, so ``HOST_MEMORY_BYTES_PER_S``).
+
+Not modelled: Python between ops (the engines' hooks and bookkeeping), waiting on a slower
+rank, the allocator, and the dispatcher's cost of ops the trace does not see.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from harness import models, strategies
+from harness.config import CellSpec
+from harness.measure.comm import busbw_factor
+from harness.strategies import pipeline
+
+PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16 host-device copies as measured by bandwidthTest, ~25 of 32 GB/s
+HOST_MEMORY_BYTES_PER_S = 50e9  # a server socket's sustained stream bandwidth per GPU's share
+_SWEPT = ("all_reduce", "all_gather", "reduce_scatter")
+_OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW in fp32: reads p, g, m, v and writes p, m, v
+
+
+def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | None, device_type: str) -> dict:
+    """The record's ``predicted.step_time``: {"step_time_s", "compute_s", "comm_s",
+    "exposed_comm_s", "bubble", "offload_s", "work", "rates"} or {"unavailable": reason}."""
+    if not calibration or "error" in calibration or "skipped" in calibration:
+        why = (calibration or {}).get("skipped") or (calibration or {}).get("error") or "no calibration in this run"
+        return {"unavailable": f"no measured rates to price the step at: {why}"}
+    if "work" in traced:
+        work, source = traced["work"], "traced"
+    elif "unavailable" not in analytic:
+        work, source = analytic_work(cell, analytic), f"analytic ({traced.get('unavailable', 'not traced')})"
+    else:
+        return {"unavailable": f"no work to price: not traced ({traced.get('unavailable')}) and no analytic"
+                               f" prediction ({analytic['unavailable']})"}
+    rates, share = _rates(cell, calibration, device_type)
+    precision = cell.strategy.precision
+    flops_rate = rates["matmul_flops_per_s"][precision]
+    memory = sum(nbytes / _at_size(rates["memory_bytes_per_s"], size) for size, nbytes in work["memory_bytes"])
+    compute = (work["ops"] * rates["op_s"][precision] + work["matmul_flops"] / flops_rate + memory) / share
+    comm_by_op = {kind: sum(calls * _call_seconds(kind, nbytes, cell.world_size, calibration["rows"],
+                                                   calibration["world_size"]) / share
+                            for nbytes, calls in sizes)
+                  for kind, sizes in work["collectives"].items()}
+    comm = sum(comm_by_op.values())
+    exposed = comm if device_type != "cuda" else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration)
+    bubble = _bubble(cell)
+    offload = _offload_seconds(cell, analytic) if device_type == "cuda" else 0.0
+    step = compute * bubble + exposed + offload
+    return {"step_time_s": step, "compute_s": compute, "comm_s": comm, "comm_s_by_op": comm_by_op,
+            "exposed_comm_s": exposed, "bubble": bubble, "offload_s": offload, "work": source,
+            "rates": "alone" if cell.world_size == 1 else "concurrent",
+            **({"rank_share": share} if share != 1 else {})}
+
+
+def analytic_work(cell: CellSpec, analytic: dict) -> dict:
+    """The work of the module docstring's analytic case, in dispatched_work's format."""
+    s = cell.strategy
+    samples = cell.micro_batch * s.accumulation * (s.layout("pp_microbatches") if s.pipelined else 1)
+    recompute = 4 / 3 if s.checkpointing == "full" else 1.0
+    split = pipeline.n_stages(s.name, cell.world_size) if s.pipelined else _model_split(cell)
+    flops = models.flops_per_sample(cell.model_spec) * samples * recompute / split
+    states = analytic["model_states_bytes"]
+    optimizer_elements = states["optimizer"] / 8 if states["optimizer"] else 0.0  # two fp32 moments each
+    acts = analytic["activation_bytes"]
+    activation_traffic = 3 * (acts["layers"] + acts["logits"])  # written in forward, read twice in backward
+    optimizer_traffic = optimizer_elements * _OPTIMIZER_BYTES_PER_ELEMENT
+    # Each stream at the working set of all of it: a first-order figure for want of op sizes.
+    return {"ops": 0, "matmul_flops": flops,
+            "memory_bytes": [[b, b] for b in sorted((optimizer_traffic, activation_traffic)) if b],
+            "collectives": {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
+
+
+def _at_size(points: list[list[float]], size: float) -> float:
+    """The rate measured for a working set of ``size``: log-log between measured sizes, the
+    nearest one's outside them."""
+    sizes = [p[0] for p in points]
+    if size <= sizes[0]:
+        return points[0][1]
+    if size >= sizes[-1]:
+        return points[-1][1]
+    i = bisect.bisect_left(sizes, size)
+    (s0, r0), (s1, r1) = points[i - 1], points[i]
+    weight = math.log(size / s0) / math.log(s1 / s0)
+    return math.exp(math.log(r0) + weight * (math.log(r1) - math.log(r0)))
+
+
+def _model_split(cell: CellSpec) -> int:
+    """How many ranks share one sample's FLOPs: the tensor- or context-parallel degree."""
+    kind = strategies.get(cell.strategy.name).engine_model.analytic
+    if kind in ("tensor_parallel", "context_parallel"):
+        return cell.world_size // max(1, cell.strategy.data_parallel_size(cell.world_size))
+    if kind == "megatron":
+        return cell.strategy.layout("tp_degree") * cell.strategy.layout("pp_degree")
+    return 1
+
+
+def _rates(cell: CellSpec, calibration: dict, device_type: str) -> tuple[dict, float]:
+    """The measured rates that apply, and the share of them each rank gets."""
+    rates = calibration["compute_rates"]
+    scope = "alone" if cell.world_size == 1 else "concurrent"
+    measured_ranks = rates["world_size"]
+    share = 1.0 if device_type == "cuda" or cell.world_size <= measured_ranks else measured_ranks / cell.world_size
+    return rates[scope], share
+
+
+def _call_seconds(kind: str, nbytes: int, world_size: int, rows: list[dict], swept_world_size: int) -> float:
+    """One call's time by the sweep (module docstring)."""
+    if world_size < 2:
+        return 0.0
+    swept = kind if kind in _SWEPT else "all_gather"
+    points = sorted((r["bytes"], r["time_s"]) for r in rows if r["op"] == swept)
+    if not points:
+        raise ValueError(f"the bandwidth sweep has no {swept} rows")
+    sizes = [b for b, _ in points]
+    if kind == "barrier" or nbytes <= sizes[0]:
+        seconds = points[0][1]
+    elif nbytes >= sizes[-1]:
+        seconds = points[-1][1] * nbytes / sizes[-1]
+    else:
+        i = bisect.bisect_left(sizes, nbytes)
+        (b0, t0), (b1, t1) = points[i - 1], points[i]
+        weight = math.log(nbytes / b0) / math.log(b1 / b0)
+        seconds = math.exp(math.log(t0) + weight * (math.log(t1) - math.log(t0)))
+    return seconds * busbw_factor(swept, world_size) / busbw_factor(swept, swept_world_size)
+
+
+def _exposed_on_cuda(cell: CellSpec, compute: float, work: dict, comm_by_op: dict[str, float],
+                     calibration: dict) -> float:
+    engine = strategies.get(cell.strategy.name).engine_model
+    comm = sum(comm_by_op.values())
+    if engine.analytic != "data_parallel":
+        return comm
+    if "zero3" in strategies.get(cell.strategy.name).families:
+        first_gather = min((nbytes for nbytes, _ in work["collectives"].get("all_gather", [])), default=0)
+        unhidden = _call_seconds("all_gather", first_gather, cell.world_size, calibration["rows"],
+                                 calibration["world_size"]) if first_gather else 0.0
+        return unhidden + max(0.0, comm - unhidden - compute)
+    gradient = comm_by_op.get("all_reduce", 0.0) + comm_by_op.get("reduce_scatter", 0.0)
+    return (comm - gradient) + max(0.0, gradient - compute * 2 / 3)
+
+
+def _bubble(cell: CellSpec) -> float:
+    s = cell.strategy
+    if not s.pipelined:
+        return 1.0
+    p, m = pipeline.n_stages(s.name, cell.world_size), s.layout("pp_microbatches")
+    return (m + p - 1) / m
+
+
+def _offload_seconds(cell: CellSpec, analytic: dict) -> float:
+    offloaded = analytic.get("offloaded_bytes") or {}
+    params, optimizer = offloaded.get("params", 0.0), offloaded.get("optimizer", 0.0)
+    grads = offloaded.get("grads", 0.0)
+    host_step = optimizer / 8 * _OPTIMIZER_BYTES_PER_ELEMENT / HOST_MEMORY_BYTES_PER_S if optimizer else 0.0
+    return (2 * params + grads) / PCIE_BYTES_PER_S + host_step
+

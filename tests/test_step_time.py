@@ -1,0 +1,141 @@
+"""The step-time predictor: what a traced step dispatches (harness/predict/dispatched_work.py),
+how it is priced (harness/predict/step_time.py), and its ratio beside the measurement."""
+
+import math
+
+import pytest
+
+from harness import models
+from harness.config import CellSpec, StrategySpec
+from harness.predict import accuracy, analytic, step_time, traced
+
+MS = 1e-3
+
+
+def _calibration(op_s=10e-6, flops=100e9, memory=((1e3, 100e9), (1e8, 10e9)), latency=1 * MS,
+                 bandwidth=1e9, world_size=2) -> dict:
+    """A run's environment.bandwidth with round rates: every collective at ``latency`` up
+    to 1 KiB and at ``bandwidth`` bytes/s from 1 MiB."""
+    rows = [{"op": op, "bytes": size, "time_s": t}
+            for op in ("all_reduce", "all_gather", "reduce_scatter")
+            for size, t in ((2**10, latency), (2**20, 2**20 / bandwidth))]
+    rates = {"matmul_flops_per_s": {"fp32": flops, "bf16": 4 * flops, "fp16": flops},
+             "memory_bytes_per_s": [list(p) for p in memory], "op_s": dict.fromkeys(("fp32", "bf16", "fp16"), op_s)}
+    alone = {**rates, "op_s": dict.fromkeys(("fp32", "bf16", "fp16"), op_s / 2)}
+    return {"world_size": world_size, "rows": rows,
+            "compute_rates": {"concurrent": rates, "alone": alone, "world_size": world_size}}
+
+
+def _cell(name="ddp", world_size=2, **strategy) -> CellSpec:
+    return CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name, **strategy), world_size=world_size)
+
+
+def _work(ops=1000, flops=1e9, memory=((1e8, 1e8),), collectives=None) -> dict:
+    return {"ops": ops, "matmul_flops": flops, "memory_bytes": [list(m) for m in memory],
+            "collectives": collectives or {}}
+
+
+def test_a_step_is_its_ops_flops_bytes_and_collectives_at_the_measured_rates():
+    cell = _cell()
+    work = _work(collectives={"all_reduce": [[2**20, 2], [512, 3]]})
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": work}, _calibration(), "cpu")
+    compute = 1000 * 10e-6 + 1e9 / 100e9 + 1e8 / 10e9
+    comm = 2 * 2**20 / 1e9 + 3 * 1 * MS  # below the smallest size: its latency
+    assert p["compute_s"] == pytest.approx(compute)
+    assert p["comm_s"] == pytest.approx(comm) == p["exposed_comm_s"]  # gloo on the CPU: no overlap
+    assert p["step_time_s"] == pytest.approx(compute + comm)
+    assert (p["work"], p["rates"], p["bubble"]) == ("traced", "concurrent", 1.0)
+
+
+def test_sizes_between_measured_points_are_interpolated_log_log():
+    # Halfway between 1 KiB and 1 MiB in log size: the geometric mean of the two times.
+    seconds = step_time._call_seconds("all_gather", 2**15, 2, _calibration()["rows"], 2)
+    assert seconds == pytest.approx(math.sqrt(1 * MS * 2**20 / 1e9))
+    # Larger than the sweep: its largest size's bandwidth; another world size: the bus factor.
+    assert step_time._call_seconds("all_reduce", 2**22, 2, _calibration()["rows"], 2) == pytest.approx(2**22 / 1e9)
+    assert step_time._call_seconds("all_reduce", 2**22, 4, _calibration()["rows"], 2) == pytest.approx(
+        2**22 / 1e9 * 1.5)
+    rate = step_time._at_size([[1e3, 100e9], [1e5, 1e9]], 1e4)
+    assert rate == pytest.approx(10e9)
+
+
+def test_one_process_takes_the_rates_measured_alone_and_extra_ranks_share_the_cores():
+    single = _cell("single", world_size=1)
+    work = {"work": _work(ops=1000, flops=0, memory=())}
+    alone = step_time.predict(single, analytic.predict(single, device_type="cpu"), work, _calibration(), "cpu")
+    assert alone["rates"] == "alone" and alone["compute_s"] == pytest.approx(1000 * 5e-6)
+    four = _cell(world_size=4)
+    crowded = step_time.predict(four, analytic.predict(four, device_type="cpu"), work, _calibration(), "cpu")
+    assert crowded["rank_share"] == 0.5 and crowded["compute_s"] == pytest.approx(1000 * 10e-6 * 2)
+
+
+def test_a_pipeline_is_stretched_by_its_bubble():
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_gpipe", pp_microbatches=4), world_size=2)
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": _work()}, _calibration(), "cpu")
+    assert p["bubble"] == pytest.approx((4 + 2 - 1) / 4)
+    assert p["step_time_s"] == pytest.approx(p["compute_s"] * 5 / 4 + p["exposed_comm_s"])
+
+
+def test_on_cuda_gradient_reductions_hide_behind_backward():
+    cell = _cell()
+    a = analytic.predict(cell)
+    small = {"work": _work(collectives={"all_reduce": [[2**20, 1]]})}
+    p = step_time.predict(cell, a, small, _calibration(), "cuda")
+    assert p["comm_s"] < p["compute_s"] * 2 / 3 and p["exposed_comm_s"] == 0.0
+    large = {"work": _work(collectives={"all_reduce": [[2**30, 1]]})}
+    q = step_time.predict(cell, a, large, _calibration(), "cuda")
+    assert q["exposed_comm_s"] == pytest.approx(q["comm_s"] - q["compute_s"] * 2 / 3)
+
+
+def test_an_untraced_cell_is_priced_from_the_analytic_work_and_says_so():
+    cell = _cell(checkpointing="full")
+    a = analytic.predict(cell, device_type="cpu")
+    p = step_time.predict(cell, a, {"unavailable": "not traced: --no-trace"}, _calibration(), "cpu")
+    assert p["work"] == "analytic (not traced: --no-trace)"
+    work = step_time.analytic_work(cell, a)
+    # One forward more under full checkpointing; no op count.
+    assert work["matmul_flops"] == pytest.approx(models.flops_per_sample(cell.model_spec) * cell.micro_batch * 4 / 3)
+    assert work["ops"] == 0 and work["collectives"] == {"all_reduce": [[a["comm_bytes_by_op"]["all_reduce"], 1]]}
+
+
+def test_without_measured_rates_there_is_no_step_time_and_the_reason():
+    cell = _cell()
+    a = analytic.predict(cell, device_type="cpu")
+    assert step_time.predict(cell, a, {"work": _work()}, {"skipped": "--no-bandwidth"}, "cpu") == {
+        "unavailable": "no measured rates to price the step at: --no-bandwidth"}
+    predicted = accuracy.prediction(cell, None, "cpu", None)
+    assert predicted["step_time_s"] is None and "unavailable" in predicted["step_time"]
+
+
+def test_the_step_time_ratio_and_its_run_targets():
+    cell = _cell()
+    predicted = accuracy.prediction(cell, {"work": _work()}, "cpu", _calibration())
+    metrics = {"step_time_s": predicted["step_time_s"] * 1.6, "comm_time_s_per_step": 0.001,
+               "comm_by_op": {}, "comm_bytes_per_step": 0, "peak_mem_bytes": 1, "mem_breakdown_bytes": {}}
+    ratio = accuracy.compare(predicted, metrics)["step_time"]
+    assert ratio["ratio"] == pytest.approx(1 / 1.6) and ratio["within_target"]  # within ±50 %
+    slow = accuracy.compare(predicted, {**metrics, "step_time_s": predicted["step_time_s"] * 3})["step_time"]
+    assert not slow["within_target"] and "measured" in slow["off"]
+    record = {"cell_id": cell.cell_id, "status": "ok", "trial": 0,
+              "predicted": {**predicted, "ratios": {"step_time": ratio}}}
+    text, met = accuracy.report([record])
+    # One cell at 0.625: within ±50 %, but the median is not within ±20 %.
+    assert "step_time: 1 of 1 cells within ±50%" in text and "median ratio 0.625" in text and not met
+
+
+def test_the_trace_counts_what_the_step_dispatches():
+    single = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), micro_batch=4, world_size=1)
+    ddp, ckpt = _cell(), _cell(checkpointing="full")
+    works = {c.cell_id: traced.trace(c)["work"] for c in (single, ddp, ckpt)}
+    one = works[single.cell_id]
+    # torch's FLOP formulas count every matmul of forward and backward: the PaLM formula's
+    # figure but for the gradient of the first layer's input, which nothing needs.
+    palm = models.flops_per_sample(single.model_spec) * 4
+    assert 0.85 * palm < one["matmul_flops"] < palm
+    assert one["collectives"] == {} and one["ops"] > 300
+    # DDP all-reduces every gradient once (analytic bytes), in one bucket at this size.
+    a = analytic.predict(ddp, device_type="cpu")
+    assert works[ddp.cell_id]["collectives"] == {"all_reduce": [[a["comm_bytes_by_op"]["all_reduce"], 1]]}
+    # Full checkpointing runs each block's forward again.
+    assert works[ckpt.cell_id]["matmul_flops"] > works[ddp.cell_id]["matmul_flops"] * 1.1
+    assert works[ckpt.cell_id]["ops"] > works[ddp.cell_id]["ops"]

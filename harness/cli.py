@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                            " (a change counts only once marked worse: time/throughput beyond 10%%, memory 0.5%%)")
     _out_option(cmp_)
     cmp_.set_defaults(func=cmd_compare)
-    pln = sub.add_parser("plan", help="predicted memory per GPU of every strategy: what fits before you rent it")
+    pln = sub.add_parser("plan", help="predicted memory and step time per GPU of every strategy: the fastest that"
+                                         " fits, before you rent it")
     pln.add_argument("--model", required=True,
                      help="a model preset (e.g. llama3-8b) or a transformers config.json (README: Models)")
     pln.add_argument("--gpus", type=int, required=True, help="GPUs in the job (all nodes)")
@@ -75,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     pln.add_argument("--optimizer", default="adamw", help="adamw, adam8bit, adamw8bit, adafactor (default adamw)")
     pln.add_argument("--traced", action="store_true",
-                     help="also trace the recommended configuration under FakeTensorMode (exact; slower)")
+                     help="also trace the fastest fitting configurations and --config's under FakeTensorMode"
+                          " (exact; slower); a traced peak over the usable memory is not a fit")
+    pln.add_argument("--config", default=None, metavar="LABEL",
+                     help="a configuration to hold beside the recommendation, as the table labels it,"
+                          " e.g. fsdp_full/bf16/ckpt_full")
     pln.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     pln.set_defaults(func=cmd_plan)
     rpr = sub.add_parser("reproduce", help="rerun one recorded cell from its record and compare")

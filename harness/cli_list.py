@@ -76,9 +76,12 @@ def _fit_note(cell: CellSpec, gpu: suites_gpu.GpuTarget | None, fits: dict[str, 
 
 def _gpu_summary(cells: list[CellSpec], gpu: suites_gpu.GpuTarget, fits: dict[str, fit.Fit | None]) -> str:
     launched = [c for c in cells if (f := fits[c.cell_id]) is None or f.fits]
-    seconds = sum(rough_time.cell_seconds(c, gpu.name) for c in launched)
+    timed = [rough_time.cell_seconds(c, gpu.name) for c in launched]
+    seconds = sum(t for t in timed if t is not None)
+    unpriced = sum(t is None for t in timed)
     on = gpu.name or f"{rough_time.ASSUMED_GPU} (assumed)"
     return (f"{len(launched)} of {len(cells)} cells predicted to fit {gpu.memory_bytes / 2**30:.1f} GiB per GPU"
             f" ({fit.USABLE_FRACTION:.0%} usable); rough wall time on {on}: {seconds / 60:.0f} min"
-            f" (harness/predict/rough_time.py: {rough_time.ASSUMED_MFU:.0%} MFU,"
+            + (f" ({unpriced} cells without a step-time prediction not included)" if unpriced else "")
+            + f" (harness/predict/rough_time.py: {rough_time.ASSUMED_MFU:.0%} MFU,"
             f" {rough_time.ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth, {rough_time.CELL_START_S:.0f} s per cell)")

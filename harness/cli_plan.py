@@ -24,16 +24,17 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
                                precision=args.precision, optimizer=args.optimizer)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    result = plan.plan(req)
-    traced = None
-    if args.traced and result["recommended"] is not None:
+    trace = None
+    if args.traced:
         from harness.predict import traced as tracer
 
-        cell = result["recommended"]["cell"]
-        traced = tracer.trace_cells([cell])[cell.cell_id]
+        trace = tracer.trace_cells
+    try:
+        result = plan.plan(req, trace=trace, named=args.config)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if args.format == "json":
-        print(plan.as_json(result, traced))
+        print(plan.as_json(result))
     else:
-        print(plan.as_table(result, markdown=args.format == "markdown", traced=traced))
+        print(plan.as_table(result, markdown=args.format == "markdown"))
     return 0
-

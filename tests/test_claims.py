@@ -139,6 +139,35 @@ def test_tp_claim_compares_the_params_each_rank_holds():
     assert run([4 * 134_912] * 2)["verdict"] == "does not hold"  # nothing split
 
 
+def test_kendall_tau_b():
+    assert judges.kendall_tau_b([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert judges.kendall_tau_b([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    # 6 pairs, one swapped: (5 - 1) / 6; a tie in one of them leaves that pair out of its side.
+    assert judges.kendall_tau_b([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    assert judges.kendall_tau_b([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / (2 * 3) ** 0.5)
+
+
+def test_order_claims_rank_the_strategies_by_prediction_and_measurement():
+    strategies = list(judges.zero_claims.MODEL_STATES)
+
+    def run(measured_times):
+        by_id = {}
+        for k, s in enumerate(strategies):
+            c = cell(s, 2)
+            record = _record(c, step_time_s=measured_times[k], peak_mem_bytes=100 - k)
+            record["predicted"] = {"step_time_s": 0.01 * (k + 1), "analytic": {"peak_bytes": 100.0 - k}}
+            by_id[c.cell_id] = record
+        return (records.evaluate("order/step_time", lambda c: by_id.get(c.cell_id), 2),
+                records.evaluate("order/peak", lambda c: by_id.get(c.cell_id), 2))
+
+    in_order = [0.01 * (k + 1) for k in range(len(strategies))]
+    time, peak = run(in_order)
+    assert (time["verdict"], time["measured"], peak["verdict"], peak["measured"]) == ("holds", 1.0, "holds", 1.0)
+    reversed_time, _ = run(in_order[::-1])
+    assert reversed_time["verdict"] == "does not hold" and reversed_time["measured"] == -1.0
+    assert "measured order" in reversed_time["reason"]
+
+
 # One claim of each kind, so that the end-to-end run stays short (the whole suite is 23 cells,
 # about 5 minutes here: ./run_all.sh --suite claims): a measured claim that holds, one that does
 # not hold on gloo with its explanation, one this host cannot measure, and formula-only ones.

@@ -179,13 +179,14 @@ def test_a_failing_analytic_model_is_recorded_as_unavailable_not_raised(monkeypa
         raise ZeroDivisionError("division by zero")
 
     monkeypatch.setattr(analytic, "predict", broken)
-    predicted = accuracy.prediction(_cell("ddp", world_size=2), None, "cpu")
+    predicted = accuracy.prediction(_cell("ddp", world_size=2), None, "cpu", None)
     assert predicted["analytic"] == {"unavailable": "the analytic model failed: ZeroDivisionError: division by zero"}
 
 
 def test_accuracy_names_the_category_that_is_off():
     cell = _cell("ddp", world_size=2)
-    predicted = accuracy.prediction(cell, {"peak_bytes": 100, "breakdown_bytes": {"params": 60, "other": 40}}, "cpu")
+    predicted = accuracy.prediction(cell, {"peak_bytes": 100, "breakdown_bytes": {"params": 60, "other": 40}}, "cpu",
+                                   None)
     states = predicted["analytic"]["model_state_bytes"]
     metrics = {
         "peak_mem_bytes": 200, "mem_breakdown_bytes": {"params": 60, "other": 140},
@@ -228,6 +229,43 @@ def test_plan_recommends_a_fitting_configuration():
     assert best["cell"].strategy.name != "ddp"  # 16 B/param of 8B parameters cannot fit in 40 GiB
     none = plan.plan(plan.PlanRequest(model="llama3-8b", gpus=2, gpu_mem_bytes=2**30))
     assert none["recommended"] is None and "Nothing fits" in plan.recommendation_text(none)
+
+
+def test_plan_recommends_the_fastest_fit_and_says_why():
+    req = plan.PlanRequest(model="llama-1b", gpus=8, gpu_mem_bytes=80 * 2**30)
+    result = plan.plan(req, named="fsdp_full/bf16/ckpt_full")
+    best = result["recommended"]
+    fitting = [r for r in result["rows"] if r["fits"]]
+    assert best["step_time"]["step_time_s"] == min(r["step_time"]["step_time_s"] for r in fitting)
+    # Fits means within the usable fraction: the headroom is the GPU's memory above it.
+    assert all(r["predicted"]["peak_bytes"] <= 0.9 * req.gpu_mem_bytes for r in fitting)
+    text = plan.recommendation_text(result)
+    assert text.startswith(f"Recommended: {plan._label(best['cell'])}: fits with")
+    assert "fastest by the prediction" in text
+    assert "tokens/s, MFU" in text and "Your fsdp_full/bf16/ckpt_full fits and would be" in text
+    # Full checkpointing recomputes every block's forward: predicted slower than none.
+    by_label = {plan._label(r["cell"]): r for r in result["rows"]}
+    assert (by_label["fsdp_full/bf16/ckpt_full"]["step_time"]["step_time_s"]
+            > by_label["fsdp_full/bf16/ckpt_none"]["step_time"]["step_time_s"])
+    with pytest.raises(ValueError, match="--config nope: not a candidate here"):
+        plan.plan(req, named="nope")
+
+
+def test_plan_traced_refuses_a_leading_candidate_whose_trace_does_not_fit():
+    req = plan.PlanRequest(model="llama-1b", gpus=8, gpu_mem_bytes=80 * 2**30)
+    untraced = plan.plan(req)["recommended"]
+    asked: list[list[str]] = []
+
+    def trace(cells):  # the untraced recommendation traces over the memory; the rest at 1 GiB
+        asked.append([c.cell_id for c in cells])
+        return {c.cell_id: {"peak_bytes": 100 * 2**30 if c.cell_id == untraced["cell"].cell_id else 2**30,
+                            "breakdown_bytes": {}} for c in cells}
+
+    result = plan.plan(req, trace=trace, named="ddp/bf16/ckpt_full")
+    assert asked[0][0] == "llama-1b/ddp/bf16/ckpt_full/mb1/ws8/seed0" and len(asked[0]) == 1 + plan.TRACED_CANDIDATES
+    assert result["recommended"]["cell"] != untraced["cell"] and result["recommended"]["traced"]["peak_bytes"] == 2**30
+    refused = next(r for r in result["rows"] if r["cell"] == untraced["cell"])
+    assert not refused["fits"] and "peak 1.0 GiB traced" in plan.recommendation_text(result)
 
 
 # --- tensor parallelism (Shoeybi et al. 2019) ----------------------------------------------------

@@ -147,6 +147,18 @@ _CLAIMS += [
 # Claims that do not hold here, and why (checked against the records and the engines' code):
 # their "does not hold" is an expected failure, and their test fails once they hold again, so
 # an explanation cannot go stale (suites/claims/conftest.py).
+for _quantity, _what in (("step_time", "step time (harness/predict/step_time.py, at the run's measured rates)"),
+                         ("peak", "peak per rank (the analytic whole peak, harness/predict/analytic.py)")):
+    _CLAIMS.append(Claim(
+        claim_id=f"order/{_quantity}", title=f"The predicted {_quantity.replace('_', ' ')} orders the strategies as"
+                                             " the measurement does",
+        source="shardbench's predictors (issue 16); Kendall 1945 for τ_b",
+        published=f"the data-parallel and ZeRO strategies ranked by predicted {_what} in the measured order",
+        formula="Kendall's τ_b between predicted and measured values over "
+                + ", ".join(zero_claims.MODEL_STATES),
+        tolerance=f"τ_b ≥ {judges.ORDER_TAU} (at least 75 % of the pairs ordered alike)", unit="τ_b",
+        judge=judges.strategy_order(_quantity), cells=_cells(*((s, {}) for s in zero_claims.MODEL_STATES))))
+
 DEVIATIONS = {
     "comm_volume/zero1": (
         "ZeroRedundancyOptimizer runs over DDP: the gradients are all-reduced in full (2Ψ), then each"

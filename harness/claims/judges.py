@@ -407,3 +407,58 @@ def zero_table_1(r: Readings) -> Outcome:
                    details={"entries": entries, "misses": misses})
 
 
+
+
+# --- the predictors order the strategies as the measurement does ---------------------------------
+
+ORDER_TAU = 0.5  # Kendall's τ_b: at least 75 % of the strategy pairs ordered alike (τ = 2·concordant − 1)
+
+
+def kendall_tau_b(x: list[float], y: list[float]) -> float:
+    """Kendall's τ_b (Kendall 1945): (concordant − discordant pairs) ÷ √(pairs untied in x ×
+    pairs untied in y); pairs tied in both count in neither."""
+    concordant = discordant = tied_x = tied_y = 0
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            sx, sy = (x[i] > x[j]) - (x[i] < x[j]), (y[i] > y[j]) - (y[i] < y[j])
+            if sx == 0 and sy == 0:
+                continue
+            if sx == 0:
+                tied_x += 1
+            elif sy == 0:
+                tied_y += 1
+            elif sx == sy:
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = ((concordant + discordant + tied_x) * (concordant + discordant + tied_y)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def strategy_order(quantity: str) -> Callable[[Readings], Outcome]:
+    """``quantity`` "step_time" or "peak": the data-parallel strategies (zero_claims.MODEL_STATES),
+    ordered by the predicted value and by the measured one."""
+    def values(record: dict) -> tuple[float | None, float | None]:
+        p, m = record.get("predicted") or {}, record["metrics"]
+        if quantity == "step_time":
+            return p.get("step_time_s"), m.get("step_time_s")
+        return (p.get("analytic") or {}).get("peak_bytes"), m.get("peak_mem_bytes")
+
+    def judge(r: Readings) -> Outcome:
+        pairs = {}
+        for strategy in zero_claims.MODEL_STATES:
+            c = r.cell(strategy)
+            predicted, measured = values(r.record(c))
+            if predicted is None or measured is None:
+                why = ((r.record(c).get("predicted") or {}).get("step_time") or {}).get("unavailable", "")
+                raise NotMeasurable(f"{c.cell_id}: no predicted {quantity}" + (f" ({why})" if why else ""))
+            pairs[strategy] = (predicted, measured)
+        tau = kendall_tau_b([p for p, _ in pairs.values()], [m for _, m in pairs.values()])
+        by_measured = sorted(pairs, key=lambda s: pairs[s][1])
+        by_predicted = sorted(pairs, key=lambda s: pairs[s][0])
+        return Outcome(predicted=ORDER_TAU, measured=tau, verdict="holds" if tau >= ORDER_TAU else "does not hold",
+                       reason=f"τ_b = {tau:.2f} (threshold {ORDER_TAU}); measured order {' < '.join(by_measured)};"
+                              f" predicted {' < '.join(by_predicted)}",
+                       details={"tau_b": tau, "values": {s: {"predicted": p, "measured": m}
+                                                         for s, (p, m) in pairs.items()}})
+    return judge

@@ -1,25 +1,32 @@
-"""``python -m harness plan``: will a configuration fit, before renting the GPUs?
+"""``python -m harness plan``: which configuration to rent the GPUs for, before renting them.
 
 For one model, GPU count and memory budget, every strategy and sensible option combination
 (activation checkpointing, offload) at the chosen precision and optimizer, with the analytic
 predictor's peak per GPU and its breakdown, whether it fits, the communication per step, and
-a recommendation: the first fitting row in the order a practitioner would try them — no
-offload before offload (host memory and PCIe are slow), less recomputation before more,
-fewer bytes moved per step before more.
+the predicted step time, tokens/s and MFU (harness/predict/rough_time.py: the step-time
+predictor at datasheet rates, each assumption stated there). A configuration fits when its
+peak is within ``fit.USABLE_FRACTION`` of the GPU's memory (the rest is the headroom the
+CUDA context, NCCL and the allocator's fragmentation take). The recommendation is the
+fastest fitting configuration by the predicted step time; between equal times, the order a
+practitioner would try them — no offload before offload, less recomputation before more.
 
-``--traced`` also traces the recommended configuration (harness/predict/traced.py), for
-models up to about 10B parameters on a CPU host: exact per-category peak of the real model
-and strategy under FakeTensorMode, at the real world size.
+``--traced`` also traces, under FakeTensorMode (harness/predict/traced.py: exact
+per-category peak of the real model and strategy at the real world size, for models up to
+about 10B parameters on a CPU host), the ``TRACED_CANDIDATES`` fastest fitting
+configurations and the one the user names (``--config``); a traced peak over the usable
+memory is not a fit, and the next fastest is traced until the recommendation's trace fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 
 from harness import models, strategies
 from harness.config import CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
-from harness.predict import analytic
+from harness.measure import flops
+from harness.predict import analytic, fit, rough_time
 
 # The data-parallel and sharded strategies the formulas describe, as their engines'
 # maintainers recommend them (no superseded engine), the reference aside.
@@ -28,6 +35,9 @@ PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
                            and s.splits_batch and "reference" not in s.families)
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")
 OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "params", "optimizer", "optimizer_params")
+TRACED_CANDIDATES = 3
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
     model: str | models.ModelSpec  # a preset's name, or a resolved config (harness.models.sources)
@@ -83,35 +93,91 @@ def candidates(req: PlanRequest) -> list[CellSpec]:
 
 def _preference(row: dict) -> tuple:
     s = row["cell"].strategy
-    return (OFFLOAD_ORDER.index(s.offload), CHECKPOINTING_ORDER.index(s.checkpointing),
+    step = row["step_time"].get("step_time_s", float("inf"))
+    return (step, OFFLOAD_ORDER.index(s.offload), CHECKPOINTING_ORDER.index(s.checkpointing),
             row["predicted"]["comm_volume_per_step"], row["predicted"]["peak_bytes"])
 
 
-def plan(req: PlanRequest) -> dict:
-    rows = []
-    for cell in candidates(req):
-        predicted = analytic.predict(cell, nodes=req.nodes)
-        rows.append({"cell": cell, "predicted": predicted,
-                     "fits": predicted["peak_bytes"] <= req.gpu_mem_bytes})
+def _row(cell: CellSpec, req: PlanRequest) -> dict:
+    predicted = analytic.predict(cell, nodes=req.nodes)
+    step = rough_time.step_seconds(cell, None, predicted)
+    seconds = step.get("step_time_s")
+    spec = cell.model_spec
+    peak = flops.peak_flops(rough_time.ASSUMED_GPU, flops.compute_precision(req.precision, "high"))
+    model_flops = models.flops_per_sample(spec) * cell.global_batch / cell.world_size
+    return {"cell": cell, "predicted": predicted, "step_time": step,
+            "tokens_per_s": cell.global_batch * spec.tokens_per_sample / seconds if seconds else None,
+            "mfu": model_flops / seconds / peak if seconds and peak else None,
+            "fits": predicted["peak_bytes"] <= fit.USABLE_FRACTION * req.gpu_mem_bytes, "traced": None}
+
+
+def plan(req: PlanRequest, trace: Callable[[list[CellSpec]], dict[str, dict]] | None = None,
+         named: str | None = None) -> dict:
+    """Every candidate's row, the recommendation, and the row of the ``named``
+    configuration (a label as the table prints it). With ``trace`` (cells -> {cell_id:
+    traced}), the leading candidates and the named one are traced (module docstring)."""
+    rows = [_row(cell, req) for cell in candidates(req)]
+    by_label = {_label(r["cell"]): r for r in rows}
+    if named is not None and named not in by_label:
+        raise ValueError(f"--config {named}: not a candidate here; choose one of {', '.join(sorted(by_label))}")
+    if trace is not None:
+        pending = [by_label[named]] if named is not None else []
+        while True:
+            leading = [r for r in sorted((r for r in rows if r["fits"]), key=_preference)[:TRACED_CANDIDATES]
+                       if r["traced"] is None]
+            batch = pending + [r for r in leading if r not in pending]
+            if not batch:
+                break
+            results = trace([r["cell"] for r in batch])
+            for r in batch:
+                r["traced"] = results[r["cell"].cell_id]
+                if r["traced"].get("peak_bytes", 0) > fit.USABLE_FRACTION * req.gpu_mem_bytes:
+                    r["fits"] = False
+            pending = []
     fitting = sorted((r for r in rows if r["fits"]), key=_preference)
     return {"request": req, "rows": sorted(rows, key=lambda r: r["predicted"]["peak_bytes"]),
-            "recommended": fitting[0] if fitting else None}
+            "recommended": fitting[0] if fitting else None,
+            "named": by_label.get(named) if named is not None else None}
 
 
 def recommendation_text(result: dict) -> str:
     req, best = result["request"], result["recommended"]
+    usable = fit.USABLE_FRACTION * req.gpu_mem_bytes
     if best is None:
         smallest = result["rows"][0] if result["rows"] else None
         need = (f"; the smallest predicted peak is {_gib(smallest['predicted']['peak_bytes'])}"
                 f" ({_label(smallest['cell'])})" if smallest else "")
-        return (f"Nothing fits {_gib(req.gpu_mem_bytes)} per GPU{need}: add GPUs, shorten the sequence,"
-                " or lower the micro-batch.")
+        return (f"Nothing fits {_gib(usable)} usable of {_gib(req.gpu_mem_bytes)} per GPU{need}: add GPUs,"
+                " shorten the sequence, or lower the micro-batch.")
     s = best["cell"].strategy
-    return (f"Recommended: {_label(best['cell'])}: predicted peak {_gib(best['predicted']['peak_bytes'])} of"
-            f" {_gib(req.gpu_mem_bytes)}, {_gib(best['predicted']['comm_volume_per_step'])} moved per GPU per step."
-            + ("" if s.offload == "none" else " Offload costs host-device bandwidth every step.")
+    peak = (best["traced"] or {}).get("peak_bytes", best["predicted"]["peak_bytes"])
+    text = (f"Recommended: {_label(best['cell'])}: fits with {_gib(usable - peak)} to spare"
+            f" (peak {_gib(peak)}{' traced' if best['traced'] and 'peak_bytes' in best['traced'] else ''} of"
+            f" {_gib(usable)} usable) and is fastest by the prediction: {_step_text(best)}.")
+    runner_up = next((r for r in sorted((r for r in result["rows"] if r["fits"]), key=_preference)
+                      if r["cell"].strategy.name != s.name), None)
+    if runner_up is not None:
+        text += f" {_label(runner_up['cell'])} would be {_slower(runner_up, best):.2f}× slower."
+    named = result.get("named")
+    if named is not None and named is not best:
+        verdict = "fits" if named["fits"] else "does not fit"
+        text += (f" Your {_label(named['cell'])} {verdict}"
+                 + (f" and would be {_slower(named, best):.2f}× slower." if named["fits"] else "."))
+    return (text + ("" if s.offload == "none" else " Offload costs host-device bandwidth every step.")
             + ("" if s.checkpointing == "none"
                else f" {s.checkpointing.capitalize()} checkpointing trades compute for memory."))
+
+
+def _step_text(row: dict) -> str:
+    step = row["step_time"]
+    if "step_time_s" not in step:
+        return f"no step time ({step['unavailable']})"
+    mfu = f", MFU {row['mfu']:.0%}" if row["mfu"] is not None else ""
+    return f"{step['step_time_s']:.3g} s a step, {row['tokens_per_s']:,.0f} tokens/s{mfu}"
+
+
+def _slower(row: dict, best: dict) -> float:
+    return row["step_time"].get("step_time_s", float("inf")) / best["step_time"]["step_time_s"]
 
 
 def _label(cell: CellSpec) -> str:
@@ -126,15 +192,17 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def as_json(result: dict, traced: dict | None = None) -> str:
+def as_json(result: dict) -> str:
     req = result["request"]
     return json.dumps({
         "request": {**dataclasses.asdict(req), "model": spec_json(req.model)},
         "rows": [{"config": _label(r["cell"]), "cell": r["cell"].to_dict(), "fits": r["fits"],
-                  "predicted": r["predicted"]} for r in result["rows"]],
+                  "predicted": r["predicted"], "step_time": r["step_time"], "tokens_per_s": r["tokens_per_s"],
+                  "mfu": r["mfu"], "traced": r["traced"]} for r in result["rows"]],
         "recommended": _label(result["recommended"]["cell"]) if result["recommended"] else None,
         "recommendation": recommendation_text(result),
-        "traced": traced,
+        "rates": {"gpu": rough_time.ASSUMED_GPU, "mfu": rough_time.ASSUMED_MFU, "bus_bw": rough_time.ASSUMED_BUS_BW,
+                  "usable_fraction": fit.USABLE_FRACTION},
     }, indent=2)
 
 
@@ -142,14 +210,17 @@ def spec_json(model: str | models.ModelSpec) -> str | dict:
     return model.to_dict() if isinstance(model, models.ModelSpec) else model
 
 
-def as_table(result: dict, markdown: bool, traced: dict | None = None) -> str:
+def as_table(result: dict, markdown: bool) -> str:
     req = result["request"]
     spec = req.spec
     head = (f"{spec.name}: {models.param_layout(spec).numel / 1e9:.2f}B parameters, seq {spec.tokens_per_sample},"
-            f" micro-batch {req.micro_batch}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each,"
-            f" {req.precision}, {req.optimizer}. Analytic predictor (harness/predict/analytic.py); per GPU.")
+            f" micro-batch {req.micro_batch}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each"
+            f" ({fit.USABLE_FRACTION:.0%} usable), {req.precision}, {req.optimizer}. Memory: analytic predictor"
+            f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
+            f" {rough_time.ASSUMED_GPU} (assumed: {rough_time.ASSUMED_MFU:.0%} MFU,"
+            f" {rough_time.ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth).")
     cols = ("config", "fits", "peak", "params", "grads", "optimizer", "buffers", "activations", "transient",
-            "offloaded", "comm/step")
+            "offloaded", "comm/step", "step s", "tokens/s", "MFU", "traced")
     lines = [head, ""]
     if markdown:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -163,20 +234,19 @@ def as_table(result: dict, markdown: bool, traced: dict | None = None) -> str:
                   sum(p["transient_bytes"].values()), sum(p["offloaded_bytes"].values()),
                   p["comm_volume_per_step"]]
         fits = "yes" if r["fits"] else "no"
-        cells = [_gib(v).replace(" GiB", "") for v in values]
+        step = r["step_time"].get("step_time_s")
+        traced = (r["traced"] or {}).get("peak_bytes")
+        cells = [_gib(v).replace(" GiB", "") for v in values] + [
+            "-" if step is None else f"{step:.3g}", "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
+            "-" if r["mfu"] is None else f"{r['mfu']:.0%}", "-" if traced is None else _gib(traced).replace(" GiB", "")]
         if markdown:
             lines.append(f"| {_label(r['cell'])} | {fits} | " + " | ".join(cells) + " |")
         else:
             lines.append(f"{_label(r['cell']):<52} {fits:<4} " + " ".join(f"{c:>11}" for c in cells))
-    lines += ["", "(GiB; comm/step: bytes each GPU moves per step, an all-reduce counted twice as in ZeRO §7)",
+    lines += ["", "(GiB; comm/step: bytes each GPU moves per step, an all-reduce counted twice as in ZeRO §7;"
+              " traced: the FakeTensorMode peak, for the configurations --traced traced)",
               "", recommendation_text(result)]
-    if traced is not None:
-        lines.append(f"Traced (FakeTensorMode) for the recommendation: {_traced_text(traced)}")
+    for r in result["rows"]:
+        if r["traced"] is not None and "peak_bytes" not in r["traced"]:
+            lines.append(f"Traced {_label(r['cell'])}: unavailable: {r['traced'].get('unavailable', '?')}")
     return "\n".join(lines)
-
-
-def _traced_text(traced: dict) -> str:
-    if "peak_bytes" not in traced:
-        return f"unavailable: {traced.get('unavailable', '?')}"
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in traced["breakdown_bytes"].items())
-    return f"peak {_gib(traced['peak_bytes'])} ({parts})"

@@ -1,34 +1,64 @@
-"""A first-order wall time for a matrix on GPUs, written down before it runs: what `list`
-prints for a GPU target, so a user knows what the real-size default will take.
+"""Step times on GPUs no run has measured: the step-time predictor (harness/predict/step_time.py)
+priced at datasheet rates instead of a run's calibration. What ``plan`` ranks by and what
+``list`` adds up for a GPU target, written down before anything runs.
 
-Per step: the cell's model FLOPs on one rank at ``ASSUMED_MFU`` of the GPU's dense peak
-(measure/flops.py), plus the analytic communication volume per rank at ``ASSUMED_BUS_BW``,
-not overlapped. Per cell: ``CELL_START_S`` (the model built and sharded, the warm-up's
-first-step compiles and allocations) on top of its steps. Offload's host traffic and the
-CPU optimizer step are not in it. These are assumptions stated here, not measurements: the
-step-time predictor that replaces them is checked against measured step times.
+The rates, each an assumption stated here (a GPU run's own calibration replaces them: its
+bandwidth launch measures the same quantities):
+- matmuls at ``ASSUMED_MFU`` of the GPU's dense datasheet peak (measure/flops.py): the model
+  FLOPs fraction well-tuned dense training reaches on H100 (torchtitan's Llama-3 8B: 38-42 %),
+  standing in for every kernel of forward and backward;
+- memory traffic (the optimizer step's, and the activations' in the analytic work) at
+  ``ASSUMED_HBM_BW``, H100 SXM's 3.35 TB/s at 80 %;
+- each collective call at ``ASSUMED_LATENCY_S`` plus its bytes at ``ASSUMED_BUS_BW`` bus
+  bandwidth (nccl-tests' convention: algbw = busbw ÷ the op's bus factor);
+- no per-op cost: kernels are launched ahead of the GPU, asynchronously.
+Per cell, ``CELL_START_S`` (the model built and sharded, the warm-up's first-step compiles
+and allocations) on top of its steps. A GPU that measure/flops.py does not know is priced as
+``ASSUMED_GPU``.
 """
 
 from __future__ import annotations
 
-from harness import models
 from harness.config import CellSpec
 from harness.measure import flops
-from harness.predict import analytic
+from harness.measure.comm import busbw_factor
+from harness.predict import analytic, step_time
 
-ASSUMED_MFU = 0.4  # what well-tuned dense training reaches on H100 (torchtitan's Llama-3 8B: 38-42 %)
+ASSUMED_MFU = 0.4
 ASSUMED_BUS_BW = 300e9  # B/s: NVLink all-reduce bus bandwidth of an 8×H100 SXM node, below nccl-tests' ~450
+ASSUMED_HBM_BW = 0.8 * 3.35e12  # B/s: H100 SXM HBM3 datasheet bandwidth at a sustained 80 %
+ASSUMED_LATENCY_S = 20e-6  # one NCCL collective's fixed cost within a node
 CELL_START_S = 30.0
 ASSUMED_GPU = "NVIDIA H100 80GB HBM3"  # whose peak is used where the target GPU is not named
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_SIZES = tuple(2**k for k in range(10, 41, 2))  # 1 KiB .. 1 TiB
 
 
-def cell_seconds(cell: CellSpec, gpu_name: str | None) -> float:
-    """The cell's rough wall time on ``gpu_name`` (H100 SXM where None or unknown)."""
-    peak = flops.peak_flops(gpu_name, cell.strategy.precision) or flops.peak_flops(ASSUMED_GPU,
-                                                                                   cell.strategy.precision)
-    if peak is None:
-        raise ValueError(f"no peak FLOP/s for precision {cell.strategy.precision}")
-    compute = models.flops_per_sample(cell.model_spec) * cell.global_batch / cell.world_size / (peak * ASSUMED_MFU)
-    predicted = analytic.predict(cell)
-    comm = predicted.get("comm_volume_per_step", 0) / ASSUMED_BUS_BW
-    return CELL_START_S + cell.steps * (compute + comm)
+def assumed_calibration(gpu_name: str | None, world_size: int) -> dict:
+    """A run's ``environment.bandwidth`` (sweep rows and compute rates) from the assumptions
+    above, for ``world_size`` GPUs of ``gpu_name``."""
+    known = gpu_name if flops.peak_flops(gpu_name, "bf16") else ASSUMED_GPU
+    rates = {"matmul_flops_per_s": {p: (flops.peak_flops(known, flops.compute_precision(p, "high")) or 0.0)
+                                    * ASSUMED_MFU for p in _PRECISIONS},
+             "memory_bytes_per_s": [[1, ASSUMED_HBM_BW]], "op_s": dict.fromkeys(_PRECISIONS, 0.0)}
+    ranks = max(world_size, 2)
+    rows = [{"op": op, "bytes": size,
+             "time_s": ASSUMED_LATENCY_S + size * busbw_factor(op, ranks) / ASSUMED_BUS_BW}
+            for op in ("all_reduce", "all_gather", "reduce_scatter") for size in _SIZES]
+    return {"world_size": ranks, "rows": rows,
+            "compute_rates": {"concurrent": rates, "alone": rates, "world_size": ranks}, "assumed_gpu": known}
+
+
+def step_seconds(cell: CellSpec, gpu_name: str | None, predicted: dict | None = None) -> dict:
+    """The cell's predicted step on ``gpu_name`` (step_time.predict's entry), from its
+    analytic prediction (``predicted``, computed here when not given)."""
+    predicted = predicted if predicted is not None else analytic.predict(cell)
+    return step_time.predict(cell, predicted, {"unavailable": "planned, not traced"},
+                             assumed_calibration(gpu_name, cell.world_size), "cuda")
+
+
+def cell_seconds(cell: CellSpec, gpu_name: str | None) -> float | None:
+    """The cell's rough wall time on ``gpu_name``, its steps and its start; None where the
+    step has no prediction (a model the analytic predictor does not describe)."""
+    step = step_seconds(cell, gpu_name)
+    return CELL_START_S + cell.steps * step["step_time_s"] if "step_time_s" in step else None

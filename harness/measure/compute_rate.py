@@ -14,13 +14,17 @@ the others wait (as the single-process reference runs):
   ``STREAM_ELEMENTS``, from a first-level cache's size to beyond any last-level cache's: an
   op's bandwidth depends on where its tensors fit. The time of the same add on one element
   (the call's fixed cost, which ``op_s`` prices) is taken off each timing first.
-- ``op_s``, per precision: one dispatched op's cost, whatever its size: a training step of a
-  small model (``_tiny_step``: Linear, LayerNorm and GELU blocks of width 16, forward,
-  backward and AdamW; bf16 and fp16 under autocast, as the cells run them) timed and divided
-  by the aten ops it dispatches (counted once, by a dispatch mode over one step). Tiny tensors
-  make the matmuls and memory traffic negligible, so what is left is dispatch, autocast's and
-  autograd's bookkeeping and the Python that calls each op (a transformers GPT-2 of width 16
-  gave within 12 % of it in fp32 on this host).
+- ``op_s``, per precision: one dispatched op's cost, whatever its size: a training step of
+  a transformers decoder at the tiny preset's sizes (``OP_COST_MODEL``: 2 layers of width 64,
+  32 tokens; forward, backward and AdamW; bf16 and fp16 under autocast, as the cells run
+  them), its matmuls' time (their FLOPs, counted by torch's formulas, at the matmul rate just
+  measured: a few percent of the step in fp32, most of it in fp16 on a CPU without fp16
+  units) taken off, divided by the aten ops it dispatches (both counted once, by a dispatch
+  mode over one step). What is left is dispatch, autocast's and autograd's bookkeeping and
+  the Python of transformers' modules around each op: 11-14 µs an op in fp32 on this
+  project's hosts, where a plain Sequential of Linear, LayerNorm and GELU modules (an op per
+  module call) costs 5-6 µs, under half of what the models' steps take. The engines' own
+  hooks are not in it.
 
 Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` untimed ones.
 """
@@ -36,13 +40,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
+from harness import models
 from harness.distributed import DistEnv
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATMUL_SIZE = {"cpu": 512, "cuda": 8192}
 STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2**k for k in range(16, 29, 3))}
 WARMUP, ITERS, REPEATS = 2, 5, 5
+OP_COST_MODEL = "llama-tiny"
 
 
 def _sync(device: torch.device) -> None:
@@ -76,28 +83,28 @@ class _OpCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.ops = 0
+        self.matmul_flops = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.ops += func.namespace != "prim"  # metadata queries, as dispatched_work counts them
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.matmul_flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
 
 
-def _tiny_step(device: torch.device, precision: str) -> tuple[Callable[[], None], int]:
-    """A small model's training step at ``precision``, and the aten ops one step dispatches."""
-    torch.manual_seed(0)
-    width = 16
-    layers: list[torch.nn.Module] = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers).to(device)
+def _tiny_step(device: torch.device, precision: str) -> tuple[Callable[[], None], _OpCount]:
+    """A training step of ``OP_COST_MODEL`` at ``precision``, and what one step dispatches."""
+    built = models.build(models.PRESETS[OP_COST_MODEL])
+    model = built.module.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = torch.randn(8, width, device=device)
-
+    batch = {name: t.to(device) for name, t in built.make_batch(torch.Generator().manual_seed(0), 2).items()}
     dtype = PRECISIONS[precision]
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(batch).float().square().mean()
+            loss = built.loss(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -105,7 +112,7 @@ def _tiny_step(device: torch.device, precision: str) -> tuple[Callable[[], None]
     step()  # the optimizer's state exists before the counted step, as in a timed one
     with _OpCount() as counter:
         step()
-    return step, counter.ops
+    return step, counter
 
 
 def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: DistEnv,
@@ -134,14 +141,18 @@ def measure(env: DistEnv) -> dict[str, Any]:
     rates: dict[str, Any] = {}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"
-        rates[scope] = {
-            "matmul_flops_per_s": {
-                name: 2 * n**3 / _seconds_per_call(functools.partial(torch.mm, x, y), device, env, alone)
-                for name, (x, y) in matrices.items()},
-            "memory_bytes_per_s": _stream(vectors, device, env, alone),
-            # Steps of ~2 ms: 40 of them a timing, so one pre-emption does not set the rate.
-            "op_s": {name: _seconds_per_call(step, device, env, alone, iters=40) / ops
-                     for name, (step, ops) in steps.items()},
-        }
-    return {**rates, "matmul_size": n, "tiny_step_ops": {name: ops for name, (_, ops) in steps.items()},
+        matmul = {name: 2 * n**3 / _seconds_per_call(functools.partial(torch.mm, x, y), device, env, alone)
+                  for name, (x, y) in matrices.items()}
+        op_s = {}
+        for name, (step, counted) in steps.items():
+            # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate.
+            seconds = _seconds_per_call(step, device, env, alone, iters=10)
+            # Less the step's matmuls at the rate just measured (fp16's are slow on CPUs
+            # without fp16 units); never below a tenth of the step, so noise cannot zero it.
+            op_s[name] = max(seconds - counted.matmul_flops / matmul[name], seconds / 10) / counted.ops
+        rates[scope] = {"matmul_flops_per_s": matmul, "memory_bytes_per_s": _stream(vectors, device, env, alone),
+                        "op_s": op_s}
+    return {**rates, "matmul_size": n, "op_cost_model": OP_COST_MODEL,
+            "tiny_step_ops": {name: counted.ops for name, (_, counted) in steps.items()},
+            "tiny_step_matmul_flops": {name: counted.matmul_flops for name, (_, counted) in steps.items()},
             "world_size": env.world_size}

@@ -54,11 +54,19 @@ real peers:
 - A mixture of experts' grouped matmul (``aten._grouped_mm``): torch's meta kernel keeps
   CUDA's bf16-only rule, and the CPU kernel the cell runs takes fp32 too, so fp32 calls get
   their output shape (``_grouped_mm_shape``) from the fake mode directly.
+- A pipeline stage learns its input and gradient shapes from its neighbours' pickled
+  metadata (``recv_object_list`` reads the bytes with ``.numpy()``): rank 0 answers for its
+  neighbours (``_pipeline_metadata_from_this_rank``), as every cut between blocks carries
+  the same hidden state. The stages' vote on static shapes reads 0, dynamic, as the real
+  run's does (no stage is given its shapes).
 
 Known differences from the measurement (default suite, CPU, 2 ranks):
-- Rank 0 only; the record's peak is the max over ranks. Where shards are uneven another
-  rank can hold more: FairScale OSS/SDP on gpt2-tiny (rank 1's optimizer shard: max 0.7%
-  above rank 0), FSDP2 on llama-tiny (0.26%); ZeroRedundancyOptimizer's greedy partition
+- Rank 0 only; the record's peak is the max over ranks. A pipeline's rank 0 holds the first
+  stage, whose peak the trace matches (llama-tiny: GPipe to the byte, 1F1B 0.994, interleaved
+  1F1B 0.964), but the last stage's rank can hold more (GPipe's logits of every micro-batch:
+  1.40× rank 0's on llama-tiny). Where shards are uneven another rank can hold more:
+  FairScale OSS/SDP on gpt2-tiny (rank 1's optimizer shard: max 0.7% above rank 0), FSDP2
+  on llama-tiny (0.26%); ZeroRedundancyOptimizer's greedy partition
   can do the same, and DeepSpeed ZeRO-2 fp32, whose rank 1 allocates its gradient partition
   early in backward (gpt2-tiny: 9.9% above rank 0; README "Predicted beside measured").
 - Comm hooks' future callbacks (PowerSGD's P/Q temporaries): the trace completes futures on
@@ -306,6 +314,8 @@ def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
         unittest.mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes", _no_op),
         unittest.mock.patch("transformers.masking_utils.find_packed_sequence_indices", _no_op),
     ]
+    if cell.strategy.pipelined:
+        patches += _pipeline_metadata_from_this_rank()
     if cell.strategy.name.startswith("deepspeed"):
         patches += [
             # Debug names of parameters, kept in weakref.finalize maps: Module.to() on fake
@@ -319,6 +329,32 @@ def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
         for patch in patches:
             stack.enter_context(patch)
         yield
+
+
+def _pipeline_metadata_from_this_rank() -> list[contextlib.AbstractContextManager[object]]:
+    """A pipeline stage infers its input and gradient shapes from its neighbours' metadata,
+    pickled through p2p (recv_object_list reads the bytes with ``.numpy()``). With no peers,
+    a stage's neighbour is answered from this rank: the previous stage sends the hidden state
+    this rank's last stage sent on (every cut between blocks carries the same hidden state),
+    and the next stage sends gradients shaped as this stage's outputs."""
+    from torch.distributed.pipelining import _utils
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    sent: list[object] = []
+
+    def send_meta(stage: PipelineStage, meta: object, dst_stage: int) -> None:
+        sent.append(meta)
+
+    def recv_meta(stage: PipelineStage, src_stage: int) -> object:
+        if src_stage < stage.stage_index:
+            return next(m for m in reversed(sent) if isinstance(m, _utils._StageForwardMeta))
+        outputs = stage._stage_meta.outputs
+        if outputs is None:
+            raise RuntimeError(f"stage {stage.stage_index}: gradients asked for before its forward metadata")
+        return _utils._StageBackwardMeta(backward_metas=_utils._derive_grad_metas(outputs))
+
+    return [unittest.mock.patch.object(PipelineStage, "_send_meta", send_meta),
+            unittest.mock.patch.object(PipelineStage, "_recv_meta", recv_meta)]
 
 
 def _rebuild_ddp_buckets(model: torch.nn.Module) -> None:

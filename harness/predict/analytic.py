@@ -109,7 +109,8 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
     offloaded = offloaded_bytes(cell, states, layout)
     model_state_bytes = sum(states.values())
     step_temporaries = optimizer_step_bytes(cell, layout, device_type) if not offloaded["optimizer"] else 0.0
-    peak = peak_breakdown(cell, states, offloaded, acts, transient, step_temporaries)
+    # On a CPU the host is the device: what offload moves stays in the memory the trackers count.
+    peak = peak_breakdown(cell, states, offloaded if device_type != "cpu" else {}, acts, transient, step_temporaries)
     return {
         "model_states_bytes": states,
         "model_state_bytes": model_state_bytes,
@@ -136,7 +137,8 @@ def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str
       activation of the micro-batch, the loss's gradients and a recomputed block; gradients
       only where accumulation or a pipeline's schedule holds them from the micro-batches
       before, or the engine zeroes them in place (zero_grad otherwise sets them to None, so
-      a step's first backward starts without any).
+      a step's first backward starts without any); a gradient partition the engine makes
+      early in backward (DeepSpeed ZeRO-2), held by the rank that reduces first.
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries.
 
@@ -158,7 +160,10 @@ def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str
         "optimizer": on_device["optimizer"],
         "activations": (acts["layers"] + acts["logits"] + transient.get("autocast_copies", 0.0)
                         + transient.get("recompute", 0.0)),
-        "other": buffers + transient.get("loss", 0.0),
+        # A gradient partition allocated early in backward is held at its start by the rank
+        # that reduces first, whose peak the record's (the max over ranks) is.
+        "other": (buffers + transient.get("loss", 0.0)
+                  + (on_device["grads"] if engine.grad_partition_in_backward and not held_grads else 0.0)),
     }
     step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
             "other": buffers}

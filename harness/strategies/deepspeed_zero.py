@@ -36,6 +36,7 @@ accumulation boundary).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import math
@@ -468,7 +469,7 @@ STRATEGIES = (
         name="deepspeed_zero2", summary="DeepSpeed ZeRO stage 2: optimizer state and gradients partitioned",
         engine="deepspeed", families=("deepspeed",), zero_idea="zero2", capabilities=_STAGE12_CAPABILITIES,
         combination_problem=combination_problem, unsupported_reason=unsupported_reason,
-        engine_model=_STAGE12_MODEL, prepare=prepare,
+        engine_model=dataclasses.replace(_STAGE12_MODEL, grad_partition_in_backward=True), prepare=prepare,
     ),
     Strategy(
         name="deepspeed_zero3", summary="DeepSpeed ZeRO stage 3: optimizer state, gradients and parameters partitioned",

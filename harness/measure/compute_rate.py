@@ -50,6 +50,7 @@ MATMUL_SIZE = {"cpu": 512, "cuda": 8192}
 STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2**k for k in range(16, 29, 3))}
 WARMUP, ITERS, REPEATS = 2, 5, 5
 OP_COST_MODEL = "llama-tiny"
+SLOW_CALL_S = 0.05
 
 
 def _sync(device: torch.device) -> None:
@@ -60,13 +61,24 @@ def _sync(device: torch.device) -> None:
 def _seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEnv, alone: bool,
                       iters: int = ITERS) -> float:
     """The median over REPEATS of (``iters`` calls' span ÷ ``iters``); the slowest rank's, or
-    with ``alone`` rank 0's while the other ranks wait at a barrier."""
+    with ``alone`` rank 0's while the other ranks wait at a barrier. A call that takes longer
+    than ``SLOW_CALL_S`` (an fp16 or bf16 matmul on a CPU without units for it: a tenth of a
+    second and more) is timed once a repeat after one warm-up call: its span needs no
+    averaging, and the calibration stays seconds long."""
     runs = env.rank == 0 or not alone
     timings = []
+    if runs:
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        if time.perf_counter() - start > SLOW_CALL_S:
+            iters = 1
+    warmup = min(WARMUP, iters)
     for _ in range(REPEATS):
         dist.barrier()
         if runs:
-            for _ in range(WARMUP):
+            for _ in range(warmup):
                 call()
             _sync(device)
             start = time.perf_counter()

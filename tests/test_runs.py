@@ -53,7 +53,8 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     after_crash = CellSpec(model="bert-tiny", strategy=StrategySpec(name="ddp"))
     hanging = CellSpec(model="mlp-tiny", strategy=StrategySpec(name="ddp"))
     after_hang = CellSpec(model="vit-tiny", strategy=StrategySpec(name="ddp"))
-    monkeypatch.setenv(faults.ENV_VAR, f"{raising.cell_id}=raise,{crashing.cell_id}=segfault,{hanging.cell_id}=hang")
+    monkeypatch.setenv(faults.ENV_VAR, f"{raising.cell_id}=raise,{crashing.cell_id}=segfault,{hanging.cell_id}=hang,"
+                                       f"{after_crash.cell_id}={faults.HOST_MEMORY_LOW}")
     outcomes = []
     batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang]
     run_batch(batch, LaunchOptions(run=RunOptions(cell_timeout_s=25)), tmp_path, outcomes.append)
@@ -72,6 +73,11 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     assert outcomes[4].reason.startswith("rank 1 was killed by SIGSEGV, the first rank to fail")
     assert "Fatal Python error: Segmentation fault" in outcomes[4].reason and "faults.py" in outcomes[4].reason
     assert "no result after 25 s" in outcomes[6].reason
+    # A host short of memory after a good cell: the workers leave, the next cell gets fresh ones.
+    launches = sorted(tmp_path.glob("launch-*"))
+    assert [d.name for d in launches] == [f"launch-{n:03d}" for n in range(1, 6)]
+    restarts = [line for line in (launches[2] / "stream.jsonl").read_text().splitlines() if '"restart"' in line]
+    assert len(restarts) == 1 and f"available after {after_crash.cell_id}" in restarts[0]
     assert _worker_processes(tmp_path) == [], "a launch left worker processes behind"
 
 

@@ -7,7 +7,8 @@ stream file (``start`` before a cell, ``done`` after it with every rank's number
 once, so the launcher can report progress and knows which cell was running if the process
 dies. After a cell that failed on any rank, the process group may be out of step (a rank left
 mid-collective), so the workers write ``restart`` and leave; the launcher runs the remaining
-cells in a fresh launch.
+cells in a fresh launch. They leave the same way when a host runs short of memory between
+cells (``host_memory_short``).
 
 With ``--memory-snapshot-dir`` each cell's memory-tracked step writes its memory timeline
 (and on CUDA the allocator's snapshot) there (harness/training.py says where).
@@ -37,14 +38,22 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
+from harness import faults
 from harness.config import CellSpec, RunOptions, add_run_options
 from harness.distributed import DistEnv, init_from_torchrun
 from harness.training import MemoryCapExceeded, run_cell
 
 TRACEBACK_LINES = 15
+# What a finished cell leaves in its process (freed memory the allocators keep, libraries'
+# caches and module-level state) is not all handed back: at real sizes on the CPU 0.3-1.6 GB
+# a cell per rank (the real suite's ranks grew from 3.3 to 10.3 GB over 15 cells of one
+# launch until the host's OOM killer took one). With less than this share of a host's memory
+# available after a cell, the workers leave and the rest run in fresh processes.
+LOW_HOST_MEMORY_FRACTION = 0.4
 
 
 def peak_reached(error: BaseException, env: DistEnv) -> int | None:
@@ -79,6 +88,19 @@ def release_memory(device: torch.device) -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except OSError:
             pass  # not glibc: RSS stays higher, tensor-byte measurements are unaffected
+
+
+def host_memory_short(cell: CellSpec, env: DistEnv) -> str:
+    """Why the workers should leave before the next cell ("" if no rank's host is short of
+    memory): every rank asks its own host, and all of them hear every answer."""
+    memory = psutil.virtual_memory()
+    short = (memory.available < LOW_HOST_MEMORY_FRACTION * memory.total
+             or faults.planned().get(cell.cell_id) == faults.HOST_MEMORY_LOW)
+    mine = (f"rank {env.rank}'s host has {memory.available / 2**30:.1f} of {memory.total / 2**30:.1f} GiB"
+            f" available after {cell.cell_id}" if short else "")
+    everyone: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(everyone, mine)
+    return next((answer for answer in everyone if answer), "")
 
 
 def world_problem(env: DistEnv, cells: list[CellSpec], expect_nnodes: int) -> str:
@@ -175,6 +197,12 @@ def main() -> None:
             stream.write({"event": "restart"})
             break
         release_memory(env.device)
+        if short := host_memory_short(cell, env):
+            reason = (f"{short}, under {LOW_HOST_MEMORY_FRACTION:.0%}: the remaining cells run in fresh"
+                      " processes")
+            print(f"shardbench worker: {reason}", file=sys.stderr, flush=True)
+            stream.write({"event": "restart", "reason": reason})
+            break
     dist.destroy_process_group()
     # Some libraries abort in their destructors at interpreter exit after a good run
     # (DeepSpeed ZeRO-3: "terminate called without an active exception"); every result is

@@ -168,6 +168,20 @@ def test_offloaded_states_leave_a_gpu_but_stay_in_a_cpu_hosts_memory():
     assert on_cpu["peak_bytes"] > on_cuda["peak_bytes"]
 
 
+def test_fsdp_peaks_as_its_root_unit_reduces_where_the_vocabulary_is_large():
+    """gpt2-124m under FSDP2 on 2 gloo ranks peaked with no activations and 469.5 MiB of
+    "other": the root unit's (148 MiB) fp32 gradients, their reduce-scatter input and gloo's copy."""
+    cell = dataclasses.replace(_cell("fsdp_full", world_size=2), seq_len=256)  # the real suite's
+    root = models.param_layout(cell.model_spec).root_numel
+    on_cpu = analytic.predict(cell, device_type="cpu")
+    assert on_cpu["transient_bytes"]["root_reduce"] == 3 * 4 * root
+    assert on_cpu["peak_breakdown_bytes"]["activations"] == 0
+    assert on_cpu["peak_breakdown_bytes"]["other"] == 3 * 4 * root
+    on_cuda = analytic.predict(cell, device_type="cuda")
+    assert on_cuda["transient_bytes"]["root_reduce"] == 2 * 4 * root
+    assert analytic.predict(_cell("ddp", world_size=2), device_type="cpu")["transient_bytes"]["root_reduce"] == 0
+
+
 def test_deepspeed_zero3_buckets_and_persistence_follow_the_hidden_size():
     """gpt2-124m (h = 768) by hand: the h² reduce bucket held between steps, and the
     parameters within 10·h elements (every block's norms and biases, the final norm) whole on

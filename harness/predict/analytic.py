@@ -16,6 +16,7 @@ from harness import models, strategies
 from harness.config import CellSpec
 from harness.models import ModelSpec
 from harness.predict.analytic_data_parallel import (
+    PRECISION_BYTES,
     activation_bytes,
     comm_bytes_per_step,
     model_states_at_step,
@@ -101,7 +102,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
         states = model_states_at_step(cell, layout, nodes)
         acts = activation_bytes(cell, spec)
         comm = comm_bytes_per_step(cell, layout, nodes)
-        transient = transient_bytes(cell, layout, spec)
+        transient = transient_bytes(cell, layout, spec, device_type)
     else:
         parts = model_parallel_parts(cell, spec, layout)
         keys = ("states", "activations", "comm", "transient", "extra")
@@ -110,7 +111,8 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
     model_state_bytes = sum(states.values())
     step_temporaries = optimizer_step_bytes(cell, layout, device_type) if not offloaded["optimizer"] else 0.0
     # On a CPU the host is the device: what offload moves stays in the memory the trackers count.
-    peak = peak_breakdown(cell, states, offloaded if device_type != "cpu" else {}, acts, transient, step_temporaries)
+    peak = peak_breakdown(cell, layout, states, offloaded if device_type != "cpu" else {}, acts, transient,
+                          step_temporaries)
     return {
         "model_states_bytes": states,
         "model_state_bytes": model_state_bytes,
@@ -128,10 +130,11 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
     }
 
 
-def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str, float], acts: dict[str, float],
-                   transient: dict[str, float], step_temporaries: float) -> dict[str, float]:
+def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str, float],
+                   offloaded: dict[str, float], acts: dict[str, float], transient: dict[str, float],
+                   step_temporaries: float) -> dict[str, float]:
     """The peak per rank in the measured categories (harness/measure/memory.py
-    BREAKDOWN_KEYS): the larger of the step's two high points.
+    BREAKDOWN_KEYS): the largest of the step's high points.
 
     - The start of backward: the states on the device, the gathered parameters, every
       activation of the micro-batch, the loss's gradients and a recomputed block; gradients
@@ -141,6 +144,9 @@ def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str
       early in backward (DeepSpeed ZeRO-2), held by the rank that reduces first.
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries.
+    - FSDP's root unit reducing its gradients, last in backward: the root unit gathered (in
+      the compute dtype), every other unit's gradient shard, no activations, and the root's
+      gradient copies (``transient["root_reduce"]``).
 
     Gathered parameters count as parameters; autocast's weight copies and a recomputed block
     are made in forward, so the trackers count them as activations; the engines' buffers and
@@ -167,4 +173,11 @@ def peak_breakdown(cell: CellSpec, states: dict[str, float], offloaded: dict[str
     }
     step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
             "other": buffers}
-    return max(backward, step, key=lambda phase: sum(phase.values()))
+    moments = [backward, step]
+    if transient.get("root_reduce"):
+        low = PRECISION_BYTES[cell.strategy.precision]
+        moments.append({"params": on_device["params"] + low * layout.root_numel,
+                        "grads": on_device["grads"] * (1 - layout.root_numel / layout.numel),
+                        "optimizer": on_device["optimizer"], "activations": 0.0,
+                        "other": buffers + transient["root_reduce"]})
+    return max(moments, key=lambda phase: sum(phase.values()))

@@ -275,7 +275,8 @@ def offloaded_bytes(cell: CellSpec, states: dict[str, float], layout: ParamLayou
     return out
 
 
-def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dict[str, float]:
+def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
+                    device_type: str = "cuda") -> dict[str, float]:
     """Tensors that exist only during forward and backward, beside the model states:
 
     - ``gathered``: sharded parameters gathered for compute (FSDP, ZeRO-3): the root unit
@@ -289,7 +290,12 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
       casts for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
     - ``recompute``: with full checkpointing, one block's activations exist again while its
       backward recomputes them;
-    - ``loss``: the loss's gradients at the start of backward (``loss_bytes``).
+    - ``loss``: the loss's gradients at the start of backward (``loss_bytes``);
+    - ``root_reduce``: FSDP reduce-scatters the root unit's gradients last in backward, in
+      fp32: the unsharded gradients, the flat input they are copied into and, on gloo, the
+      copy of it that gloo all-reduces instead (harness/predict/traced.py): three root-sized
+      copies on the CPU, two on CUDA. A large vocabulary makes this the step's peak (gpt2-124m:
+      the root unit is 32 % of the parameters).
     """
     s, engine = cell.strategy, _engine(cell)
     low = PRECISION_BYTES[s.precision]
@@ -301,8 +307,11 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec) -> dic
         gathered = low * (layout.numel - persistent_numel(cell, layout))
     # DeepSpeed casts the model itself (its fp32 master partition is the optimizer's).
     uses_autocast = s.precision != "fp32" and not params_sharded and not engine.fp32_master_partition
+    reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
+    copies = 3 if device_type == "cpu" else 2
     return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast else 0.0,
-            "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec)}
+            "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
+            "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0}
 
 
 def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:

@@ -294,8 +294,9 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     - ``root_reduce``: FSDP reduce-scatters the root unit's gradients last in backward, in
       fp32: the unsharded gradients, the flat input they are copied into and, on gloo, the
       copy of it that gloo all-reduces instead (harness/predict/traced.py): three root-sized
-      copies on the CPU, two on CUDA. A large vocabulary makes this the step's peak (gpt2-124m:
-      the root unit is 32 % of the parameters).
+      copies on the CPU (measured: the real suite's FSDP2 and FSDP1 cells), two on CUDA (as
+      FSDP2's foreach_reduce reads; not yet measured on a GPU). A large vocabulary makes this
+      the step's peak (gpt2-124m: the root unit is 32 % of the parameters).
     """
     s, engine = cell.strategy, _engine(cell)
     low = PRECISION_BYTES[s.precision]

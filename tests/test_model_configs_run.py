@@ -52,9 +52,5 @@ def test_both_predictions_are_recorded_beside_each_measurement(records):
     for cell in cells:
         predicted = by_id[cell.cell_id]["predicted"]
         assert predicted["analytic"].get("peak_bytes", 0) > 0, (cell.cell_id, predicted["analytic"])
-        if cell.strategy.pipelined:
-            # torch.distributed.pipelining's stage set-up reads real tensor data (a .numpy() in
-            # c10d's object collectives), which fake tensors have not: so for the presets too.
-            assert "numpy() is not supported for tensor subclasses" in predicted["traced"]["unavailable"]
-        else:
-            assert predicted["traced"].get("peak_bytes", 0) > 0, (cell.cell_id, predicted["traced"])
+        # The pipelines too: rank 0 answers its stages' neighbours' shape metadata (traced.py).
+        assert predicted["traced"].get("peak_bytes", 0) > 0, (cell.cell_id, predicted["traced"])

@@ -91,6 +91,19 @@ def _seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEn
     return float(seconds.item())
 
 
+def dispatches_a_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether an op reaching a dispatch mode is work: ``prim`` ops are metadata queries
+    (every ``t.device`` in Python), which dispatch no kernel."""
+    return func.namespace != "prim"
+
+
+def op_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float | None:
+    """The op's FLOPs by torch's own formulas (matmuls, convolutions, attention kernels), or
+    None for an op they do not cover."""
+    formula = flop_registry.get(func.overloadpacket)
+    return None if formula is None else float(formula(*args, **kwargs, out_val=out))
+
+
 class _OpCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
@@ -99,10 +112,8 @@ class _OpCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        self.ops += func.namespace != "prim"  # metadata queries, as dispatched_work counts them
-        formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:
-            self.matmul_flops += formula(*args, **(kwargs or {}), out_val=out)
+        self.ops += dispatches_a_kernel(func)
+        self.matmul_flops += op_flops(func, args, kwargs or {}, out) or 0.0
         return out
 
 

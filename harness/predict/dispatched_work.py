@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
-from harness.measure import comm
+from harness.measure import comm, compute_rate
 
 
 @dataclasses.dataclass
@@ -45,7 +44,7 @@ class DispatchedWork:
     collectives: defaultdict[str, Counter[int]] = dataclasses.field(default_factory=lambda: defaultdict(Counter))
 
     def add(self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if func.namespace == "prim":
+        if not compute_rate.dispatches_a_kernel(func):
             return
         self.ops += 1
         call = comm.collective_call(func, args, out)
@@ -53,9 +52,9 @@ class DispatchedWork:
             kind, nbytes, _ = call
             self.collectives[kind][nbytes] += 1
             return
-        formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:
-            self.matmul_flops += formula(*args, **kwargs, out_val=out)
+        flops = compute_rate.op_flops(func, args, kwargs, out)
+        if flops is not None:
+            self.matmul_flops += flops
         elif not func.is_view:
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             nbytes = sum(t.nbytes for t in tensors)

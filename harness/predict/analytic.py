@@ -140,8 +140,9 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
       activation of the micro-batch, the loss's gradients and a recomputed block; gradients
       only where accumulation or a pipeline's schedule holds them from the micro-batches
       before, or the engine zeroes them in place (zero_grad otherwise sets them to None, so
-      a step's first backward starts without any); a gradient partition the engine makes
-      early in backward (DeepSpeed ZeRO-2), held by the rank that reduces first.
+      a step's first backward starts without any); a gradient partition that exists in
+      backward (DeepSpeed ZeRO-2's, made early in backward and held by the rank that reduces
+      first; ZeRO-3's, made with the engine).
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries.
     - FSDP's root unit reducing its gradients, last in backward: the root unit gathered (in

@@ -22,6 +22,7 @@ from harness.predict.formulas import (
     adafactor_state_bytes,
     adamw_state_bytes,
     blockwise_8bit_state_bytes,
+    norm_keeps,
     powersgd_elements,
 )
 from harness.strategies import deepspeed_zero  # its sizing rule; DeepSpeed itself is imported on use
@@ -143,26 +144,52 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     grouped K and V to every head (repeat_kv) before its score matmuls, so it keeps them full
     width. A tensor-parallel cell divides the TP region's terms by its degree (no sequence
     parallelism); a mixture of experts keeps each token's expert MLP terms top_k times.
+    The norms read the residual stream, which stays fp32 under autocast (the embeddings
+    are not cast, and fp32 + 16-bit adds to fp32) and is 16-bit only where the engine casts
+    the model; LLaMA's and Mixtral's RMSNorms keep more than a LayerNorm (``norm_keeps``),
+    and under autocast LLaMA's separate projections each keep their own cast input.
+    A decoder's ``logits`` term also holds what its head keeps: the final norm's tensors
+    and the head's input.
     """
     if spec.family == "mlp":
         return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
     fused = attention_is_fused(cell)
     moe = spec.layout == "mixtral"
     heads = spec.required("n_heads")
+    value_bytes = PRECISION_BYTES[cell.strategy.precision]
+    autocast = uses_autocast(cell)
+    residual_bytes = 4 if cell.strategy.precision == "fp32" or autocast else value_bytes
+    norm = norm_keeps("rmsnorm" if spec.layout in ("llama", "mixtral") else "layernorm", residual_bytes)
+    separate_projections = autocast and spec.layout == "llama"
     per_layer = activation_bytes_per_layer(
         spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn, mlp=_mlp_kind(cell, spec),
-        value_bytes=PRECISION_BYTES[cell.strategy.precision], dropout=False, fused_attention=fused,
+        value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
+        input_copies=(3, 2) if separate_projections else (1, 1),
         checkpointing=cell.strategy.checkpointing, tensor_parallel=tensor_parallel_degree(cell),
         kv_heads=spec.kv_heads if fused else heads,
         experts_per_token=spec.required("top_k") if moe else 1,
         router_experts=spec.required("n_experts") if moe else 0)
-    logits_width = spec.vocab_size or spec.required("num_classes")  # vit: its classes
-    return {
-        "per_layer": per_layer,
-        "layers": per_layer * spec.n_layers,
-        "logits": 4.0 * spec.tokens_per_sample * cell.micro_batch * logits_width
-        if spec.task != "image_classification" else 4.0 * cell.micro_batch * logits_width,
-    }
+    tokens = spec.tokens_per_sample * cell.micro_batch
+    head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
+    return {"per_layer": per_layer, "layers": per_layer * spec.n_layers, "logits": _logits_bytes(cell, spec) + head}
+
+
+def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
+    """The fp32 logits the loss keeps: s·b·V (a classifier's b·classes; the MLP model's
+    are too few to count)."""
+    if spec.family == "mlp":
+        return 0.0
+    if spec.task == "image_classification":
+        return 4.0 * cell.micro_batch * spec.required("num_classes")
+    return 4.0 * spec.tokens_per_sample * cell.micro_batch * spec.required("vocab_size")
+
+
+def uses_autocast(cell: CellSpec) -> bool:
+    """Whether a bf16 or fp16 cell computes under torch autocast: the engines that keep fp32
+    parameters and do not cast the model themselves (not FSDP's mixed-precision policy, not
+    DeepSpeed, whose fp32 master partition is the optimizer's)."""
+    engine = _engine(cell)
+    return cell.strategy.precision != "fp32" and "params" not in engine.sharded and not engine.fp32_master_partition
 
 
 def _mlp_kind(cell: CellSpec, spec: ModelSpec) -> str:
@@ -181,7 +208,7 @@ def loss_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     log-probabilities and of the logits, two fp32 logits-sized tensors (transformers upcasts
     the logits to fp32 and cross_entropy's log_softmax keeps its fp32 output, the
     activations' ``logits`` term)."""
-    return 2.0 * activation_bytes(cell, spec)["logits"]
+    return 2.0 * _logits_bytes(cell, spec)
 
 
 def optimizer_step_bytes(cell: CellSpec, layout: ParamLayout, device_type: str) -> float:
@@ -189,16 +216,20 @@ def optimizer_step_bytes(cell: CellSpec, layout: ParamLayout, device_type: str) 
     denominator sqrt(v̂) + ε out of place, over the whole parameter list at once where it
     takes its multi-tensor path (torch's default for CUDA tensors: one fp32 copy of the
     rank's parameters), one tensor at a time on the CPU (the sqrt and the quotient of the
-    largest tensor). DeepSpeed hands the optimizer one flat partition, its largest tensor.
+    largest tensor). DeepSpeed hands the optimizer one flat partition, its largest tensor;
+    under bf16 or fp16 that partition's gradient is an fp32 copy of the 16-bit gradient
+    partition, made for the step (an fp32 model's optimizer reads the partition itself).
     bitsandbytes' 8-bit kernels and Adafactor's factored update keep none worth counting."""
     if cell.strategy.optimizer != "adamw":
         return 0.0
     engine = _engine(cell)
     degree = shard_degree(cell) if "optimizer" in engine.sharded else 1
+    low_precision_master = engine.fp32_master_partition and cell.strategy.precision != "fp32"
+    master_grad = 4.0 * layout.numel / degree if low_precision_master else 0.0
     if device_type == "cuda":
-        return 4.0 * layout.numel / degree
+        return 4.0 * layout.numel / degree + master_grad
     if engine.fp32_master_partition:
-        return 2 * 4.0 * layout.numel / degree
+        return 2 * 4.0 * layout.numel / degree + master_grad
     largest = max(math.prod(shape) for shape in layout.shapes)
     return 2 * 4.0 * largest / (shard_degree(cell) if "params" in engine.sharded else 1)
 
@@ -306,11 +337,9 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
         engine.keeps_gathered == "within_live_parameters" and layout.numel <= DS_MAX_LIVE_PARAMETERS)
     if keeps_all_gathered:  # gathered in forward, kept through backward
         gathered = low * (layout.numel - persistent_numel(cell, layout))
-    # DeepSpeed casts the model itself (its fp32 master partition is the optimizer's).
-    uses_autocast = s.precision != "fp32" and not params_sharded and not engine.fp32_master_partition
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
     copies = 3 if device_type == "cpu" else 2
-    return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast else 0.0,
+    return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
             "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0}
 

@@ -94,10 +94,11 @@ class EngineModel:
     # What zero_grad leaves of the gradients between steps: nothing (set_to_none, so a step's
     # first backward starts without them) or every gradient, zeroed in place (FairScale SDP).
     grads_between_steps: Literal["freed", "zeroed"] = "freed"
-    # Whether a rank's gradient partition exists from early in backward (DeepSpeed ZeRO-2: the
-    # flat partition is allocated when the first bucket holding gradients a rank owns is
-    # reduced, and the rank owning the last layers reduces in the first bucket, while the
-    # activations are still held) rather than from the end of backward on.
+    # Whether a rank's gradient partition exists while the activations are held, rather than
+    # from the end of backward on: DeepSpeed ZeRO-2 allocates its flat partition when the
+    # first bucket holding gradients a rank owns is reduced, and the rank owning the last
+    # layers reduces in the first bucket; ZeRO-3 allocates it when the engine is built
+    # (stage3.py's grad_partitions_flat_buffer) and holds it for good.
     grad_partition_in_backward: bool = False
     # The torch pipeline schedule's name in the formulas (pipeline strategies only).
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = None

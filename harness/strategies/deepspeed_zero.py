@@ -477,7 +477,8 @@ STRATEGIES = (
         combination_problem=combination_problem, unsupported_reason=unsupported_reason,
         engine_model=EngineModel(sharded=frozenset({"optimizer", "grads", "params"}), fp32_master_partition=True,
                                  grad_buffer="deepspeed_reduce_bucket", persistent_params="deepspeed_threshold",
-                                 comm="deepspeed", keeps_gathered="within_live_parameters"),
+                                 comm="deepspeed", keeps_gathered="within_live_parameters",
+                                 grad_partition_in_backward=True),
         prepare=prepare,
     ),
 )

@@ -7,7 +7,7 @@ the published figures they are checked against: ../shared/reference/formulas.md.
 
 from __future__ import annotations
 
-from .activations import activation_bytes_per_layer
+from .activations import activation_bytes_per_layer, norm_keeps
 from .compression import POWERSGD_MIN_COMPRESSION_RATE, powersgd_elements
 from .context_parallel import context_parallel_kv_bytes
 from .expert_parallel import (
@@ -34,7 +34,7 @@ __all__ = [
     "adafactor_state_bytes", "adamw_state_bytes", "blockwise_8bit_state_bytes", "comm_volume",
     "context_parallel_kv_bytes", "expert_parallel_all_to_all_bytes", "expert_parallel_local_params",
     "expert_parallel_most_received_rows", "megatron_model_states", "megatron_optimizer_comm_bytes",
-    "megatron_tp_all_reduce_bytes", "model_flops_per_step", "moe_params", "pipeline_bubble_fraction",
+    "megatron_tp_all_reduce_bytes", "model_flops_per_step", "moe_params", "norm_keeps", "pipeline_bubble_fraction",
     "pipeline_first_stage_layer_activations", "pipeline_p2p_bytes", "pipeline_peak_in_flight", "powersgd_elements",
     "tp_all_reduce_bytes", "tp_model_states", "zero_comm_elements", "zero_model_states",
 ]

@@ -11,7 +11,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
                                fused_attention: bool = False, checkpointing: str = "none",
                                tensor_parallel: int = 1, sequence_parallel: bool = False,
                                kv_heads: int | None = None, experts_per_token: int = 1,
-                               router_experts: int = 0) -> float:
+                               router_experts: int = 0, norm_bytes: float | None = None,
+                               input_copies: tuple[int, int] = (1, 1)) -> float:
     """Activation bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
@@ -42,7 +43,13 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         Q, K and V 6sbh at 2 bytes) scale by kv_heads/heads;
       - ``experts_per_token=k`` (a mixture of experts routing every token to k experts, no
         token dropped: Mixtral, Jiang et al. 2024) keeps the MLP terms k times, and
-        ``router_experts=E`` adds the router's fp32 logits, 4·s·b·E.
+        ``router_experts=E`` adds the router's fp32 logits, 4·s·b·E;
+      - ``norm_bytes``: what each of the two norms keeps per element of its input, where
+        that is not one ``value_bytes`` value (``norm_keeps`` gives it for the models here);
+      - ``input_copies``: how many copies of the attention's and of the MLP's input the
+        layer keeps: one, unless torch autocast casts it once for each linear layer that reads
+        it (it caches the weights' casts, not the activations'): LLaMA's separate q, k, v
+        and gate, up projections keep (3, 2) under bf16 or fp16 autocast.
     With every default (GPT, 16-bit, dropout, unfused, no recompute, t = 1) this is exactly
     the paper's s·b·h·(34 + 5·a·s/h).
     Korthikanti's "selective" is not the harness's selective policy (which saves every
@@ -75,5 +82,25 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     # Outside it (divided by t only with sequence parallelism): the inputs of the QKV and
     # the first MLP matmul, the two LayerNorm inputs, the two dropout masks.
     # The router (replicated, like the LayerNorms) keeps its fp32 logits.
-    outside = v * sbh + v * sbh + 2 * v * sbh + 2 * mask * sbh + 4.0 * s * b * router_experts
+    norm = v if norm_bytes is None else norm_bytes
+    attention_in, mlp_in = input_copies
+    outside = (attention_in * v * sbh + mlp_in * v * sbh + 2 * norm * sbh + 2 * mask * sbh
+               + 4.0 * s * b * router_experts)
     return inside / t + outside / (t if sequence_parallel else 1)
+
+
+def norm_keeps(norm: str, residual_bytes: int) -> float:
+    """Bytes per element a norm keeps for backward, its input arriving at ``residual_bytes``.
+
+    A LayerNorm (torch's fused kernel) keeps its input (and per-row statistics). transformers'
+    RMSNorm (LLaMA, Mixtral) upcasts to fp32, normalises, casts back to the input's dtype and
+    multiplies by its weight, so it keeps the fp32 input (the upcast copy where the input is
+    16-bit) and the normalised value in the input's dtype, which the weight multiplies: 8
+    bytes an element from an fp32 residual stream, 6 from a 16-bit one. Measured: the saved
+    tensors of transformers' LlamaDecoderLayer.
+    """
+    if norm == "layernorm":
+        return float(residual_bytes)
+    if norm == "rmsnorm":
+        return 4.0 + residual_bytes
+    raise ValueError(f"norm={norm!r}: choose layernorm or rmsnorm")

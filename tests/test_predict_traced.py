@@ -67,16 +67,31 @@ def test_fsdp2_full_shards_the_optimizer_state_by_the_world_size():
 
 
 @pytest.mark.parametrize("cell, reason", [
-    (_cell("deepspeed_zero2", 2, offload="optimizer"), "DeepSpeedCPUAdam"),
     (_cell("fsdp1_full", 2, offload="params"), "pins host memory"),
     (_cell("ddp", 2, compression="bf16"), "bf16_compress_hook"),
     (_cell("zero1", 1), "not a valid cell: zero1 needs world_size >= 2"),
-    (CellSpec(model="moe-tiny", strategy=StrategySpec(name="deepspeed_autoep"), world_size=2),
-     "the routing's counts"),
-], ids=["deepspeed-cpu-adam", "fsdp1-offload", "bf16-hook", "invalid", "autoep"])
+], ids=["fsdp1-offload", "bf16-hook", "invalid"])
 def test_refused_cells_are_unavailable_with_the_reason(cell, reason):
     result = traced.trace(cell)
     assert set(result) == {"unavailable"} and reason in result["unavailable"]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("cell, reason, stand_in", [
+    (_cell("deepspeed_zero2", 2, offload="optimizer"), "DeepSpeedCPUAdam",
+     "gpt2-tiny/deepspeed_zero2/fp32/ckpt_none/mb2/ws2/seed0"),
+    (_cell("deepspeed_zero3", 2, offload="optimizer_params"), "DeepSpeedCPUAdam",
+     "gpt2-tiny/deepspeed_zero3/fp32/ckpt_none/offload_params/mb2/ws2/seed0"),
+    (CellSpec(model="moe-tiny", strategy=StrategySpec(name="deepspeed_autoep"), world_size=2),
+     "the routing's counts", "moe-tiny/deepspeed_zero1/fp32/ckpt_none/mb2/ws2/seed0"),
+], ids=["deepspeed-cpu-adam", "deepspeed-cpu-adam-zero3", "autoep"])
+def test_refused_cells_with_a_stand_in_keep_its_work_not_its_peak(cell, reason, stand_in):
+    """The peak stays unavailable (the stand-in's is another cell's); its dispatched work is
+    what the step-time predictor prices."""
+    result = traced.trace(cell)
+    assert set(result) == {"unavailable", "stand_in"} and reason in result["unavailable"]
+    assert result["stand_in"]["cell_id"] == stand_in
+    assert result["stand_in"]["work"]["ops"] > 0 and result["stand_in"]["work"]["matmul_flops"] > 0
     assert not dist.is_initialized()
 
 

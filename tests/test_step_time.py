@@ -98,6 +98,23 @@ def test_an_untraced_cell_is_priced_from_the_analytic_work_and_says_so():
     assert work["ops"] == 0 and work["collectives"] == {"all_reduce": [[a["comm_bytes_by_op"]["all_reduce"], 1]]}
 
 
+
+def test_a_stand_in_prices_its_work_with_the_cells_own_collectives_where_it_has_none():
+    """AutoEP's stand-in (DeepSpeed ZeRO-1) all-reduces and all-gathers but has no
+    all-to-all: the cell's analytic all-to-all bytes are added, as one call."""
+    cell = CellSpec(model="moe-tiny", strategy=StrategySpec(name="deepspeed_autoep"), world_size=2)
+    a = analytic.predict(cell, device_type="cpu")
+    stand_in = _work(collectives={"all_reduce": [[2**20, 1]], "all_gather": [[512, 2]]})
+    result = {"unavailable": "AutoEP: the routing's counts", "stand_in": {"cell_id": "moe-tiny/deepspeed_zero1/x",
+                                                                          "work": stand_in}}
+    calibration = _calibration()
+    p = step_time.predict(cell, a, result, calibration, "cpu")
+    assert p["work"] == "traced stand-in moe-tiny/deepspeed_zero1/x (AutoEP: the routing's counts)"
+    one_call = step_time._call_seconds("all_to_all", a["comm_bytes_by_op"]["all_to_all"], 2, calibration["rows"], 2)
+    assert one_call > 0 and p["comm_s_by_op"]["all_to_all"] == pytest.approx(one_call)
+    assert p["comm_s_by_op"]["all_reduce"] == pytest.approx(2**20 / 1e9)  # the stand-in's, not the analytic bytes
+    assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 1e9 / 100e9 + 1e8 / 10e9)
+
 def test_without_measured_rates_there_is_no_step_time_and_the_reason():
     cell = _cell()
     a = analytic.predict(cell, device_type="cpu")

@@ -6,6 +6,10 @@ The work (per rank, one optimizer step):
   0 dispatched, the FLOPs of its matmuls and attention kernels (recomputation included, as
   the checkpointed step really runs it), the bytes its other ops read and wrote, and every
   collective call with its size;
+- a stand-in's, where the cell itself cannot be traced but a cell nearest to it can
+  (traced.work_stand_in: DeepSpeed's optimizer offload, AutoEP): its dispatched work, with
+  each collective kind the stand-in does not issue added as the cell's analytic bytes in one
+  call;
 - analytic otherwise (``analytic_work``): the PaLM FLOPs of the rank's samples (one forward
   more under full checkpointing), the optimizer's and the activations' memory traffic, and
   the analytic bytes per collective as one call each; no op count (what dispatch costs is
@@ -63,6 +67,9 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
         return {"unavailable": f"no measured rates to price the step at: {why}"}
     if "work" in traced:
         work, source = traced["work"], "traced"
+    elif "stand_in" in traced and "unavailable" not in analytic:
+        work = _with_analytic_collectives(traced["stand_in"]["work"], analytic)
+        source = f"traced stand-in {traced['stand_in']['cell_id']} ({traced['unavailable']})"
     elif "unavailable" not in analytic:
         work, source = analytic_work(cell, analytic), f"analytic ({traced.get('unavailable', 'not traced')})"
     else:
@@ -104,6 +111,12 @@ def analytic_work(cell: CellSpec, analytic: dict) -> dict:
     return {"ops": 0, "matmul_flops": flops,
             "memory_bytes": [[b, b] for b in sorted((optimizer_traffic, activation_traffic)) if b],
             "collectives": {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
+
+
+def _with_analytic_collectives(work: dict, analytic: dict) -> dict:
+    missing = {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items()
+               if nbytes and kind not in work["collectives"]}
+    return {**work, "collectives": {**work["collectives"], **missing}}
 
 
 def _at_size(points: list[list[float]], size: float) -> float:

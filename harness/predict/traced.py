@@ -84,8 +84,10 @@ Not traced (``{"unavailable": reason}``): cells that are not valid combinations;
 CPU cannot run as themselves (strategies.unsupported_reason(cell, "cpu"): the trace runs the
 CPU step); DeepSpeed's optimizer offload (DeepSpeedCPUAdam, a C++ kernel on the tensors'
 data, segfaults on fake tensors: refused before it can take the process down); DeepSpeed
-AutoEP (``_AUTOEP``). Their records keep the analytic prediction alone. Anything
-else that raises while tracing gives its exception and the frame that raised it, condensed.
+AutoEP (``_AUTOEP``). Their records keep the analytic peak alone; for the step time these
+two trace a stand-in, the nearest cell that traces (``work_stand_in``), whose dispatched work
+the record keeps as ``stand_in``. Anything else that raises while tracing gives its
+exception and the frame that raised it, condensed.
 
 ``trace`` needs a process without a process group (it makes and destroys a fake one);
 ``trace_cells`` runs it for a list of cells in one fresh subprocess
@@ -97,6 +99,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -413,20 +416,44 @@ def _refusal(cell: CellSpec) -> str | None:
     return None
 
 
+def work_stand_in(cell: CellSpec) -> CellSpec | None:
+    """The nearest cell that traces, for a refused cell whose step differs from it in what
+    the trace cannot run, or None. DeepSpeed's optimizer offload: the same cell with the
+    optimizer on the device (on a CPU host the same AdamW step over the same partition; the
+    host copies are left out); AutoEP: the same model under DeepSpeed's lightest ZeRO stage
+    here, ZeRO-1 (the same engine and the same experts' FLOPs, each rank running all experts
+    for its own tokens rather than its experts for every rank's)."""
+    s = cell.strategy
+    if s.name.startswith("deepspeed") and s.offload in ("optimizer", "optimizer_params"):
+        stand_in = dataclasses.replace(cell, strategy=dataclasses.replace(
+            s, offload="params" if s.offload == "optimizer_params" else "none"))
+    elif s.name == "deepspeed_autoep":
+        stand_in = dataclasses.replace(cell, strategy=dataclasses.replace(s, name="deepspeed_zero1"))
+    else:
+        return None
+    return None if _refusal(stand_in) else stand_in
+
+
 def trace(cell: CellSpec) -> dict:
     """Rank 0's predicted step peak: {"peak_bytes", "breakdown_bytes" {memory.BREAKDOWN_KEYS,
     summing to peak_bytes}, "tracker", "work" (what the tracked step dispatched:
     dispatched_work.DispatchedWork.to_dict, for the step-time predictor)}, or
     {"unavailable": "<one-line reason>"} when the cell
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
-    the reason).
+    the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
+    that traced.
 
     Needs a process without a process group (raises RuntimeError otherwise): use
     trace_cells() from a process that has one.
     """
     refused = _refusal(cell)
     if refused:
-        return {"unavailable": refused}
+        stand_in = work_stand_in(cell)
+        traced_stand_in = trace(stand_in) if stand_in else {}
+        if stand_in is None or "work" not in traced_stand_in:
+            return {"unavailable": refused}
+        return {"unavailable": refused,
+                "stand_in": {"cell_id": stand_in.cell_id, "work": traced_stand_in["work"]}}
     with _fake_group(cell.world_size) as env:
         try:
             mode = _fake_world_mode()

@@ -171,3 +171,21 @@ def test_cli_reports_a_spec_that_is_no_cell(tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["cells[0]"]["unavailable"].startswith("not a cell: ValueError: model='gpt2-huge'")
     assert "DeepSpeedCPUAdam" in out[refused.cell_id]["unavailable"]
+
+
+def test_bitsandbytes_cpu_update_is_traced_op_by_op():
+    """bitsandbytes' CPU 8-bit update is Python around its (de)quantize ops: the trace runs
+    it, so the step's work counts its ~40 ops per tensor (one fake answer would be one op)."""
+    import bitsandbytes as bnb
+
+    from harness.predict.dispatched_work import DispatchedWork
+
+    mode = traced._fake_world_mode()
+    with mode:
+        weight = torch.nn.Parameter(torch.randn(1024, 64))
+        optimizer = bnb.optim.AdamW8bit([weight], min_8bit_size=0)
+        weight.grad = torch.randn(1024, 64)
+        optimizer.step()  # makes the quantized states
+        mode.work = DispatchedWork()
+        optimizer.step()
+    assert mode.work.ops >= 30

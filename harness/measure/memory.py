@@ -61,8 +61,10 @@ Wrappers
   "other": 2 ranks, 49,792 parameter bytes -> other 49,792.
 - ZeroRedundancyOptimizer: its own ``state`` only holds what was consolidated; the real
   (sharded) state lives in the local optimizer ``opt.optim``, so that is what is registered.
-- Engines' own tensors made before the step (DeepSpeed's fp32 master partitions and ZeRO-3
-  parameter partitions) are invisible unless passed as ``held``; they count as "other".
+- Engines' own tensors made before the step (DeepSpeed's fp32 master partitions, ZeRO-3
+  parameter partitions and its flat gradient buffer) are invisible unless passed as
+  ``held``; they count as "other". DDP's bucket is not reachable that way: it is seen from
+  its first all-reduce on, so a DDP peak at the start of backward misses it.
 - DeepSpeed: ``track_external`` refuses its ZeRO optimizer wrappers ("not supported for
   tracking"); pass ``engine.module`` and the wrapped torch optimizer ``opt.optimizer``.
 - FSDP1 (FullyShardedDataParallel, device_id=cpu) is tracked as an nn.Module by MemTracker:

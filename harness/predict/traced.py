@@ -142,6 +142,14 @@ _DEEPSPEED_CPU_ADAM = (
     " tensors' data: on fake tensors (no data) the process dies with a segmentation fault"
 )
 
+# Ops whose CPU kernel is Python written in torch ops (around other custom ops, which fake
+# tensors answer): the trace runs that kernel, so that what it dispatches is counted and what
+# it allocates tracked, as in the real step, where the op alone would be one fake answer.
+# bitsandbytes 0.49's CPU 8-bit optimizer update: ~40 ops per parameter tensor, dequantizing
+# both states to fp32, updating, and quantizing them back (bitsandbytes/backends/cpu/ops.py).
+_COMPOSITE_CPU_KERNELS = frozenset({"bitsandbytes::optimizer_update_8bit_blockwise"})
+_CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
 _c10d = torch.ops.c10d
 # c10d ops returning (outputs, work): the value of the work's future is the outputs (a
 # single output tensor as a one-element list), as gloo's and NCCL's futures are.
@@ -170,6 +178,8 @@ def _fake_world_mode():
             return out
 
         def _answer(self, func, types, args, kwargs):
+            if func.name() in _COMPOSITE_CPU_KERNELS:
+                return func.redispatch(_CPU_KERNEL, *args, **kwargs)
             if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
                 # Its meta kernel keeps CUDA's bf16-only rule; the CPU kernel the cell runs
                 # (a mixture of experts' grouped matmul) takes fp32 too.

@@ -435,11 +435,14 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     def memory_held() -> list[torch.Tensor]:
         # The fp32 master partitions: ZeRO-1/2 keep them in single_partition_of_fp32_groups,
         # ZeRO-3 in fp32_partitioned_groups_flat (handed to the torch optimizer only inside
-        # step()); ZeRO-3's parameter partitions hang off each parameter as ds_tensor.
+        # step()); ZeRO-3's parameter partitions hang off each parameter as ds_tensor, and its
+        # gradient partitions live in one flat buffer made with the engine (untracked until
+        # backward first writes to it, it would be missing from a peak at backward's start).
         masters = (getattr(optimizer, "single_partition_of_fp32_groups", None)
                    or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
         partitions = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
-        return [*masters, *partitions]
+        grad_buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+        return [*masters, *partitions, *([grad_buffer] if grad_buffer is not None else [])]
 
     return steps.prepared(optimizer, memory_held=memory_held, engine_report=engine_report)
 

@@ -137,12 +137,14 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     BREAKDOWN_KEYS): the largest of the step's high points.
 
     - The start of backward: the states on the device, the gathered parameters, every
-      activation of the micro-batch, the loss's gradients and a recomputed block; gradients
+      activation of the micro-batch and the loss's gradients; gradients
       only where accumulation or a pipeline's schedule holds them from the micro-batches
       before, or the engine zeroes them in place (zero_grad otherwise sets them to None, so
       a step's first backward starts without any); a gradient partition that exists in
       backward (DeepSpeed ZeRO-2's, made early in backward and held by the rank that reduces
       first; ZeRO-3's, made with the engine).
+    - The last block's backward under checkpointing: the same, less the logits (the
+      head's backward is done), plus what the block recomputes.
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries.
     - FSDP's root unit reducing its gradients, last in backward: the root unit gathered (in
@@ -161,20 +163,23 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     pipelined = engine.analytic == "pipeline" or (engine.analytic == "megatron"
                                                   and cell.strategy.layout("pp_degree") > 1)
     held_grads = cell.strategy.accumulation > 1 or pipelined or engine.grads_between_steps == "zeroed"
+    # A gradient partition allocated early in backward is held at its start by the rank
+    # that reduces first, whose peak the record's (the max over ranks) is.
+    partition = on_device["grads"] if engine.grad_partition_in_backward and not held_grads else 0.0
     backward = {
         "params": on_device["params"] + transient.get("gathered", 0.0),
         "grads": on_device["grads"] if held_grads else 0.0,
         "optimizer": on_device["optimizer"],
-        "activations": (acts["layers"] + acts["logits"] + transient.get("autocast_copies", 0.0)
-                        + transient.get("recompute", 0.0)),
-        # A gradient partition allocated early in backward is held at its start by the rank
-        # that reduces first, whose peak the record's (the max over ranks) is.
-        "other": (buffers + transient.get("loss", 0.0)
-                  + (on_device["grads"] if engine.grad_partition_in_backward and not held_grads else 0.0)),
+        "activations": acts["layers"] + acts["logits"] + transient.get("autocast_copies", 0.0),
+        "other": buffers + transient.get("loss", 0.0) + partition,
     }
+    # The last block's backward recomputing it: the head's backward is done, so the logits
+    # are gone (the loss's gradients are still held, as the trackers see them).
+    recomputing = {**backward, "activations": (acts["layers"] + transient.get("autocast_copies", 0.0)
+                                               + transient.get("recompute", 0.0))}
     step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
             "other": buffers}
-    moments = [backward, step]
+    moments = [backward, recomputing, step]
     if transient.get("root_reduce"):
         low = PRECISION_BYTES[cell.strategy.precision]
         moments.append({"params": on_device["params"] + low * layout.root_numel,

@@ -133,7 +133,9 @@ def attention_is_fused(cell: CellSpec) -> bool:
 
 
 def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
-    """Korthikanti's per-layer activations × layers for one micro-batch, plus the logits.
+    """Korthikanti's per-layer activations × layers for one micro-batch, plus the logits;
+    under full checkpointing each block's input alone, under the harness's selective
+    recompute what ``_selective_per_layer`` says.
 
     Text and ViT transformers only (the MLP model has no attention: 0). The models here run
     without dropout; activations are fp32 under fp32 and, under autocast, mostly 16-bit. The
@@ -161,17 +163,43 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     residual_bytes = 4 if cell.strategy.precision == "fp32" or autocast else value_bytes
     norm = norm_keeps("rmsnorm" if spec.layout in ("llama", "mixtral") else "layernorm", residual_bytes)
     separate_projections = autocast and spec.layout == "llama"
-    per_layer = activation_bytes_per_layer(
-        spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn, mlp=_mlp_kind(cell, spec),
-        value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
-        input_copies=(3, 2) if separate_projections else (1, 1),
-        checkpointing=cell.strategy.checkpointing, tensor_parallel=tensor_parallel_degree(cell),
-        kv_heads=spec.kv_heads if fused else heads,
-        experts_per_token=spec.required("top_k") if moe else 1,
-        router_experts=spec.required("n_experts") if moe else 0)
+    checkpointing = cell.strategy.checkpointing
+    if checkpointing == "full":  # the block's input alone, from the residual stream
+        per_layer = float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
+    elif checkpointing == "selective":
+        per_layer = _selective_per_layer(cell, spec, value_bytes, residual_bytes)
+    else:
+        per_layer = activation_bytes_per_layer(
+            spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn, mlp=_mlp_kind(cell, spec),
+            value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
+            input_copies=(3, 2) if separate_projections else (1, 1), tensor_parallel=tensor_parallel_degree(cell),
+            kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if moe else 1,
+            router_experts=spec.required("n_experts") if moe else 0)
     tokens = spec.tokens_per_sample * cell.micro_batch
     head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
     return {"per_layer": per_layer, "layers": per_layer * spec.n_layers, "logits": _logits_bytes(cell, spec) + head}
+
+
+def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, residual_bytes: int) -> float:
+    """What one block keeps under the harness's selective recompute (features/
+    checkpointing.py: every matmul's and attention kernel's output saved, the element-wise
+    ops recomputed from them), not Korthikanti's selective (the attention core alone
+    recomputed, formulas.activation_bytes_per_layer): the block's input, from the residual
+    stream; each projection's output (q, k and v at their heads' widths, the output
+    projection, and the MLP's: up and down, plus gate for SwiGLU, times top_k experts and
+    the router's logits for a mixture of experts); and the attention's output with, for a
+    fused kernel, its fp32 log-sum-exp per row, for eager attention its score matmul's s×s
+    output. A tensor-parallel cell divides the projections and attention by its degree."""
+    s, b, h, f = spec.tokens_per_sample, cell.micro_batch, spec.hidden, spec.ffn
+    heads = spec.required("n_heads")
+    fused = attention_is_fused(cell)
+    kv_width = h * (spec.kv_heads or heads) / heads
+    mlp = (2 * f + h) if spec.layout in ("llama", "mixtral") else (f + h)
+    if spec.layout == "mixtral":
+        mlp = spec.required("top_k") * mlp + spec.required("n_experts")
+    projections = value_bytes * s * b * (h + 2 * kv_width + h + mlp)
+    attention = value_bytes * s * b * h + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
+    return residual_bytes * s * b * h + (projections + attention) / tensor_parallel_degree(cell)
 
 
 def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
@@ -248,8 +276,8 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     while the reduction happens once; FSDP1 keeps the root unit gathered between forward and
     backward; HSDP also all-reduces each shard over the replicate dimension; DeepSpeed
     ZeRO-1/2 all-reduces the gradients and all-gathers the updated partitions, ZeRO-3
-    gathers in forward and, when the model exceeds its live-parameter budget
-    (stage3_max_live_parameters), again in backward, and reduce-scatters, each micro-step;
+    gathers in forward and, in backward, again what it released beyond its live-parameter
+    budget (``ds_live_numel``), and reduce-scatters, each micro-step;
     its persistent parameters are gathered once per step instead, after the update.
     Scalars (loss-scale and overflow flags) are left out.
     """
@@ -278,9 +306,9 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     if engine.comm == "deepspeed":
         if "params" not in engine.sharded:  # ZeRO-1/2
             return {"all_reduce": low * psi, "all_gather": low * psi}
-        gathers = 1 if psi <= DS_MAX_LIVE_PARAMETERS else 2
         persistent = persistent_numel(cell, layout)
-        return {"all_gather": low * (gathers * (psi - persistent) * a + persistent),
+        regathered = psi - persistent - ds_live_numel(cell, layout)  # in backward, those released in forward
+        return {"all_gather": low * ((psi - persistent + regathered) * a + persistent),
                 "reduce_scatter": low * psi * a}
     return {}  # the reference: nothing to communicate
 
@@ -306,6 +334,16 @@ def offloaded_bytes(cell: CellSpec, states: dict[str, float], layout: ParamLayou
     return out
 
 
+def ds_live_numel(cell: CellSpec, layout: ParamLayout) -> int:
+    """The parameters DeepSpeed ZeRO-3 holds gathered from forward into backward: after a
+    module runs it releases its parameters only while more than stage3_max_live_parameters
+    are available, so every parameter but the persistent ones (which the model states
+    count whole) for a model within that budget, and the budget plus one block's beyond it
+    (measured: llama-1b, 1.24B parameters, traces 1.06B gathered in bf16)."""
+    gatherable = layout.numel - persistent_numel(cell, layout)
+    return min(gatherable, DS_MAX_LIVE_PARAMETERS + layout.block_numel)
+
+
 def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
                     device_type: str = "cuda") -> dict[str, float]:
     """Tensors that exist only during forward and backward, beside the model states:
@@ -314,13 +352,12 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       (embeddings and head, gathered for the whole step) and two blocks (the one computing
       and the one prefetched), in the compute dtype (DeepSpeed's ZeRO-3 estimator reserves
       the largest layer the same way); FSDP's grad_op (SHARD_GRAD_OP) keeps every unit
-      gathered from forward to the end of backward, and so does DeepSpeed ZeRO-3 for a model
-      within its live-parameter budget (all but its persistent parameters, which the model
-      states count whole);
+      gathered from forward to the end of backward, and DeepSpeed ZeRO-3 what its
+      live-parameter budget lets it keep (``ds_live_numel``);
     - ``autocast_copies``: torch autocast caches a 16-bit copy of every matmul weight it
       casts for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
-    - ``recompute``: with full checkpointing, one block's activations exist again while its
-      backward recomputes them;
+    - ``recompute``: with checkpointing, what one block's backward makes again
+      (``recompute_bytes``), held while that block's backward runs, after the head's;
     - ``loss``: the loss's gradients at the start of backward (``loss_bytes``);
     - ``root_reduce``: FSDP reduce-scatters the root unit's gradients last in backward, in
       fp32: the unsharded gradients, the flat input they are copied into and, on gloo, the
@@ -333,10 +370,10 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     low = PRECISION_BYTES[s.precision]
     params_sharded = "params" in engine.sharded
     gathered = low * (layout.root_numel + 2 * layout.block_numel) if params_sharded else 0.0
-    keeps_all_gathered = engine.keeps_gathered == "always" or (
-        engine.keeps_gathered == "within_live_parameters" and layout.numel <= DS_MAX_LIVE_PARAMETERS)
-    if keeps_all_gathered:  # gathered in forward, kept through backward
+    if engine.keeps_gathered == "always":  # gathered in forward, kept through backward
         gathered = low * (layout.numel - persistent_numel(cell, layout))
+    elif engine.keeps_gathered == "within_live_parameters":
+        gathered = low * ds_live_numel(cell, layout)
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
     copies = 3 if device_type == "cpu" else 2
     return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast(cell) else 0.0,
@@ -345,8 +382,11 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
 
 
 def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:
-    """With full checkpointing one block's activations exist again during its backward."""
-    if cell.strategy.checkpointing != "full":
+    """With checkpointing, what one block's backward makes again beside what the block
+    kept: all of its activations (full), or all but the matmuls' and attention's outputs
+    (selective)."""
+    if cell.strategy.checkpointing == "none":
         return 0.0
     unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none"))
-    return activation_bytes(unchecked, spec)["per_layer"]
+    kept = activation_bytes(cell, spec)["per_layer"]
+    return max(0.0, activation_bytes(unchecked, spec)["per_layer"] - kept)

@@ -1,6 +1,6 @@
 """Predicted beside measured: the ``predicted`` entry of a cell record and its ratios.
 
-Three comparisons, each predicted ÷ measured, and the targets they are held to:
+The comparisons, each predicted ÷ measured, and the targets they are held to:
 
 - ``traced_peak``: the traced step peak (harness/predict/traced.py) against the measured
   peak per rank (metrics.peak_mem_bytes, the max over ranks): ±10 %.
@@ -10,6 +10,12 @@ Three comparisons, each predicted ÷ measured, and the targets they are held to:
   engine's gradient buffers, harness/predict/analytic.py) against everything a rank held
   when its optimizer step began (metrics.at_optimizer_step_bytes: activations are freed by
   then, so what remains is model state and the engine's buffers): ±10 %.
+- ``analytic_activations``: the analytic activations of one micro-batch (the layers', the
+  head's and the logits, with autocast's weight copies: what the start of backward holds)
+  against the activations held at the measured peak (metrics.mem_breakdown_bytes), where
+  that peak is the start of backward: activations held and no gradient yet. A cell whose
+  peak falls elsewhere (at the optimizer step, in a checkpointed block's recompute, with
+  gradients held) has no activation ratio: ±10 %.
 - ``analytic_comm``: the analytic bytes per step against the counted bytes
   (metrics.comm_bytes_per_step): ±10 %.
 - ``step_time``: the predicted step time (harness/predict/step_time.py) against the measured
@@ -33,7 +39,8 @@ TOLERANCE = 0.10
 STEP_TIME_TOLERANCE = 0.50
 STEP_TIME_MEDIAN_TOLERANCE = 0.20
 STEP_TIME_SHARE = 0.90  # of cells within STEP_TIME_TOLERANCE
-TARGETS = ("traced_peak", "analytic_peak", "analytic_model_states", "analytic_comm", "step_time")
+TARGETS = ("traced_peak", "analytic_peak", "analytic_model_states", "analytic_activations", "analytic_comm",
+           "step_time")
 
 
 def tolerance(target: str) -> float:
@@ -117,6 +124,12 @@ def compare(predicted: dict, metrics: dict) -> dict:
         measured = {k: held[k] for k in ("params", "grads", "optimizer")}
         measured["buffers"] = held["other"] + held["activations"]
         out["analytic_model_states"] = _comparison(a["model_state_bytes"], sum(held.values()), states, measured)
+    at_peak = metrics["mem_breakdown_bytes"]
+    if at_peak.get("activations") and not at_peak.get("grads"):
+        acts = a["activation_bytes"]
+        kept = acts["layers"] + acts["logits"] + a.get("transient_bytes", {}).get("autocast_copies", 0.0)
+        out["analytic_activations"] = _comparison(kept, at_peak["activations"], {"activations": kept},
+                                                  {"activations": at_peak["activations"]})
     counted = {op: v["bytes"] for op, v in metrics["comm_by_op"].items()}
     # Calls counted without their bytes (measure/comm.py "unsized") leave nothing to compare.
     unsized = any(v.get("unsized") for v in metrics["comm_by_op"].values())

@@ -233,10 +233,10 @@ def test_accuracy_names_the_category_that_is_off():
         "comm_by_op": {"all_reduce": {"bytes": predicted["analytic"]["comm_bytes_per_step"]}},
         "comm_bytes_per_step": predicted["analytic"]["comm_bytes_per_step"],
     }
-    ratios = accuracy.compare(predicted, metrics)
+    ratios = accuracy.compare(predicted, metrics, cell)
     # NCCL calls counted without their bytes (measure/comm.py "unsized"): no comm ratio, not a miss.
     unsized = {**metrics, "comm_by_op": {"all_reduce": {"bytes": 0, "unsized": 1}}}
-    assert accuracy.compare(predicted, unsized)["analytic_comm"] is None
+    assert accuracy.compare(predicted, unsized, cell)["analytic_comm"] is None
     assert ratios["traced_peak"]["ratio"] == 0.5 and not ratios["traced_peak"]["within_target"]
     assert ratios["traced_peak"]["off"].startswith("other:")
     assert ratios["analytic_model_states"]["ratio"] == pytest.approx(1.0)
@@ -256,12 +256,12 @@ def test_activations_are_compared_where_the_measured_peak_is_the_start_of_backwa
     kept = acts["layers"] + acts["logits"]  # fp32: no autocast copies
     metrics = {"peak_mem_bytes": 1, "comm_by_op": {}, "comm_bytes_per_step": 0,
                "mem_breakdown_bytes": {"params": 1, "grads": 0, "activations": kept / 0.8}}
-    ratio = accuracy.compare(predicted, metrics)["analytic_activations"]
+    ratio = accuracy.compare(predicted, metrics, cell)["analytic_activations"]
     assert ratio["ratio"] == pytest.approx(0.8) and not ratio["within_target"]
     assert ratio["off"].startswith("activations:")
     # Gradients held at the peak: backward is under way and has freed activations.
     later = {**metrics, "mem_breakdown_bytes": {**metrics["mem_breakdown_bytes"], "grads": 1}}
-    assert accuracy.compare(predicted, later)["analytic_activations"] is None
+    assert accuracy.compare(predicted, later, cell)["analytic_activations"] is None
 
 
 # --- plan --------------------------------------------------------------------------------------
@@ -532,7 +532,7 @@ def test_families_without_a_model_get_a_reason_not_a_number(strategy, model):
     cell = CellSpec(model=model, strategy=StrategySpec(name=strategy), world_size=2)
     p = analytic.predict(cell)
     assert set(p) == {"unavailable"} and strategy in p["unavailable"]
-    ratios = accuracy.compare({"analytic": p, "traced": {"unavailable": "x"}}, {"comm_by_op": {}})
+    ratios = accuracy.compare({"analytic": p, "traced": {"unavailable": "x"}}, {"comm_by_op": {}}, cell)
     assert ratios == dict.fromkeys(accuracy.TARGETS)
     record = {"cell_id": cell.cell_id, "status": "ok", "trial": 0, "metrics": {"step_time_s": {"median": 1.0}},
               "predicted": {"analytic": p, "ratios": ratios}}
@@ -566,7 +566,9 @@ def test_moe_activations_keep_top_k_expert_mlps_and_the_router_logits():
                                                 fused_attention=True)
     moe = formulas.activation_bytes_per_layer(s, b, h, a, ffn=f, mlp="swiglu", value_bytes=4, dropout=False,
                                               fused_attention=True, experts_per_token=2, router_experts=4)
-    assert moe - dense == 4 * 4 * s * b * f + 4 * s * b * 4  # one more SwiGLU's 4·s·b·f values, fp32 logits
+    # One more SwiGLU's 4·s·b·f values, the fp32 router logits, and each of the 2 routed copies'
+    # gathered input and unweighted output.
+    assert moe - dense == 4 * 4 * s * b * f + 4 * s * b * 4 + 2 * 4 * s * b * h * 2
 
 
 # moe-tiny: h 64, ffn 64, 4 experts (3·64·64 = 12,288 parameters each), top 2, 2 layers; its

@@ -129,9 +129,9 @@ def test_the_step_time_ratio_and_its_run_targets():
     predicted = accuracy.prediction(cell, {"work": _work()}, "cpu", _calibration())
     metrics = {"step_time_s": predicted["step_time_s"] * 1.6, "comm_time_s_per_step": 0.001,
                "comm_by_op": {}, "comm_bytes_per_step": 0, "peak_mem_bytes": 1, "mem_breakdown_bytes": {}}
-    ratio = accuracy.compare(predicted, metrics)["step_time"]
+    ratio = accuracy.compare(predicted, metrics, cell)["step_time"]
     assert ratio["ratio"] == pytest.approx(1 / 1.6) and ratio["within_target"]  # within ±50 %
-    slow = accuracy.compare(predicted, {**metrics, "step_time_s": predicted["step_time_s"] * 3})["step_time"]
+    slow = accuracy.compare(predicted, {**metrics, "step_time_s": predicted["step_time_s"] * 3}, cell)["step_time"]
     assert not slow["within_target"] and "measured" in slow["off"]
     record = {"cell_id": cell.cell_id, "status": "ok", "trial": 0,
               "predicted": {**predicted, "ratios": {"step_time": ratio}}}

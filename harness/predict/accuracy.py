@@ -13,9 +13,13 @@ The comparisons, each predicted ÷ measured, and the targets they are held to:
 - ``analytic_activations``: the analytic activations of one micro-batch (the layers', the
   head's and the logits, with autocast's weight copies: what the start of backward holds)
   against the activations held at the measured peak (metrics.mem_breakdown_bytes), where
-  that peak is the start of backward: activations held and no gradient yet. A cell whose
-  peak falls elsewhere (at the optimizer step, in a checkpointed block's recompute, with
-  gradients held) has no activation ratio: ±10 %.
+  that peak is the start of backward: activations held and no gradient yet, which the
+  trackers show only for engines whose gradients are torch's own ``.grad``, made in
+  backward (the reference, DDP, torch ZeRO-1, FairScale OSS, tensor parallel; no
+  accumulation). FSDP and DeepSpeed keep gradients where the trackers label them "other"
+  or not at all, so their peak's moment cannot be read from the breakdown; they, and a
+  cell whose peak falls elsewhere (the optimizer step, a checkpointed block's recompute),
+  have no activation ratio: ±10 %.
 - ``analytic_comm``: the analytic bytes per step against the counted bytes
   (metrics.comm_bytes_per_step): ±10 %.
 - ``step_time``: the predicted step time (harness/predict/step_time.py) against the measured
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import statistics
 
+from harness import strategies
 from harness.config import CellSpec
 from harness.predict import analytic, step_time
 from harness.results import trials
@@ -102,7 +107,7 @@ def _step_time_comparison(step: dict, metrics: dict) -> dict | None:
     return {"ratio": ratio, "within_target": within, "off": off}
 
 
-def compare(predicted: dict, metrics: dict) -> dict:
+def compare(predicted: dict, metrics: dict, cell: CellSpec) -> dict:
     """Ratios of a measured cell: {target: {ratio, within_target, off} | None}.
 
     None where a side is missing (no trace for this strategy, no analytic model for it
@@ -125,7 +130,7 @@ def compare(predicted: dict, metrics: dict) -> dict:
         measured["buffers"] = held["other"] + held["activations"]
         out["analytic_model_states"] = _comparison(a["model_state_bytes"], sum(held.values()), states, measured)
     at_peak = metrics["mem_breakdown_bytes"]
-    if at_peak.get("activations") and not at_peak.get("grads"):
+    if at_peak.get("activations") and not at_peak.get("grads") and _gradients_are_torchs(cell):
         acts = a["activation_bytes"]
         kept = acts["layers"] + acts["logits"] + a.get("transient_bytes", {}).get("autocast_copies", 0.0)
         out["analytic_activations"] = _comparison(kept, at_peak["activations"], {"activations": kept},
@@ -136,6 +141,15 @@ def compare(predicted: dict, metrics: dict) -> dict:
     out["analytic_comm"] = None if unsized else _comparison(a["comm_bytes_per_step"], metrics["comm_bytes_per_step"],
                                                             a["comm_bytes_by_op"], counted)
     return out
+
+
+def _gradients_are_torchs(cell: CellSpec) -> bool:
+    """Whether the cell's gradients are torch's own ``.grad``, none before backward (module
+    docstring, ``analytic_activations``)."""
+    engine = strategies.get(cell.strategy.name).engine_model
+    return (engine.analytic in ("data_parallel", "tensor_parallel") and "grads" not in engine.sharded
+            and not engine.fp32_master_partition and engine.grads_between_steps == "freed"
+            and engine.comm != "reduce_to_owner" and cell.strategy.accumulation == 1)
 
 
 def report(records: list[dict]) -> tuple[str, bool]:

@@ -189,7 +189,7 @@ class MatrixRun:
                 n_params=rank0["n_params"],
                 attn_implementation=rank0["attn_implementation"],
                 metrics=metrics,
-                predicted={**predicted, "ratios": accuracy.compare(predicted, metrics)},
+                predicted={**predicted, "ratios": accuracy.compare(predicted, metrics, cell)},
                 per_rank=summary.per_rank_view(outcome.per_rank),
                 losses=rank0["losses"],
                 equivalence=None if is_reference else equivalence.check(

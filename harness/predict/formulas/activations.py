@@ -43,7 +43,10 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         Q, K and V 6sbh at 2 bytes) scale by kv_heads/heads;
       - ``experts_per_token=k`` (a mixture of experts routing every token to k experts, no
         token dropped: Mixtral, Jiang et al. 2024) keeps the MLP terms k times, and
-        ``router_experts=E`` adds the router's fp32 logits, 4·s·b·E;
+        ``router_experts=E`` adds the router's fp32 logits, 4·s·b·E, and what routing keeps
+        per routed copy of a token: its input gathered for its expert and the expert's
+        output before its routing weight multiplies it, 2·k·sbh (transformers' grouped-matmul
+        Mixtral experts, measured);
       - ``norm_bytes``: what each of the two norms keeps per element of its input, where
         that is not one ``value_bytes`` value (``norm_keeps`` gives it for the models here);
       - ``input_copies``: how many copies of the attention's and of the MLP's input the
@@ -78,6 +81,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     else:  # softmax output; with dropout also its mask and output
         scores = (v + (1 + v if dropout else 0)) * a * s * s * b
     mlp_kept = _MLP_KEPT[mlp] * v * s * b * f * experts_per_token
+    if router_experts:
+        mlp_kept += 2 * v * sbh * experts_per_token
     inside = qk + value_in + proj_in + scores + mlp_kept
     # Outside it (divided by t only with sequence parallelism): the inputs of the QKV and
     # the first MLP matmul, the two LayerNorm inputs, the two dropout masks.

@@ -11,7 +11,8 @@ The work (per rank, one optimizer step):
   each collective kind the stand-in does not issue added as the cell's analytic bytes in one
   call;
 - analytic otherwise (``analytic_work``): the PaLM FLOPs of the rank's samples (one forward
-  more under full checkpointing), the optimizer's and the activations' memory traffic, and
+  more under full checkpointing), the optimizer's and the activations' memory traffic (the
+  recomputed activations' once more), and
   the analytic bytes per collective as one call each; no op count (what dispatch costs is
   then missing, which on the CPU's tiny presets is most of a step).
 
@@ -105,7 +106,10 @@ def analytic_work(cell: CellSpec, analytic: dict) -> dict:
     states = analytic["model_states_bytes"]
     optimizer_elements = states["optimizer"] / 8 if states["optimizer"] else 0.0  # two fp32 moments each
     acts = analytic["activation_bytes"]
-    activation_traffic = 3 * (acts["layers"] + acts["logits"])  # written in forward, read twice in backward
+    # Every activation is written in forward and read twice in backward, the recomputed ones
+    # written once more: checkpointing keeps fewer of them, it does not compute fewer.
+    recomputed = cell.model_spec.n_layers * analytic.get("transient_bytes", {}).get("recompute", 0.0)
+    activation_traffic = 3 * (acts["layers"] + recomputed + acts["logits"]) + recomputed
     optimizer_traffic = optimizer_elements * _OPTIMIZER_BYTES_PER_ELEMENT
     # Each stream at the working set of all of it: a first-order figure for want of op sizes.
     return {"ops": 0, "matmul_flops": flops,

@@ -95,6 +95,14 @@ def test_refused_cells_with_a_stand_in_keep_its_work_not_its_peak(cell, reason, 
     assert not dist.is_initialized()
 
 
+def test_trace_cells_traces_a_stand_in_once_beside_the_cells():
+    offloaded, stand_in = _cell("deepspeed_zero2", 2, offload="optimizer"), _cell("deepspeed_zero2", 2)
+    results = traced.trace_cells([offloaded, stand_in])
+    assert set(results) == {offloaded.cell_id, stand_in.cell_id}
+    assert results[offloaded.cell_id]["stand_in"] == {"cell_id": stand_in.cell_id,
+                                                      "work": results[stand_in.cell_id]["work"]}
+
+
 def test_a_cell_that_raises_while_tracing_is_unavailable(monkeypatch):
     def broken_prepare(*args, **kwargs):
         raise RuntimeError("no kernel for this\nsecond line")

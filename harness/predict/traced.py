@@ -433,37 +433,41 @@ def work_stand_in(cell: CellSpec) -> CellSpec | None:
     host copies are left out); AutoEP: the same model under DeepSpeed's lightest ZeRO stage
     here, ZeRO-1 (the same engine and the same experts' FLOPs, each rank running all experts
     for its own tokens rather than its experts for every rank's)."""
-    s = cell.strategy
-    if s.name.startswith("deepspeed") and s.offload in ("optimizer", "optimizer_params"):
+    s, refused = cell.strategy, _refusal(cell)
+    if refused == _DEEPSPEED_CPU_ADAM:
         stand_in = dataclasses.replace(cell, strategy=dataclasses.replace(
             s, offload="params" if s.offload == "optimizer_params" else "none"))
-    elif s.name == "deepspeed_autoep":
+    elif refused == _AUTOEP:
         stand_in = dataclasses.replace(cell, strategy=dataclasses.replace(s, name="deepspeed_zero1"))
     else:
         return None
     return None if _refusal(stand_in) else stand_in
 
 
-def trace(cell: CellSpec) -> dict:
+def _with_stand_in(result: dict, stand_in: CellSpec, traced_stand_in: dict) -> dict:
+    """A refused cell's result with its stand-in's work, where the stand-in traced."""
+    if "work" not in traced_stand_in:
+        return result
+    return {**result, "stand_in": {"cell_id": stand_in.cell_id, "work": traced_stand_in["work"]}}
+
+
+def trace(cell: CellSpec, stand_in: bool = True) -> dict:
     """Rank 0's predicted step peak: {"peak_bytes", "breakdown_bytes" {memory.BREAKDOWN_KEYS,
     summing to peak_bytes}, "tracker", "work" (what the tracked step dispatched:
     dispatched_work.DispatchedWork.to_dict, for the step-time predictor)}, or
     {"unavailable": "<one-line reason>"} when the cell
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
     the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
-    that traced.
+    that traced (unless ``stand_in`` is False: trace_cells traces stand-ins with the cells).
 
     Needs a process without a process group (raises RuntimeError otherwise): use
     trace_cells() from a process that has one.
     """
     refused = _refusal(cell)
     if refused:
-        stand_in = work_stand_in(cell)
-        traced_stand_in = trace(stand_in) if stand_in else {}
-        if stand_in is None or "work" not in traced_stand_in:
-            return {"unavailable": refused}
-        return {"unavailable": refused,
-                "stand_in": {"cell_id": stand_in.cell_id, "work": traced_stand_in["work"]}}
+        nearest = work_stand_in(cell) if stand_in else None
+        return {"unavailable": refused} if nearest is None else _with_stand_in({"unavailable": refused}, nearest,
+                                                                              trace(nearest))
     with _fake_group(cell.world_size) as env:
         try:
             mode = _fake_world_mode()
@@ -482,15 +486,22 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     is one thread's work, and nothing else runs while the cells are traced). A cell whose trace
     raises gets {"unavailable": reason} and the others go on; if a subprocess dies or runs past
     `timeout_s`, every cell of its share without a result gets {"unavailable": ...} saying so
-    (the first of them is the one it was tracing). Never raises for a cell.
+    (the first of them is the one it was tracing). Never raises for a cell. A refused cell's
+    stand-in (``work_stand_in``) is traced among the cells, once, or taken from the cells
+    where it is one of them.
     """
     if not cells:
         return {}
-    processes = max(1, min(MAX_TRACE_PROCESSES, os.cpu_count() or 1, len(cells)))
-    shares = [cells[k::processes] for k in range(processes)]
+    # Stand-ins are traced beside the cells, once each, and not again where one is a cell too.
+    stand_ins = {c.cell_id: s for c in cells if (s := work_stand_in(c)) is not None}
+    to_trace = list({c.cell_id: c for c in [*cells, *stand_ins.values()]}.values())
+    processes = max(1, min(MAX_TRACE_PROCESSES, os.cpu_count() or 1, len(to_trace)))
+    shares = [to_trace[k::processes] for k in range(processes)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=processes) as pool:
         traced = list(pool.map(lambda share: _trace_in_subprocess(share, timeout_s), shares))
     results = {cell_id: result for share in traced for cell_id, result in share.items()}
+    for cell_id, stand_in in stand_ins.items():
+        results[cell_id] = _with_stand_in(results[cell_id], stand_in, results[stand_in.cell_id])
     return {cell.cell_id: results[cell.cell_id] for cell in cells}  # in the order given
 
 
@@ -579,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         start = time.perf_counter()
         try:
-            results[cell.cell_id] = trace(cell)
+            results[cell.cell_id] = trace(cell, stand_in=False)
         except Exception as error:
             results[cell.cell_id] = {"unavailable": f"tracing failed: {_condensed(error)}"}
         print(f"traced {cell.cell_id} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)

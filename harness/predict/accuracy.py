@@ -131,8 +131,7 @@ def compare(predicted: dict, metrics: dict, cell: CellSpec) -> dict:
         out["analytic_model_states"] = _comparison(a["model_state_bytes"], sum(held.values()), states, measured)
     at_peak = metrics["mem_breakdown_bytes"]
     if at_peak.get("activations") and not at_peak.get("grads") and _gradients_are_torchs(cell):
-        acts = a["activation_bytes"]
-        kept = acts["layers"] + acts["logits"] + a.get("transient_bytes", {}).get("autocast_copies", 0.0)
+        kept = start_of_backward_activations(a)
         out["analytic_activations"] = _comparison(kept, at_peak["activations"], {"activations": kept},
                                                   {"activations": at_peak["activations"]})
     counted = {op: v["bytes"] for op, v in metrics["comm_by_op"].items()}
@@ -141,6 +140,13 @@ def compare(predicted: dict, metrics: dict, cell: CellSpec) -> dict:
     out["analytic_comm"] = None if unsized else _comparison(a["comm_bytes_per_step"], metrics["comm_bytes_per_step"],
                                                             a["comm_bytes_by_op"], counted)
     return out
+
+
+def start_of_backward_activations(analytic: dict) -> float:
+    """The analytic activations held at the start of backward: the layers', the head's and
+    the logits, with autocast's weight copies (``analytic_activations``' prediction)."""
+    acts = analytic["activation_bytes"]
+    return acts["layers"] + acts["logits"] + analytic.get("transient_bytes", {}).get("autocast_copies", 0.0)
 
 
 def _gradients_are_torchs(cell: CellSpec) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from harness.predict import accuracy
 from harness.report import figures
 from harness.results import trials
 from harness.results.store import load_records, load_run_info
@@ -280,7 +281,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
             cell_json=json.dumps(record.get("cell") or {}, indent=2, sort_keys=True),
             engine_json=[(p.get("rank"), json.dumps(p.get("engine"), indent=2, sort_keys=True))
                          for p in record.get("per_rank") or [] if p.get("engine")],
-            env=environment))
+            env=environment, analytic_activations=_analytic_activations(record)))
 
     claim_rows = _claim_rows(run_dir)
     claim_counts = {v: sum(1 for c in claim_rows if c["verdict"] == v) for v in _CLAIM_VERDICT_CLASS}
@@ -294,3 +295,8 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
         max_trials=max((r["trials"]["n"] for r in records), default=1),
         device=info.get("device") or {}))
     return page
+
+
+def _analytic_activations(record: dict) -> float | None:
+    analytic = (record.get("predicted") or {}).get("analytic") or {}
+    return accuracy.start_of_backward_activations(analytic) if "activation_bytes" in analytic else None

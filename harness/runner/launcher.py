@@ -255,6 +255,11 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
                 elif event["event"] == "done":
                     on_outcome(_outcome_from_worker(cells[n_done], event["per_rank"], now - started))
                     n_done += 1
+                    if n_done == len(cells):
+                        # Every result is in: the workers only have the process group to
+                        # tear down and torchrun its agent (a second or more a launch);
+                        # the kill below ends them rather than waiting for that.
+                        break
                 elif event["event"] == "restart":
                     restart = True
     finally:

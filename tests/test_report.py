@@ -94,6 +94,17 @@ def test_index_lists_every_cell_with_reasons(report):
     assert cells.count('<tr class="failed"') == 1 and cells.count('<tr class="unsupported"') == 1
 
 
+def test_findings_come_first_with_their_figure(report):
+    page, _ = report
+    text = page.read_text()
+    findings = text[text.index('<section id="findings">'):text.index("</section>")]
+    assert text.index('<section id="findings">') < text.index('id="cells-table"')
+    # fsdp_full and ddp differ in the strategy alone (the failed ZeRO-3 cell has no numbers).
+    assert 'id="finding-strategy"' in findings and "fsdp_full (ZeRO-3) held 0.60× ddp&#39;s peak per rank" in findings
+    assert "deepspeed_zero3" not in findings
+    assert '<img src="figures/findings-strategy.svg"' in findings
+
+
 def test_strings_from_results_are_escaped(report):
     page, _ = report
     for path in [page, *page.parent.glob("cells/*.html")]:

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display, no GUI toolkit: files only
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker as ticker
 import pandas as pd
 import seaborn as sns
 
@@ -197,6 +198,39 @@ def _step_times(records: list[dict], model: str, path: Path) -> bool:
     ax.set_title(f"{model}: step time distribution")
     _save(fig, path)
     return True
+
+
+def axis_figure(title: str, baseline: str, rows: list[dict], path: Path) -> None:
+    """One axis of the findings as small multiples: a panel per model, in it each value's
+    peak memory and step time as bars relative to the baseline value (log scale, 1× marked).
+    ``rows``: {model, value, peak, step}, one per (model, value), ratios or None."""
+    d = pd.DataFrame(rows)
+    models = sorted(d["model"].unique())
+    columns = min(3, len(models))
+    panel_rows = -(-len(models) // columns)
+    most = int(d.groupby("model")["value"].nunique().max())
+    fig, axes = plt.subplots(panel_rows, columns, figsize=(3.6 * columns, panel_rows * _height(most)),
+                             squeeze=False, sharex=True)
+    colors = sns.color_palette("colorblind", 2)
+    for ax, model in zip(axes.flat, models):
+        m = d[d["model"] == model].sort_values("value")
+        y = range(len(m))
+        for offset, (measure, label), color in zip((-0.2, 0.2), (("peak", "peak memory"), ("step", "step time")),
+                                                   colors):
+            # From 1× to the ratio: left of the line is less than the baseline, right more.
+            ax.barh([i + offset for i in y], m[measure] - 1, left=1.0, height=0.4, color=color, label=label)
+        ax.set_yticks(list(y), list(m["value"]))
+        ax.set_ylim(most - 0.5, -0.5)  # every panel's bars as thick, the first value on top
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+        ax.set_title(model, fontsize=8)
+    for ax in list(axes.flat)[len(models):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{title}: × {baseline} (log scale; 1 = the same)")
+    fig.tight_layout()
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), fontsize=7, loc="upper right")
+    _save(fig, path)
 
 
 def run_figures(records: list[dict], fig_dir: Path) -> list[dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from harness.predict import accuracy
-from harness.report import figures
+from harness.report import figures, findings
 from harness.results import trials
 from harness.results.store import load_records, load_run_info
 
@@ -241,6 +241,34 @@ def _memory_timeline_svg(record: dict, run_dir: Path, fig_dir: Path, page_stem: 
     return f"../figures/cells/{name}" if figures.memory_timeline_figure(timeline, fig_dir / "cells" / name) else None
 
 
+def _ratio_cell(effect: findings.Effect) -> dict:
+    """A findings table entry: the measured effect, its spread over the pairs, the predicted."""
+    spread = ("" if effect.low is None or effect.high is None or effect.low == effect.high
+              else f"{effect.low:.2f}–{effect.high:.2f}")
+    return {"measured": _fmt(effect.measured, 1, 2), "spread": spread, "predicted": _fmt(effect.predicted, 1, 2)}
+
+
+def _findings(records: list[dict], fig_dir: Path) -> list[dict]:
+    """The findings section: per axis its figure and one row per value (findings.py)."""
+    sections = []
+    for axis, found in findings.run_findings(records):
+        name = f"findings-{axis.key}.svg"
+        figures.axis_figure(axis.title, found[0].baseline, findings.per_model(found), fig_dir / name)
+        sections.append({
+            "key": axis.key, "title": axis.title, "baseline": found[0].baseline,
+            "figure": f"{fig_dir.name}/{name}",
+            "rows": [{
+                "value": f.value, "n": len(f.pairs), "sentence": f.sentence,
+                "effects": {m: _ratio_cell(f.effects[m]) for m in findings.MEASURES},
+                "disagree": any(e.disagree for e in f.effects.values()),
+                "pairs": [{"cell_id": p.cell_id, "page": f"cells/{cell_page_name(p.cell_id)}",
+                           "baseline_id": p.baseline_id, "baseline_page": f"cells/{cell_page_name(p.baseline_id)}"}
+                          for p in f.pairs],
+            } for f in found],
+        })
+    return sections
+
+
 def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None = None) -> Path:
     """The run's pages. What cannot be read is skipped with a warning, counted on the page,
     and appended to ``skipped`` when given."""
@@ -288,7 +316,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
 
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
-        claims=claim_rows, claim_counts=claim_counts,
+        claims=claim_rows, claim_counts=claim_counts, findings=_findings(records, fig_dir),
         info=info, run_id=run_id, rows=rows, skipped=skipped, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,

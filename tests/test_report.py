@@ -115,10 +115,13 @@ def test_strings_from_results_are_escaped(report):
 
 def test_figures_are_nonempty_svg_referenced_relatively(report):
     page, _ = report
-    text = page.read_text()
-    srcs = re.findall(r'<img src="([^"]+)"', text)
-    assert srcs and all(s.startswith("figures/") and s.endswith(".svg") for s in srcs)
-    for src in srcs:
+    # The run's page draws the findings' axes; every cell's charts are on a page of their own.
+    run_srcs = re.findall(r'<img src="([^"]+)"', page.read_text())
+    assert run_srcs and all(Path(s).stem.startswith("findings-") for s in run_srcs)
+    assert 'href="figures.html"' in page.read_text()
+    srcs = re.findall(r'<img src="([^"]+)"', (page.parent / "figures.html").read_text())
+    for src in run_srcs + srcs:
+        assert src.startswith("figures/") and src.endswith(".svg")
         svg = (page.parent / src).read_text()
         assert svg.lstrip().startswith("<?xml") and "<svg" in svg and len(svg) > 1000
     # Faceted by model: the two models never share a figure.

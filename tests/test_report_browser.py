@@ -54,17 +54,47 @@ def _rows(pg, visible_only: bool = True) -> list[list[str]]:
         visible_only)
 
 
-def test_loads_without_errors_and_figures_render(page, report_page, tmp_path):
-    pg, errors, requests = page
+def _figures_render(pg) -> None:
     sizes = pg.eval_on_selector_all("img", "imgs => imgs.map(i => [i.getAttribute('src'), i.complete, i.naturalWidth])")
     assert sizes, "no figures on the page"
     for src, complete, width in sizes:
         assert complete and width > 0, f"figure {src} did not render"
+
+
+def test_loads_without_errors_and_figures_render(page, report_page, tmp_path):
+    pg, errors, requests = page
+    _figures_render(pg)
     assert errors == []
     assert all(url.startswith("file://") for url in requests), requests
     shot = tmp_path / "report.png"
     pg.screenshot(path=str(shot), full_page=True)
     print(f"screenshot: {shot}")
+
+
+def test_the_first_screen_shows_the_findings_not_the_table(page):
+    pg, errors, _ = page
+    first_screen = "(el) => { const r = el.getBoundingClientRect(); return r.top >= 0 && r.top < 900; }"
+    assert pg.eval_on_selector("#findings", first_screen)
+    assert pg.eval_on_selector("#finding-strategy .sentences li", first_screen)
+    assert not pg.eval_on_selector("#cells-table", first_screen)
+    assert errors == []
+
+
+def test_every_cells_figures_page_loads_and_filters_by_model(page):
+    pg, errors, _ = page
+    pg.locator("#all-figures-link").click()
+    pg.wait_for_load_state("load")
+    _figures_render(pg)
+    sections = "els => els.filter(e => !e.hidden).map(e => e.getAttribute('data-model'))"
+    assert pg.eval_on_selector_all("section.model-figures", sections) == ["gpt2-tiny", "llama-tiny"]
+    pg.select_option("#f-model", "llama-tiny")
+    assert pg.eval_on_selector_all("section.model-figures", sections) == ["llama-tiny"]
+    pg.select_option("#f-model", "")
+    pg.fill("#filter", "pareto")
+    visible = "els => els.filter(e => !e.hidden).map(e => e.getAttribute('data-title'))"
+    titles = pg.eval_on_selector_all("figure", visible)
+    assert titles and all("Pareto" in t for t in titles)
+    assert errors == []
 
 
 def test_click_header_sorts(page):

@@ -1,6 +1,7 @@
 """A run's static HTML report, built from results/ alone (the report is a pure function of
-the results): reports/<run_id>/index.html (summary table, figures, engines table, the claims
-table when the run has claims.jsonl, environment), cells/<cell>.html (one page per cell) and
+the results): reports/<run_id>/index.html (the findings first (report/findings.py), the claims
+table when the run has claims.jsonl, the summary table, engines table, environment),
+figures.html (every cell's charts, model by model), cells/<cell>.html (one page per cell) and
 figures/*.svg. Self-contained: inline
 CSS and JS, no network; every string from the results is escaped (jinja2 autoescape)."""
 
@@ -314,6 +315,9 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     claim_rows = _claim_rows(run_dir)
     claim_counts = {v: sum(1 for c in claim_rows if c["verdict"] == v) for v in _CLAIM_VERDICT_CLASS}
 
+    if figure_groups:
+        (report_dir / "figures.html").write_text(ENV.get_template("figures.html.j2").render(
+            run_id=run_id, figure_groups=figure_groups))
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
         claims=claim_rows, claim_counts=claim_counts, findings=_findings(records, fig_dir),

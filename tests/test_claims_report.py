@@ -59,6 +59,10 @@ def test_one_row_per_claim_with_every_column(report):
                  "3 claims: 1 holds, 1 does not hold, 1 not measurable here."):
         assert text in section, text
     assert "6.000" not in section  # the superseded record of the same claim
+    # ... and summed up at the top of the page, before the findings.
+    summary = report[report.index('<p id="claims-summary">'):]
+    assert report.index('<p id="claims-summary">') < report.index('<section id="findings">')
+    assert summary[:summary.index("</p>")].count("</span>") == 3 and '<span class="good">1 holds</span>' in summary
 
 
 def test_verdicts_marked_and_strings_escaped(report):
@@ -72,7 +76,7 @@ def test_verdicts_marked_and_strings_escaped(report):
 def test_no_claims_section_without_claims_jsonl(tmp_path):
     write_synthetic_run(tmp_path / "results" / "run")
     page = html.write_run_report(tmp_path / "results" / "run", tmp_path / "reports" / "run").read_text()
-    assert '<h2 id="claims">' not in page and 'href="#claims"' not in page
+    assert '<h2 id="claims">' not in page and 'href="#claims"' not in page and "claims-summary" not in page
 
 
 def test_load_records_keeps_the_last_record_of_each_claim(tmp_path):

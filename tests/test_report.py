@@ -105,6 +105,33 @@ def test_findings_come_first_with_their_figure(report):
     assert '<img src="figures/findings-strategy.svg"' in findings
 
 
+def test_predicted_beside_measured_per_predictor_with_its_target(tmp_path):
+    run_dir = tmp_path / "results" / "r"
+    run_dir.mkdir(parents=True)
+
+    def ratios(peak: float, step: float) -> dict:
+        return {"analytic_peak": {"ratio": peak, "within_target": abs(peak - 1) <= 0.1, "off": "activations: low"},
+                "step_time": {"ratio": step, "within_target": abs(step - 1) <= 0.5, "off": None}}
+
+    records = [make_record(CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name)), markers=[name], status="ok",
+                           metrics=_metrics(5 * 2**20, 3e4, True),
+                           predicted={"analytic": {"unavailable": "not modelled"},
+                                      "traced": {"unavailable": "not traced"},
+                                      "step_time": {"unavailable": "not priced"}, "ratios": ratios(peak, step)})
+               for name, peak, step in (("ddp", 1.02, 1.1), ("fsdp_full", 0.8, 0.9))]
+    (run_dir / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = html.write_run_report(run_dir, tmp_path / "reports" / "r").read_text()
+    section = text[text.index('<section id="accuracy">'):]
+    section = section[:section.index("</section>")]
+    peak = section[section.index('data-target="analytic_peak"'):]
+    peak = peak[:peak.index("</tr>")]
+    assert "±10%" in peak and "1 of 2" in peak and "0.800" in peak and "missed" in peak
+    assert "gpt2-tiny/fsdp_full/" in peak and "activations: low" in peak
+    step = section[section.index('data-target="step_time"'):]
+    assert "±50%" in step and "2 of 2" in step and ">met<" in step[:step.index("</tr>")]
+    assert (tmp_path / "reports" / "r" / "figures" / "accuracy.svg").stat().st_size > 1000
+
+
 def test_strings_from_results_are_escaped(report):
     page, _ = report
     for path in [page, *page.parent.glob("cells/*.html")]:

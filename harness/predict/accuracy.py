@@ -158,13 +158,54 @@ def _gradients_are_torchs(cell: CellSpec) -> bool:
             and engine.comm != "reduce_to_owner" and cell.strategy.accumulation == 1)
 
 
+def measured_value(target: str, metrics: dict) -> float | None:
+    """What ``target``'s prediction is held against (module docstring), from a record's
+    metrics: the predicted value is this times the stored ratio."""
+    if target in ("traced_peak", "analytic_peak"):
+        return metrics.get("peak_mem_bytes")
+    if target == "analytic_model_states":
+        held = metrics.get("at_optimizer_step_bytes")
+        return float(sum(held.values())) if held else None
+    if target == "analytic_activations":
+        return (metrics.get("mem_breakdown_bytes") or {}).get("activations")
+    if target == "analytic_comm":
+        return metrics.get("comm_bytes_per_step")
+    if target == "step_time":
+        return metrics.get("step_time_s")
+    raise ValueError(f"target={target!r}: choose one of {', '.join(TARGETS)}")
+
+
+def measured_cells(records: list[dict]) -> list[dict]:
+    """The cells of a run (load_records, every trial) that have ratios: ok, their shown
+    trial's (harness/results/trials.py); a cell with a trial not ok is not measured."""
+    return [r for r in trials.aggregate(records) if r["status"] == "ok" and (r.get("predicted") or {}).get("ratios")]
+
+
+def summary(measured: list[dict]) -> list[dict]:
+    """Per target over ``measured`` (measured_cells): {target, tolerance, compared: [(record,
+    comparison)], missed, worst: (record, comparison) | None, median, met}. A target no cell
+    was compared on is met (nothing missed it) with ``worst`` None."""
+    out = []
+    for t in TARGETS:
+        compared = [(r, c) for r in measured if (c := r["predicted"]["ratios"].get(t)) and c["ratio"] is not None]
+        missed = [(r, c) for r, c in compared if not c["within_target"]]
+        median = statistics.median(c["ratio"] for _, c in compared) if compared else None
+        met = not missed
+        if t == "step_time" and compared:
+            assert median is not None
+            met = (abs(median - 1) <= STEP_TIME_MEDIAN_TOLERANCE
+                   and len(compared) - len(missed) >= STEP_TIME_SHARE * len(compared))
+        out.append({"target": t, "tolerance": tolerance(t), "compared": compared, "missed": missed,
+                    "worst": max(compared, key=lambda rc: abs(rc[1]["ratio"] - 1)) if compared else None,
+                    "median": median, "met": met})
+    return out
+
+
 def report(records: list[dict]) -> tuple[str, bool]:
     """Every measured cell's ratios, then per target the worst ratio and how many cells met
     it. Returns the text and whether every available ratio met its target. ``records``: a
-    run's (load_records), every trial; a cell's ratios are those of its shown trial
-    (harness/results/trials.py), and a cell with a trial not ok is not measured."""
-    measured = [r for r in trials.aggregate(records)
-                if r["status"] == "ok" and (r.get("predicted") or {}).get("ratios")]
+    run's (load_records), every trial (``measured_cells``)."""
+    measured = measured_cells(records)
     lines = [f"{'cell':<66} " + " ".join(f"{t:>22}" for t in TARGETS)]
     for r in measured:
         ratios = r["predicted"]["ratios"]
@@ -174,30 +215,23 @@ def report(records: list[dict]) -> tuple[str, bool]:
             shown.append("-" if c is None or c["ratio"] is None
                          else f"{c['ratio']:.3f}{'' if c['within_target'] else ' MISS'}")
         lines.append(f"{r['cell_id']:<66} " + " ".join(f"{v:>22}" for v in shown))
-    all_met = True
     lines.append("")
-    for t in TARGETS:
-        compared = [(r, r["predicted"]["ratios"][t]) for r in measured
-                    if r["predicted"]["ratios"].get(t) and r["predicted"]["ratios"][t]["ratio"] is not None]
+    targets = summary(measured)
+    for s in targets:
+        t, compared, missed = s["target"], s["compared"], s["missed"]
         if not compared:
             lines.append(f"{t}: no cell compared")
             continue
-        worst_record, worst = max(compared, key=lambda rc: abs(rc[1]["ratio"] - 1))
-        missed = [(r, c) for r, c in compared if not c["within_target"]]
-        lines.append(f"{t}: {len(compared) - len(missed)} of {len(compared)} cells within ±{tolerance(t):.0%};"
+        worst_record, worst = s["worst"]
+        lines.append(f"{t}: {len(compared) - len(missed)} of {len(compared)} cells within ±{s['tolerance']:.0%};"
                      f" worst {worst['ratio']:.3f} ({worst_record['cell_id']})")
         if t == "step_time":
-            median = statistics.median(c["ratio"] for _, c in compared)
-            met = (abs(median - 1) <= STEP_TIME_MEDIAN_TOLERANCE
-                   and len(compared) - len(missed) >= STEP_TIME_SHARE * len(compared))
-            lines.append(f"  median ratio {median:.3f} (target ±{STEP_TIME_MEDIAN_TOLERANCE:.0%}), and"
+            lines.append(f"  median ratio {s['median']:.3f} (target ±{STEP_TIME_MEDIAN_TOLERANCE:.0%}), and"
                          f" {STEP_TIME_SHARE:.0%} of cells within ±{STEP_TIME_TOLERANCE:.0%}:"
-                         f" {'met' if met else 'MISSED'}")
-            all_met &= met
-        else:
-            all_met &= not missed
+                         f" {'met' if s['met'] else 'MISSED'}")
         for r, c in missed:
             lines.append(f"  MISS {r['cell_id']}: ratio {c['ratio']:.3f}; furthest off: {c['off']}")
+    all_met = all(s["met"] for s in targets)
     for r in measured:
         if "unavailable" in r["predicted"]["analytic"]:
             lines.append(f"skipped (analytic) {r['cell_id']}: {r['predicted']['analytic']['unavailable']}")

@@ -233,6 +233,44 @@ def axis_figure(title: str, baseline: str, rows: list[dict], path: Path) -> None
     _save(fig, path)
 
 
+def accuracy_figure(panels: list[dict], path: Path) -> None:
+    """Predicted against measured, a log-log panel per predictor, with y = x and the
+    predictor's target band. ``panels``: {title, unit, scale, tolerance, points: [(measured,
+    predicted, within)]}, values in the unit after dividing by ``scale``."""
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.4 * rows), squeeze=False)
+    good, bad = sns.color_palette("colorblind")[0], sns.color_palette("colorblind")[3]
+    for ax, panel in zip(axes.flat, panels):
+        points = [(x / panel["scale"], y / panel["scale"], within)
+                  for x, y, within in panel["points"] if x > 0 and y > 0]
+        xs = [x for x, _, _ in points] + [y for _, y, _ in points]
+        low, high = min(xs) / 1.5, max(xs) * 1.5
+        line = [low, high]
+        ax.plot(line, line, color="black", lw=0.8)
+        band = panel["tolerance"]
+        ax.fill_between(line, [v * (1 - band) for v in line], [v * (1 + band) for v in line], color="0.85",
+                        label=f"±{band:.0%}")
+        for within, color, label in ((True, good, "within"), (False, bad, "outside")):
+            chosen = [(x, y) for x, y, w in points if w == within]
+            if chosen:
+                ax.scatter([x for x, _ in chosen], [y for _, y in chosen], s=10, color=color, label=label, zorder=3)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # decades only: minor labels collide on short ranges
+            axis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlim(low, high)
+        ax.set_ylim(low, high)
+        ax.set_xlabel(f"measured, {panel['unit']}", fontsize=8)
+        ax.set_ylabel(f"predicted, {panel['unit']}", fontsize=8)
+        ax.set_title(panel["title"], fontsize=8)
+        ax.legend(fontsize=6, loc="upper left")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def run_figures(records: list[dict], fig_dir: Path) -> list[dict]:
     """Every run-level figure, one group per model: [{model, figures: [{title, path}]}],
     paths relative to the report folder."""

@@ -270,6 +270,36 @@ def _findings(records: list[dict], fig_dir: Path) -> list[dict]:
     return sections
 
 
+# Each predictor's unit in the accuracy figure: (unit, divisor).
+_ACCURACY_UNITS = {"step_time": ("ms", 1e-3)}
+
+
+def _accuracy(records: list[dict], fig_dir: Path) -> dict | None:
+    """Predicted beside measured (harness/predict/accuracy.py): per predictor its target,
+    how many cells met it, the median and worst ratio, and a log-log figure of them all."""
+    targets = [s for s in accuracy.summary(accuracy.measured_cells(records)) if s["compared"]]
+    if not targets:
+        return None
+    panels = []
+    for s in targets:
+        unit, scale = _ACCURACY_UNITS.get(s["target"], ("MiB", 2**20))
+        points = []
+        for r, c in s["compared"]:
+            measured = accuracy.measured_value(s["target"], r["metrics"])
+            if measured:
+                points.append((measured, c["ratio"] * measured, c["within_target"]))
+        panels.append({"title": s["target"], "unit": unit, "scale": scale, "tolerance": s["tolerance"],
+                       "points": points})
+    figures.accuracy_figure(panels, fig_dir / "accuracy.svg")
+    return {"figure": f"{fig_dir.name}/accuracy.svg", "rows": [{
+        "target": s["target"], "tolerance": f"±{s['tolerance']:.0%}", "n": len(s["compared"]),
+        "within": len(s["compared"]) - len(s["missed"]), "median": f"{s['median']:.3f}",
+        "worst": f"{s['worst'][1]['ratio']:.3f}", "worst_cell": s["worst"][0]["cell_id"],
+        "worst_page": f"cells/{cell_page_name(s['worst'][0]['cell_id'])}",
+        "off": s["worst"][1]["off"] or "", "met": s["met"],
+    } for s in targets]}
+
+
 def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None = None) -> Path:
     """The run's pages. What cannot be read is skipped with a warning, counted on the page,
     and appended to ``skipped`` when given."""
@@ -321,6 +351,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
         claims=claim_rows, claim_counts=claim_counts, findings=_findings(records, fig_dir),
+        accuracy=_accuracy(records, fig_dir),
         info=info, run_id=run_id, rows=rows, skipped=skipped, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,

@@ -295,11 +295,11 @@ def test_plan_recommends_the_fastest_fit_and_says_why():
     # Fits means within the usable fraction: the headroom is the GPU's memory above it.
     assert all(r["predicted"]["peak_bytes"] <= 0.9 * req.gpu_mem_bytes for r in fitting)
     text = plan.recommendation_text(result)
-    assert text.startswith(f"Recommended: {plan._label(best['cell'])}: fits with")
+    assert text.startswith(f"Recommended: {plan.config_label(best['cell'])}: fits with")
     assert "fastest by the prediction" in text
     assert "tokens/s, MFU" in text and "Your fsdp_full/bf16/ckpt_full fits and would be" in text
     # Full checkpointing recomputes every block's forward: predicted slower than none.
-    by_label = {plan._label(r["cell"]): r for r in result["rows"]}
+    by_label = {plan.config_label(r["cell"]): r for r in result["rows"]}
     assert (by_label["fsdp_full/bf16/ckpt_full"]["step_time"]["step_time_s"]
             > by_label["fsdp_full/bf16/ckpt_none"]["step_time"]["step_time_s"])
     with pytest.raises(ValueError, match="--config nope: not a candidate here"):
@@ -756,7 +756,7 @@ REAL_SIZE_SAMPLE = ("fsdp_full/bf16/ckpt_none", "fsdp_grad_op/bf16/ckpt_selectiv
 
 def test_plan_configurations_at_real_size_match_their_trace():
     req = plan.PlanRequest(model="gpt2-124m", gpus=8, gpu_mem_bytes=parse_bytes("80GiB"))
-    cells = [c for c in plan.candidates(req) if plan._label(c) in REAL_SIZE_SAMPLE]
+    cells = [c for c in plan.candidates(req) if plan.config_label(c) in REAL_SIZE_SAMPLE]
     assert len(cells) == len(REAL_SIZE_SAMPLE)
     started = time.monotonic()
     results = traced.trace_cells(cells)

@@ -132,6 +132,15 @@ def test_predicted_beside_measured_per_predictor_with_its_target(tmp_path):
     assert (tmp_path / "reports" / "r" / "figures" / "accuracy.svg").stat().st_size > 1000
 
 
+def test_the_guide_takes_no_cell_that_failed_the_gate(report):
+    page, _ = report
+    text = page.read_text()
+    section = text[text.index('<section id="guide">'):]
+    section = section[:section.index("</section>")]
+    assert 'data-model="gpt2-tiny" data-world-size="2"' in section and "ddp/fp32/ckpt_none/mb2/ws2/seed0" in section
+    assert "fsdp_full" not in section  # smaller, but it trains another model (the gate failed)
+
+
 def test_strings_from_results_are_escaped(report):
     page, _ = report
     for path in [page, *page.parent.glob("cells/*.html")]:

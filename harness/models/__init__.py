@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .presets import PRESETS, get_preset
+from .presets import PRESETS, REAL_SIZE_PRESETS, get_preset
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 _BUILT = frozenset({"BuiltModel", "ParamLayout", "analytic_n_params", "build", "flops_per_sample", "param_layout"})
 
-__all__ = ["PRESETS", "BuiltModel", "ModelSpec", "ParamLayout", "analytic_n_params", "build",
+__all__ = ["PRESETS", "REAL_SIZE_PRESETS", "BuiltModel", "ModelSpec", "ParamLayout", "analytic_n_params", "build",
            "flops_per_sample", "get_preset", "param_layout"]
 
 

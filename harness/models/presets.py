@@ -17,8 +17,8 @@ class _TextSizes(TypedDict):
 
 _TINY_TEXT = _TextSizes(n_layers=2, hidden=64, n_heads=4, seq_len=32, vocab_size=512)
 
-_SPECS = [
-    # Tiny: for tests and CPU smoke runs.
+# Tiny: for tests and CPU smoke runs.
+_TINY_SPECS = [
     ModelSpec(name="gpt2-tiny", family="gpt2", **_TINY_TEXT),
     ModelSpec(name="llama-tiny", family="llama", n_kv_heads=2, **_TINY_TEXT),  # GQA
     ModelSpec(name="llama-tiny-mha", family="llama", n_kv_heads=4, **_TINY_TEXT),  # a k/v head per query head
@@ -29,7 +29,9 @@ _SPECS = [
     ModelSpec(name="vit-tiny", family="vit", n_layers=2, hidden=64, n_heads=4,
               image_size=32, patch_size=8, num_classes=10),
     ModelSpec(name="mlp-tiny", family="mlp", n_layers=2, hidden=64, num_classes=10),
-    # Real sizes: for GPUs and planning.
+]
+# Real sizes: for GPUs and planning.
+_REAL_SPECS = [
     ModelSpec(name="gpt2-124m", family="gpt2", n_layers=12, hidden=768, n_heads=12,
               seq_len=1024, vocab_size=50257),
     ModelSpec(name="gpt2-1.5b", family="gpt2", n_layers=48, hidden=1600, n_heads=25,
@@ -47,7 +49,9 @@ _SPECS = [
     ModelSpec(name="vit-base", family="vit", n_layers=12, hidden=768, n_heads=12,
               image_size=224, patch_size=16, num_classes=1000),
 ]
-PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}
+PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in _TINY_SPECS + _REAL_SPECS}
+# What plan's predictions are for, and what the report sets them beside.
+REAL_SIZE_PRESETS: tuple[str, ...] = tuple(spec.name for spec in _REAL_SPECS)
 
 
 def get_preset(name: str) -> ModelSpec:

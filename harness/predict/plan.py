@@ -117,7 +117,7 @@ def plan(req: PlanRequest, trace: Callable[[list[CellSpec]], dict[str, dict]] | 
     configuration (a label as the table prints it). With ``trace`` (cells -> {cell_id:
     traced}), the leading candidates and the named one are traced (module docstring)."""
     rows = [_row(cell, req) for cell in candidates(req)]
-    by_label = {_label(r["cell"]): r for r in rows}
+    by_label = {config_label(r["cell"]): r for r in rows}
     if named is not None and named not in by_label:
         raise ValueError(f"--config {named}: not a candidate here; choose one of {', '.join(sorted(by_label))}")
     if trace is not None:
@@ -146,22 +146,22 @@ def recommendation_text(result: dict) -> str:
     if best is None:
         smallest = result["rows"][0] if result["rows"] else None
         need = (f"; the smallest predicted peak is {_gib(smallest['predicted']['peak_bytes'])}"
-                f" ({_label(smallest['cell'])})" if smallest else "")
+                f" ({config_label(smallest['cell'])})" if smallest else "")
         return (f"Nothing fits {_gib(usable)} usable of {_gib(req.gpu_mem_bytes)} per GPU{need}: add GPUs,"
                 " shorten the sequence, or lower the micro-batch.")
     s = best["cell"].strategy
     peak = (best["traced"] or {}).get("peak_bytes", best["predicted"]["peak_bytes"])
-    text = (f"Recommended: {_label(best['cell'])}: fits with {_gib(usable - peak)} to spare"
+    text = (f"Recommended: {config_label(best['cell'])}: fits with {_gib(usable - peak)} to spare"
             f" (peak {_gib(peak)}{' traced' if best['traced'] and 'peak_bytes' in best['traced'] else ''} of"
             f" {_gib(usable)} usable) and is fastest by the prediction: {_step_text(best)}.")
     runner_up = next((r for r in sorted((r for r in result["rows"] if r["fits"]), key=_preference)
                       if r["cell"].strategy.name != s.name), None)
     if runner_up is not None:
-        text += f" {_label(runner_up['cell'])} would be {_slower(runner_up, best):.2f}× slower."
+        text += f" {config_label(runner_up['cell'])} would be {_slower(runner_up, best):.2f}× slower."
     named = result.get("named")
     if named is not None and named is not best:
         verdict = "fits" if named["fits"] else "does not fit"
-        text += (f" Your {_label(named['cell'])} {verdict}"
+        text += (f" Your {config_label(named['cell'])} {verdict}"
                  + (f" and would be {_slower(named, best):.2f}× slower." if named["fits"] else "."))
     return (text + ("" if s.offload == "none" else " Offload costs host-device bandwidth every step.")
             + ("" if s.checkpointing == "none"
@@ -180,7 +180,8 @@ def _slower(row: dict, best: dict) -> float:
     return row["step_time"].get("step_time_s", float("inf")) / best["step_time"]["step_time_s"]
 
 
-def _label(cell: CellSpec) -> str:
+def config_label(cell: CellSpec) -> str:
+    """How plan names a configuration (``--config``): ``fsdp_full/bf16/ckpt_full``."""
     s = cell.strategy
     parts = [s.name, s.precision, f"ckpt_{s.checkpointing}"]
     if s.offload != "none":
@@ -196,10 +197,10 @@ def as_json(result: dict) -> str:
     req = result["request"]
     return json.dumps({
         "request": {**dataclasses.asdict(req), "model": spec_json(req.model)},
-        "rows": [{"config": _label(r["cell"]), "cell": r["cell"].to_dict(), "fits": r["fits"],
+        "rows": [{"config": config_label(r["cell"]), "cell": r["cell"].to_dict(), "fits": r["fits"],
                   "predicted": r["predicted"], "step_time": r["step_time"], "tokens_per_s": r["tokens_per_s"],
                   "mfu": r["mfu"], "traced": r["traced"]} for r in result["rows"]],
-        "recommended": _label(result["recommended"]["cell"]) if result["recommended"] else None,
+        "recommended": config_label(result["recommended"]["cell"]) if result["recommended"] else None,
         "recommendation": recommendation_text(result),
         "rates": {"gpu": rough_time.ASSUMED_GPU, "mfu": rough_time.ASSUMED_MFU, "bus_bw": rough_time.ASSUMED_BUS_BW,
                   "usable_fraction": fit.USABLE_FRACTION},
@@ -240,13 +241,13 @@ def as_table(result: dict, markdown: bool) -> str:
             "-" if step is None else f"{step:.3g}", "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
             "-" if r["mfu"] is None else f"{r['mfu']:.0%}", "-" if traced is None else _gib(traced).replace(" GiB", "")]
         if markdown:
-            lines.append(f"| {_label(r['cell'])} | {fits} | " + " | ".join(cells) + " |")
+            lines.append(f"| {config_label(r['cell'])} | {fits} | " + " | ".join(cells) + " |")
         else:
-            lines.append(f"{_label(r['cell']):<52} {fits:<4} " + " ".join(f"{c:>11}" for c in cells))
+            lines.append(f"{config_label(r['cell']):<52} {fits:<4} " + " ".join(f"{c:>11}" for c in cells))
     lines += ["", "(GiB; comm/step: bytes each GPU moves per step, an all-reduce counted twice as in ZeRO §7;"
               " traced: the FakeTensorMode peak, for the configurations --traced traced)",
               "", recommendation_text(result)]
     for r in result["rows"]:
         if r["traced"] is not None and "peak_bytes" not in r["traced"]:
-            lines.append(f"Traced {_label(r['cell'])}: unavailable: {r['traced'].get('unavailable', '?')}")
+            lines.append(f"Traced {config_label(r['cell'])}: unavailable: {r['traced'].get('unavailable', '?')}")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """A run's static HTML report, built from results/ alone (the report is a pure function of
-the results): reports/<run_id>/index.html (the findings first (report/findings.py), the claims
-table when the run has claims.jsonl, the summary table, engines table, environment),
+the results): reports/<run_id>/index.html (the findings first (report/findings.py), the
+selection guide (report/guide.py), predicted beside measured, the claims table when the run
+has claims.jsonl, the summary table, engines table, environment),
 figures.html (every cell's charts, model by model), cells/<cell>.html (one page per cell) and
 figures/*.svg. Self-contained: inline
 CSS and JS, no network; every string from the results is escaped (jinja2 autoescape)."""
@@ -15,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from harness.predict import accuracy
-from harness.report import figures, findings
+from harness.report import figures, findings, guide
 from harness.results import trials
 from harness.results.store import load_records, load_run_info
 
@@ -54,13 +55,16 @@ def _num(value) -> str:
     return "" if value is None else repr(float(value))
 
 
-ENV.filters.update(mib=_mib, fmt=_fmt)
+
 
 
 def cell_page_name(cell_id: str) -> str:
     # A short hash keeps two ids that differ only in unsafe characters apart.
     digest = hashlib.sha1(cell_id.encode()).hexdigest()[:8]
     return f"{figures.safe_name(cell_id)}-{digest}.html"
+
+
+ENV.filters.update(mib=_mib, fmt=_fmt, cell_page=cell_page_name)
 
 
 def _verdict(record: dict) -> tuple[str, str]:
@@ -351,7 +355,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
         claims=claim_rows, claim_counts=claim_counts, findings=_findings(records, fig_dir),
-        accuracy=_accuracy(records, fig_dir),
+        accuracy=_accuracy(records, fig_dir), guide=guide.selection_guide(records),
         info=info, run_id=run_id, rows=rows, skipped=skipped, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,

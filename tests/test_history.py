@@ -1,5 +1,7 @@
 """reports/index.html across runs, and publish."""
 
+import json
+
 import pytest
 
 from harness.report import history, html
@@ -52,3 +54,25 @@ def test_publish_copies_a_self_contained_folder_and_refuses_a_full_one(tmp_path)
         history.publish(reports, reports / "site")
     with pytest.raises(ValueError, match="no reports at"):
         history.publish(tmp_path / "nothing", tmp_path / "site2")
+
+
+def test_a_run_with_cells_compare_marks_worse_is_flagged_against_the_run_before_it(tmp_path):
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    for run in ("20261101-000000-1", "20261102-000000-2", "20261103-000000-3"):
+        write_synthetic_run(results / run)
+    # The third run's DDP cell held twice the memory: compare marks it worse.
+    cells = results / "20261103-000000-3" / "cells.jsonl"
+    lines = cells.read_text().splitlines(keepends=True)
+    ddp = next(i for i, line in enumerate(lines) if '"gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0"' in line)
+    record = json.loads(lines[ddp])
+    record["metrics"]["peak_mem_bytes"] *= 2
+    lines[ddp] = json.dumps(record) + "\n"
+    cells.write_text("".join(lines))
+    page = history.write_index(results, reports).read_text()
+    rows = {run: page[page.index(f">{run}<"):][:page[page.index(f">{run}<"):].index("</tr>")]
+            for run in ("20261101-000000-1", "20261102-000000-2", "20261103-000000-3")}
+    assert 'class="against"></td>' in rows["20261101-000000-1"]  # nothing before it
+    assert "none worse</a> than 20261101-000000-1" in rows["20261102-000000-2"]
+    assert '<span class="bad">1 cell worse</span></a> than 20261102-000000-2' in rows["20261103-000000-3"]
+    compared = (reports / "compare-20261102-000000-2-20261103-000000-3.html").read_text()
+    assert "gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0" in compared

@@ -1,13 +1,14 @@
-"""reports/index.html: every run in results/, and each cell's history across runs (as asv
-shows a benchmark over commits), built from results/ alone; and ``publish``, a copy of
-reports/ ready for static hosting."""
+"""reports/index.html: every run in results/, each flagged when ``compare`` marks cells of it
+worse than the run before it on the same suite and hardware, and each cell's history across
+runs (as asv shows a benchmark over commits), built from results/ alone; and ``publish``, a
+copy of reports/ ready for static hosting."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from harness.report import figures
+from harness.report import compare, compare_stats, figures
 from harness.report.html import ENV, cell_page_name
 from harness.results import trials
 from harness.results.store import load_records, load_run_info
@@ -20,8 +21,10 @@ def _runs(results_dir: Path) -> list[dict]:
         info = load_run_info(path)
         env = info.get("environment") or {}
         git = env.get("git") or {}
-        records = trials.aggregate(load_records(path))  # a cell's trials: their medians
+        every_trial = load_records(path)
+        records = trials.aggregate(every_trial)  # a cell's trials: their medians
         runs.append({
+            "every_trial": every_trial,
             "run_id": path.name,
             "suite": info.get("suite") or "?",
             "commit": (git.get("commit") or "")[:10],
@@ -44,6 +47,28 @@ def _measured(record: dict | None) -> bool:
             and metrics.get("peak_mem_bytes") is not None and metrics.get("step_time_s") is not None)
 
 
+def _comparable(a: dict, b: dict) -> bool:
+    """Two runs whose cells ``compare`` can set side by side: the same suite, world size and
+    hardware (another machine's step times say nothing about a change)."""
+    return all(a[k] == b[k] for k in ("suite", "world_size", "hardware"))
+
+
+def _flag_worse(runs: list[dict], reports_dir: Path) -> None:
+    """Each run against the run before it that is comparable: how many cells ``compare``
+    marks worse (a slower step or more memory beyond noise, or ok → not ok), with the
+    comparison page written beside the index (compare-<before>-<run>.html)."""
+    for i, run in enumerate(runs):
+        before = next((b for b in reversed(runs[:i]) if _comparable(b, run)), None)
+        run["against"] = None
+        if before is None:
+            continue
+        comparisons = compare_stats.compare_record_lists(before["every_trial"], run["every_trial"])
+        page = compare.write_html(reports_dir / f"compare-{before['run_id']}-{run['run_id']}.html", comparisons,
+                                  before["run_id"], run["run_id"])
+        run["against"] = {"run_id": before["run_id"], "page": page.name,
+                          "worse": sum(c.verdict == compare_stats.WORSE for c in comparisons)}
+
+
 def write_index(results_dir: Path, reports_dir: Path) -> Path:
     """reports/index.html over every run in ``results_dir``; a cell measured ok in two or
     more runs gets a history chart of its peak memory and step time."""
@@ -60,6 +85,7 @@ def write_index(results_dir: Path, reports_dir: Path) -> Path:
         figures.history(cell_id, [(run["run_id"], run["records"][cell_id]["metrics"]) for run in measured], figure)
         histories.append({"cell_id": cell_id, "figure": figure.relative_to(reports_dir).as_posix(),
                           "runs": len(measured)})
+    _flag_worse(runs, reports_dir)
     for run in runs:
         run["report"] = f"{run['run_id']}/index.html" if (reports_dir / run["run_id"] / "index.html").exists() else None
     page = reports_dir / "index.html"

@@ -253,12 +253,13 @@ def _ratio_cell(effect: findings.Effect) -> dict:
     return {"measured": _fmt(effect.measured, 1, 2), "spread": spread, "predicted": _fmt(effect.predicted, 1, 2)}
 
 
-def _findings(records: list[dict], fig_dir: Path) -> list[dict]:
-    """The findings section: per axis its figure and one row per value (findings.py)."""
+def _findings(records: list[dict], fig_dir: Path, jobs: list[figures.Job]) -> list[dict]:
+    """The findings section: per axis one row per value (findings.py) and its figure (a job
+    added to ``jobs``)."""
     sections = []
     for axis, found in findings.run_findings(records):
         name = f"findings-{axis.key}.svg"
-        figures.axis_figure(axis.title, found[0].baseline, findings.per_model(found), fig_dir / name)
+        jobs.append((figures.axis_figure, (axis.title, found[0].baseline, findings.per_model(found), fig_dir / name)))
         sections.append({
             "key": axis.key, "title": axis.title, "baseline": found[0].baseline,
             "figure": f"{fig_dir.name}/{name}",
@@ -278,9 +279,10 @@ def _findings(records: list[dict], fig_dir: Path) -> list[dict]:
 _ACCURACY_UNITS = {"step_time": ("ms", 1e-3)}
 
 
-def _accuracy(records: list[dict], fig_dir: Path) -> dict | None:
+def _accuracy(records: list[dict], fig_dir: Path, jobs: list[figures.Job]) -> dict | None:
     """Predicted beside measured (harness/predict/accuracy.py): per predictor its target,
-    how many cells met it, the median and worst ratio, and a log-log figure of them all."""
+    how many cells met it, the median and worst ratio, and a log-log figure of them all (a
+    job added to ``jobs``)."""
     targets = [s for s in accuracy.summary(accuracy.measured_cells(records)) if s["compared"]]
     if not targets:
         return None
@@ -294,7 +296,7 @@ def _accuracy(records: list[dict], fig_dir: Path) -> dict | None:
                 points.append((measured, c["ratio"] * measured, c["within_target"]))
         panels.append({"title": s["target"], "unit": unit, "scale": scale, "tolerance": s["tolerance"],
                        "points": points})
-    figures.accuracy_figure(panels, fig_dir / "accuracy.svg")
+    jobs.append((figures.accuracy_figure, (panels, fig_dir / "accuracy.svg")))
     return {"figure": f"{fig_dir.name}/accuracy.svg", "rows": [{
         "target": s["target"], "tolerance": f"±{s['tolerance']:.0%}", "n": len(s["compared"]),
         "within": len(s["compared"]) - len(s["missed"]), "median": f"{s['median']:.3f}",
@@ -323,19 +325,29 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     statuses = sorted({r["status"] for r in rows})
     counts = {s: sum(1 for r in rows if r["status"] == s) for s in statuses}
 
-    figure_groups = figures.run_figures(records, fig_dir)
-
-    cell_template = ENV.get_template("cell.html.j2")
+    # Every figure is a job, drawn together over the host's cores (figures.render).
+    model_jobs = figures.run_figure_jobs(records, fig_dir)
+    jobs: list[figures.Job] = []
+    findings_sections = _findings(records, fig_dir, jobs)
+    accuracy_section = _accuracy(records, fig_dir, jobs)
+    refs, loss_jobs = [], {}
     for record, row in zip(records, rows):
         eq = record.get("equivalence") or {}
         ref = by_id.get(eq.get("reference_cell_id")) if eq.get("reference_cell_id") else None
         if ref is None and record.get("equivalence") is None and record.get("status") == "ok":
             ref = record  # a reference: its own curve
-        loss_svg = None
+        refs.append(ref)
         if record.get("status") == "ok":
             name = f"loss-{Path(row['page']).stem}.svg"
-            if figures.cell_loss_figure(record, ref, fig_dir / "cells" / name):
-                loss_svg = f"../figures/cells/{name}"
+            loss_jobs[name] = (figures.cell_loss_figure, (record, ref, fig_dir / "cells" / name))
+    drawn = figures.render(model_jobs + jobs + list(loss_jobs.values()))
+    figure_groups = drawn[:len(model_jobs)]
+    losses_drawn = dict(zip(loss_jobs, drawn[len(model_jobs) + len(jobs):]))  # name -> whether drawn
+
+    cell_template = ENV.get_template("cell.html.j2")
+    for record, row, ref in zip(records, rows, refs):
+        name = f"loss-{Path(row['page']).stem}.svg"
+        loss_svg = f"../figures/cells/{name}" if losses_drawn.get(name) else None
         (report_dir / row["page"]).write_text(cell_template.render(
             run_id=run_id, r=record, row=row, ref=ref if ref is not record else None,
             ref_page=(f"{cell_page_name(ref['cell_id'])}" if ref is not None and ref is not record else None),
@@ -354,8 +366,8 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
             run_id=run_id, figure_groups=figure_groups))
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
-        claims=claim_rows, claim_counts=claim_counts, findings=_findings(records, fig_dir),
-        accuracy=_accuracy(records, fig_dir), guide=guide.selection_guide(records),
+        claims=claim_rows, claim_counts=claim_counts, findings=findings_sections,
+        accuracy=accuracy_section, guide=guide.selection_guide(records),
         info=info, run_id=run_id, rows=rows, skipped=skipped, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,

@@ -6,6 +6,7 @@ missing. ``playwright install`` is not needed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,70 @@ def test_cell_page_loads(page, report_page):
     widths = pg.eval_on_selector_all("img", "imgs => imgs.map(i => i.naturalWidth)")
     assert all(w > 0 for w in widths)
     assert errors == []
+
+
+def _open(report: Path):
+    """A fresh browser page on ``report``: (page, errors, dialogs, browser)."""
+    errors: list[str] = []
+    dialogs: list[str] = []
+    p = sync_api.sync_playwright().start()
+    browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+    pg = browser.new_page(viewport={"width": 1400, "height": 900})
+    pg.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    pg.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    pg.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    pg.goto(report.as_uri())
+    pg.wait_for_load_state("load")
+    return pg, errors, dialogs, (browser, p)
+
+
+def _close(handles) -> None:
+    browser, p = handles
+    browser.close()
+    p.stop()
+
+
+def test_every_axis_the_default_suite_varies_has_a_finding_and_its_figure(tmp_path):
+    from harness import markers, suites
+    from harness.report import html
+    from harness.results.schema import make_record
+    from harness.runner.matrix import with_references
+
+    run_dir = tmp_path / "results" / "run"
+    run_dir.mkdir(parents=True)
+    cells = suites.cells_of("default", 2)
+    records = [make_record(c, markers=markers.markers_of(c), status="ok",
+                           metrics={"peak_mem_bytes": 2**20 * (1 + i % 7), "step_time_s": 0.01 * (1 + i % 5),
+                                    "tokens_per_s": 1000.0, "comm_bytes_per_step": 2**20})
+               for i, c in enumerate(with_references(cells))]
+    (run_dir / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = html.write_run_report(run_dir, tmp_path / "reports" / "run")
+    pg, errors, _, handles = _open(report)
+    try:
+        shown = pg.eval_on_selector_all(".finding", "els => els.map(e => e.id)")
+        assert shown == [f"finding-{axis}" for axis in (
+            "strategy", "precision", "checkpointing", "offload", "accumulation", "compression", "optimizer",
+            "attention", "heads", "model", "micro_batch")]
+        _figures_render(pg)
+        assert errors == []
+    finally:
+        _close(handles)
+
+
+def test_a_suite_file_with_html_in_its_description_and_failed_cells_render_safely(tmp_path):
+    from harness.report import html
+
+    run_dir = tmp_path / "results" / "run"
+    write_synthetic_run(run_dir)  # a failed cell with markup in its reason, an unsupported one
+    info = json.loads((run_dir / "run.json").read_text())
+    info.update(suite="mine.toml", suite_file='description = "<img src=x onerror=alert(2)> <b>my</b> suite"\n')
+    (run_dir / "run.json").write_text(json.dumps(info))
+    report = html.write_run_report(run_dir, tmp_path / "reports" / "run")
+    pg, errors, dialogs, handles = _open(report)
+    try:
+        assert pg.inner_text("#suite-description") == "<img src=x onerror=alert(2)> <b>my</b> suite"
+        assert dialogs == [] and errors == []
+        statuses = pg.eval_on_selector_all("#cells-table tbody tr", "rows => rows.map(r => r.dataset.status)")
+        assert "failed" in statuses and "unsupported" in statuses
+    finally:
+        _close(handles)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import tomllib
 from pathlib import Path
 
 import jinja2
@@ -215,6 +216,15 @@ def reproduce_command(record: dict, info: dict) -> str:
     return shlex.join(args)
 
 
+def _suite_description(info: dict) -> str | None:
+    """A suite file's own ``description`` (run.json keeps the file's text)."""
+    try:
+        description = tomllib.loads(info.get("suite_file") or "").get("description")
+    except tomllib.TOMLDecodeError:
+        return None
+    return description if isinstance(description, str) else None
+
+
 def _environment(info: dict) -> dict:
     env = info.get("environment") or {}
     hardware = env.get("hardware") or {}
@@ -367,7 +377,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     page = report_dir / "index.html"
     page.write_text(ENV.get_template("run.html.j2").render(
         claims=claim_rows, claim_counts=claim_counts, findings=findings_sections,
-        accuracy=accuracy_section, guide=guide.selection_guide(records),
+        accuracy=accuracy_section, guide=guide.selection_guide(records), suite_description=_suite_description(info),
         info=info, run_id=run_id, rows=rows, skipped=skipped, counts=counts, statuses=statuses,
         models=sorted({r["model"] for r in rows}), engines=sorted({r["engine"] for r in rows}),
         figure_groups=figure_groups, engine_groups=_engine_groups(rows), env=environment,

@@ -260,3 +260,18 @@ def test_a_run_with_trials_shows_medians_spread_and_each_trial(tmp_path):
     assert re.findall(r'<td>([^<]*)</td>\s*<td class="status l">(\w+)</td><td>([^<]*)</td>', trials_table) == [
         ("0", "ok", "10.00"), ("1", "ok", "14.00"), ("2 (shown)", "ok", "12.00")]
     assert "--repeat 3" in cell_page  # the command that reproduces the run's statistics
+
+
+def test_the_same_results_give_the_same_bytes(tmp_path):
+    """Figures drawn in parallel worker processes (figures.render) and pages rendered twice:
+    every file of the report identical."""
+    run_dir = tmp_path / "results" / "20260101-000000-1"
+    write_synthetic_run(run_dir)
+    first, second = tmp_path / "a", tmp_path / "b"
+    html.write_run_report(run_dir, first)
+    html.write_run_report(run_dir, second)
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    assert len([f for f in files if f.suffix == ".svg"]) > 10
+    for name in files:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name

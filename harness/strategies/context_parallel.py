@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
@@ -105,6 +104,10 @@ class ContextParallelStep:
         targets = _shifted_targets(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).contiguous()
         buffers = [input_ids, targets, positions]
+        # Imported here: torch.distributed.tensor.experimental costs every launch a third of a
+        # second, and only this strategy's step needs it.
+        from torch.distributed.tensor.experimental import context_parallel
+
         with sdpa_kernel(RING_BACKENDS), context_parallel(
                 self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
             logits = self.model(input_ids=input_ids, position_ids=positions,

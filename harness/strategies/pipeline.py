@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 
@@ -62,7 +61,9 @@ CAPABILITIES = Capabilities(
                    " ranks must skip the same steps); not wired for pipelines: use bf16"},
 )
 
-_SCHEDULES = {"pp_gpipe": ScheduleGPipe, "pp_1f1b": Schedule1F1B, "pp_interleaved_1f1b": ScheduleInterleaved1F1B}
+# torch.distributed.pipelining's schedule classes, by name: imported where a pipeline is
+# built, since importing it brings in torch._dynamo (a third of a second in every launch).
+_SCHEDULES = {"pp_gpipe": "ScheduleGPipe", "pp_1f1b": "Schedule1F1B", "pp_interleaved_1f1b": "ScheduleInterleaved1F1B"}
 _STAGES_PER_RANK = {"pp_gpipe": 1, "pp_1f1b": 1, "pp_interleaved_1f1b": 2}
 _LAYOUTS = ("gpt2", "llama")
 
@@ -202,10 +203,13 @@ class PipelineStep:
                  vocab_size: int, tied_weight: nn.Parameter | None):
         self.holds_first = 0 in stages
         self.holds_last = n_stages - 1 in stages
-        pipeline_stages = [PipelineStage(module, index, n_stages, env.device) for index, module in stages.items()]
+        from torch.distributed import pipelining  # (_SCHEDULES)
+
+        pipeline_stages = [pipelining.PipelineStage(module, index, n_stages, env.device)
+                           for index, module in stages.items()]
         name = cell.strategy.name
         # Single-stage schedules take their stage, multi-stage ones the list of them.
-        self.schedule = _SCHEDULES[name](
+        self.schedule = getattr(pipelining, _SCHEDULES[name])(
             pipeline_stages if _STAGES_PER_RANK[name] > 1 else pipeline_stages[0],
             n_microbatches=cell.strategy.pp_microbatches,
             # HF's causal-LM loss: labels shifted by one, mean over the micro-batch's predicted

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     pln.add_argument("--micro-batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
     pln.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
-    pln.add_argument("--optimizer", default="adamw", help="adamw, adam8bit, adamw8bit, adafactor (default adamw)")
+    pln.add_argument("--optimizer", default="adamw", help="adamw, adam8bit, adamw8bit, adafactor, sgd (default adamw)")
     pln.add_argument("--traced", action="store_true",
                      help="also trace the fastest fitting configurations and --config's under FakeTensorMode"
                           " (exact; slower); a traced peak over the usable memory is not a fit")

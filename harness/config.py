@@ -25,7 +25,7 @@ from harness.strategies.base import LayoutOption
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
 Offload = Literal["none", "params", "optimizer", "optimizer_params"]
-Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"]
+Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"]
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
 HsdpMesh = Literal["explicit", "fsdp_default"]
 # transformers' attn_implementation: "eager" materialises the attention scores, "sdpa"

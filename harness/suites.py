@@ -118,6 +118,8 @@ def default(world_size: int) -> list[CellSpec]:
     cells += [_cell("gpt2-tiny", "fairscale_sdp", world_size, optimizer=o) for o in ("adamw8bit", "adafactor")]
     cells += [_cell("gpt2-tiny", s, world_size, optimizer="adamw8bit") for s in ("fsdp1_full", "deepspeed_zero2")]
     cells += [_cell("llama-tiny", s, world_size, optimizer="adam8bit") for s in ("single", "ddp")]
+    # SGD with momentum (half AdamW's state) under DDP and FSDP2's DTensor shards.
+    cells += [_cell("gpt2-tiny", s, world_size, optimizer="sgd") for s in ("single", "ddp", "fsdp_full")]
     # The other model families, and a model of one's own: a Mistral config.json.
     others: list[tuple[str | ModelSpec, str]] = [("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp"),
                                                  (config_model("mistral-tiny"), "fsdp_full")]

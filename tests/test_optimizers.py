@@ -33,13 +33,13 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for t in state.values() if torch.is_tensor(t))
 
 
-@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adamw8bit", "adafactor"])
+@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adamw8bit", "adafactor", "sgd"])
 def test_each_optimizer_builds_and_steps(name):
     params = _params()
     before = [p.detach().clone() for p in params]
     optimizer = optimizers.make(params, name, lr=1e-2)
     cls, kwargs = optimizers.optimizer_class_and_kwargs(name, 1e-2)
-    assert isinstance(optimizer, cls) and kwargs == {"lr": 1e-2}
+    assert isinstance(optimizer, cls) and kwargs == {"lr": 1e-2, **({"momentum": 0.9} if name == "sgd" else {})}
     _step(optimizer, params)
     assert all(not torch.equal(p, b) for p, b in zip(params, before)), f"{name} did not update"
     assert all(torch.isfinite(p).all() for p in params)
@@ -50,9 +50,9 @@ def test_unknown_optimizer_is_refused_with_the_choices():
         optimizers.optimizer_class_and_kwargs("lion", 1e-3)
 
 
-def test_8bit_and_adafactor_state_is_smaller_than_adamw():
+def test_8bit_adafactor_and_sgd_state_is_smaller_than_adamw():
     sizes = {}
-    for name in ("adamw", "adam8bit", "adafactor"):
+    for name in ("adamw", "adam8bit", "adafactor", "sgd"):
         params = _params()
         optimizer = optimizers.make(params, name, 1e-3)
         _step(optimizer, params)
@@ -62,6 +62,7 @@ def test_8bit_and_adafactor_state_is_smaller_than_adamw():
     # uint8 codes for both moments of the matrix (2 bytes/param vs 8), plus absmax and qmaps.
     assert sizes["adam8bit"] < 0.5 * sizes["adamw"]
     assert sizes["adafactor"] < 0.25 * sizes["adamw"]
+    assert sizes["sgd"] == param_bytes  # one momentum buffer per parameter, no step counter
 
 
 def test_paged_optimizer_falls_back_on_cpu_and_the_cell_says_so():

@@ -102,7 +102,7 @@ def _state_bytes(optimizer) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("name", ["adamw", "adafactor", "adamw8bit"])
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "adamw8bit", "sgd"])
 def test_optimizer_state_bytes_match_the_optimizer(name):
     from harness.features import optimizers
 

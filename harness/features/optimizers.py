@@ -12,6 +12,9 @@
   ``unsupported_reason`` refuses it there instead.
 - ``adafactor``: torch.optim.Adafactor (factored second moment: row and column statistics
   for matrices, no first moment) with its defaults and the cell's lr.
+- ``sgd``: torch.optim.SGD with heavy-ball momentum ``SGD_MOMENTUM`` (0.9, the value of the
+  ResNet and transformer recipes that use SGD) and the cell's lr: one fp32 momentum buffer per
+  parameter, 4 B per parameter of state where AdamW holds 8.
 
 One definition, so that a sharded optimizer and the single-process reference run the same
 update rule and the equivalence gate compares like with like (the reference cell uses the
@@ -26,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import ParamsT  # parameters, or parameter groups (tensor parallel's)
 
-NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor")
+NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
+SGD_MOMENTUM = 0.9
 BITSANDBYTES = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit"})
 
 PAGED_ON_CPU = (
@@ -37,11 +41,13 @@ PAGED_ON_CPU = (
 
 
 def optimizer_class_and_kwargs(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The optimizer class and its keyword arguments (all defaults but lr)."""
+    """The optimizer class and its keyword arguments (all defaults but lr; SGD's momentum)."""
     if name == "adamw":
         return torch.optim.AdamW, {"lr": lr}
     if name == "adafactor":
         return torch.optim.Adafactor, {"lr": lr}
+    if name == "sgd":
+        return torch.optim.SGD, {"lr": lr, "momentum": SGD_MOMENTUM}
     if name in BITSANDBYTES:
         import bitsandbytes.optim as bnb_optim
 

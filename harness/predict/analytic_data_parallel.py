@@ -24,6 +24,7 @@ from harness.predict.formulas import (
     blockwise_8bit_state_bytes,
     norm_keeps,
     powersgd_elements,
+    sgd_momentum_state_bytes,
 )
 from harness.strategies import deepspeed_zero  # its sizing rule; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
@@ -83,6 +84,8 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...],
         return blockwise_8bit_state_bytes(shapes)
     if optimizer == "adafactor":
         return adafactor_state_bytes(shapes)
+    if optimizer == "sgd":
+        return sgd_momentum_state_bytes(shapes)
     raise ValueError(f"optimizer={optimizer!r}: no state formula")
 
 

@@ -55,7 +55,7 @@ _SDP_CAPABILITIES = dataclasses.replace(
 _FSDP_CAPABILITIES = dataclasses.replace(
     _OSS_CAPABILITIES,
     precisions=frozenset({"fp32", "bf16"}),
-    optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit"}),
+    optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "sgd"}),
     notes={
         "fp16": "fp16 with FairScale FSDP needs its ShardedGradScaler: not wired in this release, use bf16",
         "adafactor": (

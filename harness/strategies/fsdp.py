@@ -37,7 +37,7 @@ _NO_DTENSOR_8BIT = (
 )
 CAPABILITIES = dataclasses.replace(
     FSDP_CAPABILITIES,
-    optimizers=frozenset({"adamw"}),
+    optimizers=frozenset({"adamw", "sgd"}),
     # One rank is a real configuration (one GPU: the device check); FSDP1's share the rest.
     min_world_size=1,
     notes={

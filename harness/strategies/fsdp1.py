@@ -28,7 +28,7 @@ CAPABILITIES = dataclasses.replace(
     # 8-bit optimizers step the 1-D flat shards: quantization blocks (and bitsandbytes'
     # 4096-element threshold for 8-bit state) fall differently than on the reference's
     # per-tensor state, hence equivalence.TOLERANCE_QUANTIZED_OPTIMIZER.
-    optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit"}),
+    optimizers=frozenset({"adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "sgd"}),
     notes={
         **FSDP_CAPABILITIES.notes,
         "adafactor": (

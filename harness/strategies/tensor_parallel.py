@@ -51,7 +51,7 @@ _MIXED = "got mixed torch.Tensor and DTensor"
 _TP_CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
     checkpointing=frozenset({"none", "full", "selective"}),
-    optimizers=frozenset({"adamw"}),
+    optimizers=frozenset({"adamw", "sgd"}),
     notes={
         "fp16": ("fp16's GradScaler unscales every gradient of a device and dtype in one kernel"
                  " (_amp_foreach_non_finite_check_and_unscale_), and tensor parallel's gradients mix"

@@ -1,4 +1,5 @@
-"""Optimizer state per parameter tensor: Adam(W), block-wise 8-bit Adam, Adafactor."""
+"""Optimizer state per parameter tensor: Adam(W), block-wise 8-bit Adam, Adafactor, SGD with
+momentum."""
 
 from __future__ import annotations
 
@@ -45,3 +46,9 @@ def adafactor_state_bytes(shapes: Shapes) -> float:
         factored = len(shape) >= 2
         total += 4 * ((math.prod(shape[:-1]) + shape[-1]) if factored else math.prod(shape)) + 4
     return total
+
+
+def sgd_momentum_state_bytes(shapes: Shapes) -> float:
+    """SGD with momentum's state for fp32 parameters (Polyak's heavy ball, as torch.optim.SGD
+    keeps it): one fp32 momentum buffer per parameter, 4 B per parameter, and no step counter."""
+    return sum((4 * math.prod(shape) for shape in shapes), 0.0)

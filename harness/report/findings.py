@@ -21,6 +21,7 @@ than averaging it away.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections import Counter
@@ -76,11 +77,12 @@ class Axis:
         return self.display(record) if self.display else str(self.value(record))
 
 
+STRATEGY = Axis("strategy", "sharding stage and engine",
+                ("strategy.name", "strategy.hsdp_mesh", "strategy.tp_degree", "strategy.pp_degree",
+                 "strategy.pp_microbatches"),
+                lambda r: _strategy(r["cell"]), ("ddp",), display=_strategy_name)
 AXES: tuple[Axis, ...] = (
-    Axis("strategy", "sharding stage and engine",
-         ("strategy.name", "strategy.hsdp_mesh", "strategy.tp_degree", "strategy.pp_degree",
-          "strategy.pp_microbatches"),
-         lambda r: _strategy(r["cell"]), ("ddp",), display=_strategy_name),
+    STRATEGY,
     Axis("precision", "precision", ("strategy.precision",), lambda r: r["cell"]["strategy"]["precision"], ("fp32",)),
     Axis("checkpointing", "activation checkpointing", ("strategy.checkpointing",),
          lambda r: f"ckpt_{r['cell']['strategy']['checkpointing']}", ("ckpt_none",)),
@@ -93,13 +95,13 @@ AXES: tuple[Axis, ...] = (
     Axis("optimizer", "optimizer", ("strategy.optimizer",), lambda r: r["cell"]["strategy"]["optimizer"], ("adamw",)),
     Axis("attention", "attention kernel", ("attention",), lambda r: f"attn_{r['cell']['attention']}", ("attn_sdpa",)),
     Axis("heads", "key/value heads", ("model",), _heads, ("mha",), same_family=True),
-    Axis("model", "model", ("model",), lambda r: _model(r)),
+    Axis("model", "model", ("model",), _model),
     Axis("micro_batch", "micro-batch", ("micro_batch",), lambda r: f"mb{r['cell']['micro_batch']}"),
     Axis("seq_len", "sequence length", ("seq_len",),
          lambda r: "seq default" if r["cell"]["seq_len"] is None else f"seq{r['cell']['seq_len']}"),
 )
 
-# What a pair compares: (name, measured value, predicted value) of a record.
+# What a pair compares: name -> (a record's measured value, its predicted value).
 _MEASURES: dict[str, tuple[Callable[[dict], float | None], Callable[[dict], float | None]]] = {
     "peak": (lambda r: r["metrics"].get("peak_mem_bytes"),
              lambda r: ((r.get("predicted") or {}).get("analytic") or {}).get("peak_bytes")),
@@ -124,9 +126,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b and a > 0 else None
 
 
-def _pairing_key(record: dict, axis: Axis) -> str:
-    """The cell but for what ``axis`` varies (and the warm-up, which follows the strategy)."""
-    cell = json.loads(json.dumps(record["cell"]))
+def pairing_key(record: dict, axis: Axis) -> str:
+    """The cell but for what ``axis`` varies (and the warm-up, which follows the strategy):
+    two records with the same key differ in that axis alone."""
+    cell = copy.deepcopy(record["cell"])
     cell.pop("warmup", None)
     for path in axis.owns:
         *parents, leaf = path.split(".")
@@ -222,7 +225,7 @@ def axis_findings(records: list[dict], axis: Axis) -> list[Finding]:
           and axis.value(r) is not None]
     groups: dict[str, list[dict]] = {}
     for r in ok:
-        groups.setdefault(_pairing_key(r, axis), []).append(r)
+        groups.setdefault(pairing_key(r, axis), []).append(r)
     varied = {k: g for k, g in groups.items() if len({axis.value(r) for r in g}) > 1}
     if not varied:
         return []

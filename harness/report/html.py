@@ -56,9 +56,6 @@ def _num(value) -> str:
     return "" if value is None else repr(float(value))
 
 
-
-
-
 def cell_page_name(cell_id: str) -> str:
     # A short hash keeps two ids that differ only in unsafe characters apart.
     digest = hashlib.sha1(cell_id.encode()).hexdigest()[:8]
@@ -316,6 +313,10 @@ def _accuracy(records: list[dict], fig_dir: Path, jobs: list[figures.Job]) -> di
     } for s in targets]}
 
 
+def _loss_figure_name(row: dict) -> str:
+    return f"loss-{Path(row['page']).stem}.svg"
+
+
 def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None = None) -> Path:
     """The run's pages. What cannot be read is skipped with a warning, counted on the page,
     and appended to ``skipped`` when given."""
@@ -340,7 +341,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     jobs: list[figures.Job] = []
     findings_sections = _findings(records, fig_dir, jobs)
     accuracy_section = _accuracy(records, fig_dir, jobs)
-    refs, loss_jobs = [], {}
+    refs, loss_jobs = [], {}  # loss_jobs: figure name -> its job, for the ok cells
     for record, row in zip(records, rows):
         eq = record.get("equivalence") or {}
         ref = by_id.get(eq.get("reference_cell_id")) if eq.get("reference_cell_id") else None
@@ -348,15 +349,15 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
             ref = record  # a reference: its own curve
         refs.append(ref)
         if record.get("status") == "ok":
-            name = f"loss-{Path(row['page']).stem}.svg"
-            loss_jobs[name] = (figures.cell_loss_figure, (record, ref, fig_dir / "cells" / name))
+            loss_jobs[_loss_figure_name(row)] = (figures.cell_loss_figure,
+                                                 (record, ref, fig_dir / "cells" / _loss_figure_name(row)))
     drawn = figures.render(model_jobs + jobs + list(loss_jobs.values()))
     figure_groups = drawn[:len(model_jobs)]
     losses_drawn = dict(zip(loss_jobs, drawn[len(model_jobs) + len(jobs):]))  # name -> whether drawn
 
     cell_template = ENV.get_template("cell.html.j2")
     for record, row, ref in zip(records, rows, refs):
-        name = f"loss-{Path(row['page']).stem}.svg"
+        name = _loss_figure_name(row)
         loss_svg = f"../figures/cells/{name}" if losses_drawn.get(name) else None
         (report_dir / row["page"]).write_text(cell_template.render(
             run_id=run_id, r=record, row=row, ref=ref if ref is not record else None,

@@ -23,11 +23,11 @@ an 8-bit or factored optimizer is not Adam's 8 bytes per parameter.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any
 
 from harness.predict.formulas import FP32_ADAM, zero_model_states
+from harness.report import findings
 
 _STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # Held at the optimizer step: everything but activations. "other" there is an engine's own
@@ -35,13 +35,6 @@ _STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # parameters), which the formula counts among the model states too.
 _STATES = ("params", "grads", "optimizer", "other")
 _CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
-
-
-def _key(record: dict[str, Any]) -> str:
-    """The cell but for its strategy's name (and the warm-up, which follows the strategy)."""
-    cell = {k: v for k, v in record["cell"].items() if k != "warmup"}
-    cell["strategy"] = {k: v for k, v in cell["strategy"].items() if k != "name"}
-    return json.dumps(cell, sort_keys=True)
 
 
 def _states(record: dict[str, Any]) -> float:
@@ -57,11 +50,11 @@ def rows(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per ZeRO-stage cell with a DDP baseline, in the run's order."""
     ok = [r for r in records
           if r["status"] == "ok" and r["precision"] == "fp32" and r["strategy"]["optimizer"] == "adamw"]
-    ddp = {_key(r): r for r in ok if r["strategy"]["name"] == "ddp"}
+    ddp = {findings.pairing_key(r, findings.STRATEGY): r for r in ok if r["strategy"]["name"] == "ddp"}
     out = []
     for record in ok:
         stage = _STAGES.get(record.get("zero_idea") or "")
-        base = ddp.get(_key(record))
+        base = ddp.get(findings.pairing_key(record, findings.STRATEGY))
         if stage is None or base is None:
             continue
         out.append({"record": record, "baseline": base, "stage": stage,

@@ -71,6 +71,9 @@ class StrategySpec:
     compression: Compression = "none"
     # PowerSGD's matrix approximation rank (only read when compression == "powersgd").
     powersgd_rank: int = 1
+    # Clip the gradients to this global 2-norm before each optimizer step, the engine's own
+    # way (harness/features/clipping.py); None: no clipping.
+    clip_grad_norm: float | None = None
     # HYBRID_SHARD / HSDP: "explicit" builds a (replicate × shard) DeviceMesh;
     # "fsdp_default" lets FSDP1 pick its own process groups, which on a single node silently
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
@@ -97,6 +100,11 @@ class StrategySpec:
         _check_choice("hsdp_mesh", self.hsdp_mesh, get_args(HsdpMesh))
         _check_positive("accumulation", self.accumulation)
         _check_positive("powersgd_rank", self.powersgd_rank)
+        if self.clip_grad_norm is not None and (
+                isinstance(self.clip_grad_norm, bool) or not isinstance(self.clip_grad_norm, int | float)
+                or not 0 < self.clip_grad_norm < float("inf")):
+            raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r}: must be a positive, finite number (a global"
+                             " gradient 2-norm, e.g. 1.0)")
         # Options that would change nothing must not make a second cell with a new id.
         if self.powersgd_rank != 1 and self.compression != "powersgd":
             raise ValueError(f"powersgd_rank={self.powersgd_rank}: applies to compression=powersgd only")
@@ -275,6 +283,8 @@ class CellSpec:
         if s.compression != "none":
             rank = f"-r{s.powersgd_rank}" if s.compression == "powersgd" else ""
             parts.append(f"compress_{s.compression}{rank}")
+        if s.clip_grad_norm is not None:
+            parts.append(f"clip{s.clip_grad_norm:g}")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
         # The layout options are None wherever they do not apply (StrategySpec._resolve).
@@ -292,14 +302,16 @@ class CellSpec:
     def reference(self) -> CellSpec:
         """The single-process run this cell must train identically to.
 
-        Same model, attention, seed, precision, optimizer, data and steps; the whole global
-        batch in one process and one micro-step, no feature that should not change the maths
-        (checkpointing, offload, compression, accumulation, the allocator's settings).
+        Same model, attention, seed, precision, optimizer, gradient clipping, data and steps;
+        the whole global batch in one process and one micro-step, no feature that should not
+        change the maths (checkpointing, offload, compression, accumulation, the allocator's
+        settings).
         """
+        s = self.strategy
         return dataclasses.replace(
             self,
-            strategy=StrategySpec(name=REFERENCE, precision=self.strategy.precision,
-                                  optimizer=self.strategy.optimizer),
+            strategy=StrategySpec(name=REFERENCE, precision=s.precision, optimizer=s.optimizer,
+                                  clip_grad_norm=s.clip_grad_norm),
             micro_batch=self.global_batch,
             world_size=1,
             warmup=None,  # its own: the warm-up decides which steps are measured, not the losses

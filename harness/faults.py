@@ -19,6 +19,10 @@ Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` 
   Honoured by harness/strategies/fairscale.py; ignored by other strategies.
 - ``leak``: every rank keeps a 1 MiB tensor (LEAK_BYTES_PER_STEP) from each timed step,
   as a leaking loop would; the record's memory_growth_bytes must show it (tests/test_gpu_path.py).
+- ``clip_before_unscale``: a wrong computation: an fp16 cell that clips its gradients while
+  they are still multiplied by the loss scale, then unscales them (the order torch's AMP
+  recipe warns against); the equivalence gate must fail the cell (tests/test_numerics.py).
+  Honoured by harness/training.py where the cell clips.
 - ``host_memory_low``: after the cell, the workers read the host's memory as short, as
   where earlier cells' memory was not handed back; they leave and the remaining cells run
   in a fresh launch (harness/runner/worker.py, ``host_memory_short``).
@@ -36,7 +40,8 @@ ENV_VAR = "SHARDBENCH_FAULT"
 GRADS_SET_TO_NONE = "grads_set_to_none"
 LEAK = "leak"
 HOST_MEMORY_LOW = "host_memory_low"
-FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE, LEAK, HOST_MEMORY_LOW)
+CLIP_BEFORE_UNSCALE = "clip_before_unscale"
+FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE, LEAK, HOST_MEMORY_LOW, CLIP_BEFORE_UNSCALE)
 # What the "leak" fault keeps from every timed step.
 LEAK_BYTES_PER_STEP = 2**20
 

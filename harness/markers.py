@@ -35,6 +35,7 @@ CATALOGUE: dict[str, str] = {
     "gqa": "grouped-query attention (fewer key/value heads than query heads, more than one)",
     "mqa": "multi-query attention (one key/value head)",
     "alloc_expandable": "CUDA caching allocator with expandable segments",
+    "clip": "gradients clipped by their global norm (clip_grad_norm)",
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
     **{f"offload_{o}": f"offload: {o}" for o in ("none", "params", "optimizer")},
@@ -74,6 +75,7 @@ def markers_of(cell: CellSpec) -> list[str]:
         family,
         *([] if family == "mlp" else [f"attn_{cell.attention}", _attention_heads(spec)]),
         *(["alloc_expandable"] if cell.expandable_segments else []),
+        *(["clip"] if s.clip_grad_norm is not None else []),
     ]
     unknown = [m for m in marks if m not in CATALOGUE]
     if unknown:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -52,8 +53,8 @@ import torch.distributed as dist
 from harness import faults, models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv
-from harness.features import checkpointing, precision
-from harness.measure import comm, memory, timing
+from harness.features import checkpointing, clipping, precision
+from harness.measure import comm, memory, numerics, timing
 from harness.strategies.base import Prepared
 
 
@@ -88,11 +89,15 @@ def _no_op() -> None:
 def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: DistEnv,
                micro_batches: list[dict[str, torch.Tensor]], scaler: torch.amp.GradScaler,
                between_micro_steps: Callable[[], None] = _no_op,
-               before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
+               before_optimizer_step: Callable[[], None] = _no_op,
+               grad_norm_into: torch.Tensor | None = None, unscale_before_clip: bool = True) -> torch.Tensor:
     """One optimizer step. Returns this rank's mean loss over its micro-batches (detached).
 
-    ``before_optimizer_step`` runs after the last backward, before the optimizer (or the
-    engine that owns it) steps. A rank that computes no loss (a pipeline's first stages)
+    ``before_optimizer_step`` runs after the last backward, before the gradients are
+    unscaled and clipped and the optimizer (or the engine that owns it) steps. The gradients'
+    global norm before clipping is copied into ``grad_norm_into`` where given (it is computed
+    anyway where the cell clips). ``unscale_before_clip=False`` is the ``clip_before_unscale``
+    fault (features/clipping.py). A rank that computes no loss (a pipeline's first stages)
     returns zero."""
     n_micro = len(micro_batches)
     total = torch.zeros((), device=env.device)
@@ -117,7 +122,15 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
         prep.after_micro_step()
         total += loss.detach().float()
     if not prep.owns_optimizer_step:
-        scaler.step(prep.optimizer)
+        max_norm = cell.strategy.clip_grad_norm
+        if max_norm is not None or grad_norm_into is not None:
+            if unscale_before_clip:
+                scaler.unscale_(prep.optimizer)  # the AMP recipe: clip the true gradients
+            clip = prep.clip_grad_norm or clipping.torch_clip(prep.model.parameters())
+            norm = clip(math.inf if max_norm is None else max_norm)
+            if grad_norm_into is not None:
+                grad_norm_into.copy_(norm)
+        scaler.step(prep.optimizer)  # unscales first where nothing above did
         scaler.update()
         prep.optimizer.zero_grad(set_to_none=prep.grads_set_to_none)
     return total
@@ -134,11 +147,44 @@ class PreparedCell:
     prep: Prepared
     scaler: torch.amp.GradScaler
     batches: list[list[dict[str, torch.Tensor]]]
+    # Each step's gradient norm before clipping, NaN where the step measured none; filled in
+    # place, as the losses are (run_cell).
+    grad_norms: torch.Tensor
+    unscale_before_clip: bool = True
 
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
-             before_optimizer_step: Callable[[], None] = _no_op) -> torch.Tensor:
+             before_optimizer_step: Callable[[], None] = _no_op, measure_grad_norm: bool = False) -> torch.Tensor:
+        """Step ``i``. Its gradient norm is kept where the cell clips (computed anyway) or
+        ``measure_grad_norm`` asks for it (measure/numerics.py says which steps do)."""
+        keep_norm = measure_grad_norm or self.cell.strategy.clip_grad_norm is not None
         return train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
-                          between_micro_steps, before_optimizer_step)
+                          between_micro_steps, before_optimizer_step,
+                          grad_norm_into=self.grad_norms[i] if keep_norm else None,
+                          unscale_before_clip=self.unscale_before_clip)
+
+    def gradient_range_unmeasured(self) -> str:
+        """Why this cell's gradients are not held against its precision's range ("" when they are)."""
+        if self.cell.strategy.precision == "fp32":
+            return "fp32 throughout: no cast to a narrower range"
+        if self.prep.owns_optimizer_step:
+            return ("DeepSpeed keeps the gradients in its optimizer's flat partitions, not in the"
+                    " parameters' .grad, where this probe reads them")
+        return ""
+
+    def gradient_range(self) -> dict[str, Any]:
+        """The gradients this rank's optimizer steps, as backward left them, against the compute
+        precision's range (measure/numerics.py); call after the last backward of a step."""
+        optimizer = self.prep.memory_optimizer or self.prep.optimizer
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        return numerics.gradient_range(grads, precision.DTYPES[self.cell.strategy.precision], scale, self.env.device)
+
+    def log_numerics(self, log: numerics.NumericsLog, i: int) -> None:
+        """Step ``i``'s loss scale, skip and (an engine's own) gradient norm into ``log``."""
+        if self.prep.engine_numerics is not None:
+            log.after_engine_step(i, *self.prep.engine_numerics())
+        else:
+            log.after_harness_step(i)
 
     def tracked_step(self, i: int, timeline: bool = False) -> tuple[torch.Tensor, memory.StepMemory]:
         """Step ``i`` under the memory tracker: its loss and its StepMemory (with the
@@ -166,8 +212,10 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
     data_rank = env.rank if prep.data_rank is None else prep.data_rank
     return PreparedCell(cell=cell, env=env, built=built, prep=prep,
-                        scaler=precision.grad_scaler(cell.strategy.precision, env.device),
-                        batches=local_batches(built, cell, env, data_rank))
+                        scaler=prep.scaler or precision.grad_scaler(cell.strategy.precision, env.device),
+                        batches=local_batches(built, cell, env, data_rank),
+                        grad_norms=torch.full((cell.steps,), math.nan, device=env.device),
+                        unscale_before_clip=faults.planned().get(cell.cell_id) != faults.CLIP_BEFORE_UNSCALE)
 
 
 def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
@@ -191,11 +239,21 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     leak_bytes = faults.LEAK_BYTES_PER_STEP if faults.planned().get(cell.cell_id) == faults.LEAK else 0
     # Filled in place: a list of per-step losses would grow the memory the leak check watches.
     losses = torch.zeros(cell.steps, device=env.device)
+    log = numerics.NumericsLog(cell.steps, session.scaler)
+    range_unmeasured = session.gradient_range_unmeasured()
+    grad_range: dict[str, Any] | None = None
+
+    def probe_gradient_range() -> None:
+        nonlocal grad_range
+        grad_range = session.gradient_range()
 
     # Warm-up, not measured: the first steps make what later steps reuse (optimizer state,
-    # allocator caches, DDP's rebuilt buckets).
+    # allocator caches, DDP's rebuilt buckets). They measure the gradient norm, and the last
+    # one how the gradients fall in the compute precision's range.
     for i in range(warmup):
-        losses[i] = session.step(i)
+        probe = probe_gradient_range if i == warmup - 1 and not range_unmeasured else _no_op
+        losses[i] = session.step(i, before_optimizer_step=probe, measure_grad_norm=True)
+        session.log_numerics(log, i)
 
     # The memory-tracked step; with a snapshot folder, also its timeline (and CUDA's snapshot).
     i = warmup
@@ -203,12 +261,14 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
                                   else (None, None))
     with memory.cuda_memory_history(pickle_file) if env.is_cuda and pickle_file else nullcontext():
         losses[i], mem = session.tracked_step(i, timeline=timeline_file is not None)
+    session.log_numerics(log, i)
     snapshot = (write_memory_snapshot(mem, timeline_file, cell, env) if timeline_file
                 else {"memory_timeline": None, "memory_snapshot": None, "memory_snapshot_reason": "not asked for"})
     enforce_cpu_memory_cap(mem.peak_bytes, mem_cap_bytes, env)
 
     # The comm-counted step.
     losses[i + 1], comm_by_op = session.counted_step(i + 1)
+    session.log_numerics(log, i + 1)
 
     # The timed steps; the memory held after the first and after the last is the leak check.
     step_times: list[float] = []
@@ -217,6 +277,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     for i in range(first_timed, cell.steps):
         with timing.timed(env.device, step_times):
             losses[i] = session.step(i)
+        session.log_numerics(log, i)
         if leak_bytes:
             leaked.append(torch.empty(leak_bytes, dtype=torch.uint8, device=env.device))
         if i in (first_timed, cell.steps - 1):
@@ -231,6 +292,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     loss_tensor = torch.cat([losses * holds, torch.tensor([holds], device=env.device)])
     dist.all_reduce(loss_tensor)
     loss_tensor = loss_tensor[:-1] / loss_tensor[-1]
+    log.set_grad_norms(session.grad_norms.tolist())
     return {
         "rank": env.rank,
         "peak_mem_bytes": mem.peak_bytes,
@@ -251,6 +313,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         "comm_by_op": {op: stats.to_record() for op, stats in comm_by_op.items()},
         "engine": prep.engine_report(),
         "losses": loss_tensor.tolist(),
+        "numerics": log.to_record(grad_range, range_unmeasured),
         "n_params": built.n_params,
         "attn_implementation": built.attn_implementation,
         "tokens_per_sample": built.tokens_per_sample,

@@ -27,3 +27,13 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
     """Dynamic loss scaling for fp16 (scale down and skip the step on inf/nan, grow after
     2000 clean steps); bf16 has fp32's exponent range and needs none."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+def sharded_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    """``grad_scaler`` for gradients sharded over the ranks (FSDP1, FSDP2): each rank sees
+    only its shard, so an inf on one rank must skip the step on all of them. torch's
+    ShardedGradScaler all-reduces the found-inf flags before stepping; the plain GradScaler
+    would step the other ranks' shards and leave the model inconsistent."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device.type, enabled=precision == "fp16")

@@ -4,6 +4,7 @@ model (one file per model) so different models never share an axis."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import re
@@ -242,14 +243,14 @@ def axis_figure(title: str, baseline: str, rows: list[dict], path: Path) -> None
 def accuracy_figure(panels: list[dict], path: Path) -> None:
     """Predicted against measured, a log-log panel per predictor, with y = x and the
     predictor's target band. ``panels``: {title, unit, scale, tolerance, points: [(measured,
-    predicted, within)]}, values in the unit after dividing by ``scale``."""
+    predicted, within)]}, at least one point each, all positive; values in the unit after
+    dividing by ``scale``."""
     columns = min(3, len(panels))
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.4 * rows), squeeze=False)
     good, bad = sns.color_palette("colorblind")[0], sns.color_palette("colorblind")[3]
     for ax, panel in zip(axes.flat, panels):
-        points = [(x / panel["scale"], y / panel["scale"], within)
-                  for x, y, within in panel["points"] if x > 0 and y > 0]
+        points = [(x / panel["scale"], y / panel["scale"], within) for x, y, within in panel["points"]]
         xs = [x for x, _, _ in points] + [y for _, y, _ in points]
         low, high = min(xs) / 1.5, max(xs) * 1.5
         line = [low, high]
@@ -333,23 +334,85 @@ def render(jobs: list[Job]) -> list[Any]:
         return [future.result() for future in futures]
 
 
+def _per_step(ax, values: list, reference_values: list, own: bool, ylabel: str) -> None:
+    """A per-step series of the cell (points) over its reference's (dashed); nulls are gaps."""
+    if reference_values:
+        ax.plot(range(len(reference_values)), [math.nan if v is None else v for v in reference_values],
+                color="black", lw=1.5, ls="--", label="reference", zorder=3)
+    if values and own:
+        ax.plot(range(len(values)), [math.nan if v is None else v for v in values], color="#1f77b4", marker=".",
+                lw=1, label="this cell")
+    ax.set_ylabel(ylabel)
+
+
 def cell_loss_figure(record: dict, reference: dict | None, path: Path) -> bool:
-    """One cell's loss per step over its reference's; False when there is nothing to draw."""
+    """One cell's training curves over its reference's: the loss per step, the gradient norm
+    before clipping with the loss scale beside it (where the record has numerics), and the
+    gradients' binary exponents against the compute precision's range (fp16 and bf16 cells).
+    False when there is nothing to draw."""
     losses = record.get("losses") or []
     ref_losses = (reference or {}).get("losses") or []
     if not losses and not ref_losses:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3))
-    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.16, top=0.95)
-    if ref_losses:
-        ax.plot(range(len(ref_losses)), ref_losses, color="black", lw=1.5, ls="--", label="reference", zorder=3)
-    if losses and reference is not record:
-        ax.plot(range(len(losses)), losses, color="#1f77b4", marker=".", lw=1, label="this cell")
+    numerics = record.get("numerics") or {}
+    ref_numerics = (reference or {}).get("numerics") or {}
+    has_norm = any(v is not None for v in (numerics.get("grad_norm") or []) + (ref_numerics.get("grad_norm") or []))
+    grad_range = numerics.get("gradient_range")
+    panels = 1 + has_norm + (grad_range is not None)
+    fig, axes = plt.subplots(panels, 1, figsize=(6, 2.6 * panels), squeeze=False)
+    fig.subplots_adjust(left=0.14, right=0.86, bottom=0.16 / panels, top=1 - 0.05 / panels, hspace=0.45)
+    own = reference is not record
+    ax = axes[0][0]
+    _per_step(ax, losses, ref_losses, own, "loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
     ax.legend(fontsize=7)
+    if has_norm:
+        ax = axes[1][0]
+        _per_step(ax, numerics.get("grad_norm") or [], ref_numerics.get("grad_norm") or [], own,
+                  "gradient norm\nbefore clipping")
+        ax.set_xlabel("step")
+        clip = (record.get("strategy") or {}).get("clip_grad_norm")
+        if clip is not None:
+            ax.axhline(clip, color="#d62728", lw=0.8, ls=":", label=f"clip_grad_norm {clip:g}")
+            ax.legend(fontsize=7)
+        scales = numerics.get("loss_scale") or []
+        if any(s is not None for s in scales):
+            twin = ax.twinx()
+            twin.step(range(len(scales)), [math.nan if s is None else s for s in scales], where="mid",
+                      color="#2ca02c", lw=1)
+            twin.set_yscale("log", base=2)
+            twin.set_ylabel("loss scale", color="#2ca02c")
+            for step in numerics.get("skipped_steps") or []:
+                ax.axvline(step, color="#ff7f0e", lw=0.8, alpha=0.7)
+    if grad_range is not None:
+        _gradient_range(axes[-1][0], grad_range)
     _save(fig, path, tight=False)
     return True
+
+
+# log2 of the largest, the smallest normal and the smallest subnormal value of each compute
+# precision: fp16 (5 exponent bits, 10 of mantissa) 65504 ≈ 2^16, 2^-14 and 2^-24; bf16 (8 and
+# 7) ≈ 2^128, 2^-126 and 2^-133.
+_RANGE_LOG2 = {"float16": (16, -14, -24), "bfloat16": (128, -126, -133)}
+
+
+def _gradient_range(ax, grad_range: dict) -> None:
+    """Micikevicius et al.'s histogram: the gradients' binary exponents as held (with the loss
+    scale), the compute precision's smallest normal and subnormal marked."""
+    bins = grad_range.get("log2_histogram") or []
+    if bins:
+        exponents, counts = zip(*bins)
+        ax.bar(exponents, counts, width=1.0, align="edge", color="#9467bd")
+        ax.set_yscale("log")
+    limits = _RANGE_LOG2.get(str(grad_range.get("dtype")))
+    if limits is not None:
+        largest, normal, subnormal = limits
+        ax.axvline(largest, color="#d62728", lw=1, ls="-.", label="largest (overflow beyond)")
+        ax.axvline(normal, color="#d62728", lw=1, label="smallest normal")
+        ax.axvline(subnormal, color="#d62728", lw=1, ls="--", label="smallest subnormal")
+        ax.legend(fontsize=7)
+    ax.set_xlabel(f"log2 |gradient| as held (loss scale {grad_range.get('loss_scale'):g}), one step")
+    ax.set_ylabel("values")
 
 
 def timeline_series(events: list[list]) -> pd.DataFrame:

@@ -2,7 +2,7 @@
 the records alone.
 
 For every axis the run varied (``AXES``: sharding stage and engine, precision,
-checkpointing, offload, accumulation, compression, optimizer, attention kernel, key/value
+checkpointing, offload, accumulation, compression, optimizer, gradient clipping, attention kernel, key/value
 heads, model, micro-batch, sequence length), the pairs of ``ok`` cells that differ in that
 axis alone (every other field of the cell the same, the warm-up apart, which follows the
 strategy), and for each value the effect against the axis's baseline value, as
@@ -51,6 +51,11 @@ def _compression(cell: dict) -> str:
     return f"compress_{s['compression']}" + (f"-r{s['powersgd_rank']}" if s["compression"] == "powersgd" else "")
 
 
+def _clipping(record: dict) -> str:
+    clip = record["cell"]["strategy"].get("clip_grad_norm")  # absent from records before the option
+    return "clip_none" if clip is None else f"clip{clip:g}"
+
+
 def _heads(record: dict) -> str | None:
     return next((m for m in record.get("markers") or () if m in _HEADS), None)
 
@@ -93,6 +98,7 @@ AXES: tuple[Axis, ...] = (
     Axis("compression", "gradient compression", ("strategy.compression", "strategy.powersgd_rank"),
          lambda r: _compression(r["cell"]), ("compress_none",)),
     Axis("optimizer", "optimizer", ("strategy.optimizer",), lambda r: r["cell"]["strategy"]["optimizer"], ("adamw",)),
+    Axis("clipping", "gradient clipping", ("strategy.clip_grad_norm",), _clipping, ("clip_none",)),
     Axis("attention", "attention kernel", ("attention",), lambda r: f"attn_{r['cell']['attention']}", ("attn_sdpa",)),
     Axis("heads", "key/value heads", ("model",), _heads, ("mha",), same_family=True),
     Axis("model", "model", ("model",), _model),

@@ -299,12 +299,14 @@ def _accuracy(records: list[dict], fig_dir: Path, jobs: list[figures.Job]) -> di
         points = []
         for r, c in s["compared"]:
             measured = accuracy.measured_value(s["target"], r["metrics"])
-            if measured:
+            if measured and c["ratio"] > 0:  # a log-log figure: nothing at zero
                 points.append((measured, c["ratio"] * measured, c["within_target"]))
-        panels.append({"title": s["target"], "unit": unit, "scale": scale, "tolerance": s["tolerance"],
-                       "points": points})
-    jobs.append((figures.accuracy_figure, (panels, fig_dir / "accuracy.svg")))
-    return {"figure": f"{fig_dir.name}/accuracy.svg", "rows": [{
+        if points:
+            panels.append({"title": s["target"], "unit": unit, "scale": scale, "tolerance": s["tolerance"],
+                           "points": points})
+    if panels:
+        jobs.append((figures.accuracy_figure, (panels, fig_dir / "accuracy.svg")))
+    return {"figure": f"{fig_dir.name}/accuracy.svg" if panels else None, "rows": [{
         "target": s["target"], "tolerance": f"±{s['tolerance']:.0%}", "n": len(s["compared"]),
         "within": len(s["compared"]) - len(s["missed"]), "median": f"{s['median']:.3f}",
         "worst": f"{s['worst'][1]['ratio']:.3f}", "worst_cell": s["worst"][0]["cell_id"],
@@ -367,7 +369,8 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
             cell_json=json.dumps(record.get("cell") or {}, indent=2, sort_keys=True),
             engine_json=[(p.get("rank"), json.dumps(p.get("engine"), indent=2, sort_keys=True))
                          for p in record.get("per_rank") or [] if p.get("engine")],
-            env=environment, analytic_activations=_analytic_activations(record)))
+            env=environment, analytic_activations=_analytic_activations(record),
+            numerics_rows=numerics_rows(record)))
 
     claim_rows = _claim_rows(run_dir)
     claim_counts = {v: sum(1 for c in claim_rows if c["verdict"] == v) for v in _CLAIM_VERDICT_CLASS}
@@ -385,6 +388,32 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
         max_trials=max((r["trials"]["n"] for r in records), default=1),
         device=info.get("device") or {}))
     return page
+
+
+def numerics_rows(record: dict) -> list[tuple[str, str]]:
+    """The cell page's numerics table (measure/numerics.py): label and text per row; none for
+    a record without numerics (a cell that did not train, or one recorded before them)."""
+    n = record.get("numerics")
+    if not n:
+        return []
+    scales = [s for s in n["loss_scale"] if s is not None]
+    measured = [(step, norm) for step, norm in enumerate(n["grad_norm"]) if norm is not None]
+    clip = (record.get("strategy") or {}).get("clip_grad_norm")
+    skipped = n["skipped_steps"]
+    skipped_text = f"{len(skipped)}" + (f" (steps {', '.join(map(str, skipped))})" if skipped else "")
+    norm_text = (f"{measured[0][1]:.4g} at step {measured[0][0]}, {measured[-1][1]:.4g} at step {measured[-1][0]}"
+                 f" ({len(measured)} of {len(n['grad_norm'])} steps measured)" if measured else "not measured")
+    g = n.get("gradient_range")
+    range_text = (f"{100 * g['fraction_zero_or_subnormal']:.3g} % as held (loss scale {g['loss_scale']:g}),"
+                  f" {100 * g['fraction_zero_or_subnormal_unscaled']:.3g} % without the scale; {g['zero_in_fp32']:,}"
+                  f" of {g['values']:,} values zero already in fp32 ({g['dtype']}, summed over the ranks)"
+                  if g else n["gradient_range_reason"])
+    return [
+        ("loss scale", f"{min(scales):g} to {max(scales):g}" if scales else "none (no loss scaling)"),
+        ("steps skipped for overflow", skipped_text),
+        ("gradient norm before clipping", norm_text + (f"; clipped to {clip:g}" if clip is not None else "")),
+        ("gradients zero or subnormal in the compute precision", range_text),
+    ]
 
 
 def _analytic_activations(record: dict) -> float | None:

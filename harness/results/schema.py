@@ -38,6 +38,7 @@ def make_record(
     metrics: dict[str, Any] | None = None,
     per_rank: list[dict[str, Any]] | None = None,
     losses: list[float] | None = None,
+    numerics: dict[str, Any] | None = None,
     equivalence: dict[str, Any] | None = None,
     predicted: dict[str, Any] | None = None,
     fit: dict[str, Any] | None = None,
@@ -63,6 +64,8 @@ def make_record(
         "metrics": metrics or {},
         "per_rank": per_rank or [],
         "losses": _finite_or_none(losses or []),
+        # measure/numerics.py; None where the cell did not train (and in records before it).
+        "numerics": numerics,
         "equivalence": equivalence,
         "predicted": predicted,
         "fit": fit,

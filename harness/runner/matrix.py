@@ -192,6 +192,7 @@ class MatrixRun:
                 predicted={**predicted, "ratios": accuracy.compare(predicted, metrics, cell)},
                 per_rank=summary.per_rank_view(outcome.per_rank),
                 losses=rank0["losses"],
+                numerics=rank0["numerics"],
                 equivalence=None if is_reference else equivalence.check(
                     cell, rank0["losses"], self._reference_record(cell, trial)),
                 **common,

@@ -89,6 +89,9 @@ def incompatibility(cell: CellSpec) -> str | None:
         return f"{s.name} with {problem}"
     if s.accumulation > 1 and not caps.accumulation:
         return f"{s.name} does not support gradient accumulation"
+    if s.clip_grad_norm is not None and not caps.clipping:
+        why = caps.notes.get("clip_grad_norm", "it does not clip gradients")
+        return f"{s.name} with clip_grad_norm={s.clip_grad_norm:g}: {why}"
     if cell.world_size < caps.min_world_size:
         return f"{s.name} needs world_size >= {caps.min_world_size}, got {cell.world_size}"
     if caps.max_world_size is not None and cell.world_size > caps.max_world_size:

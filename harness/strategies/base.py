@@ -46,6 +46,9 @@ class Capabilities:
     optimizers: frozenset[str] = frozenset({"adamw"})
     compression: frozenset[str] = frozenset({"none"})
     accumulation: bool = True
+    # Whether the strategy clips gradients by their global norm (``clip_grad_norm``) its
+    # engine's way (Prepared.clip_grad_norm, or the engine's own step).
+    clipping: bool = True
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.
@@ -224,16 +227,24 @@ class Prepared:
     # None on the others. None: the worker's own forward and backward.
     forward_backward: Callable[[dict[str, torch.Tensor]], torch.Tensor | None] | None = None
     holds_loss: bool = True
+    # The loss scaler of an fp16 step where torch's GradScaler would be wrong: FSDP's sharded
+    # gradients need a scaler that agrees on an overflow over every rank (ShardedGradScaler).
+    # None: precision.grad_scaler's.
+    scaler: torch.amp.GradScaler | None = None
+    # The global norm of this step's (unscaled) gradients, clipping them to ``max_norm`` first
+    # where it is finite (features/clipping.py): the engine's own where its gradients are
+    # sharded (FSDP1, FairScale OSS). None: torch's over the optimizer's parameters.
+    clip_grad_norm: Callable[[float], torch.Tensor] | None = None
+    # Engines that own the optimizer step (DeepSpeed) keep the step's numerics themselves:
+    # read after each step, the loss scale in use (None without one), the steps skipped for
+    # overflow so far, and the gradient norm before clipping (None where not computed).
+    engine_numerics: Callable[[], tuple[float | None, int, float | None]] | None = None
 
     @property
     def owns_optimizer_step(self) -> bool:
         return self.backward is not None
 
 
-# Both FSDP generations: bf16 via their mixed-precision policies; fp16 would need a sharded
-# GradScaler, which is not wired yet.
-FSDP_CAPABILITIES = Capabilities(
-    precisions=frozenset({"fp32", "bf16"}),
-    offload=frozenset({"none", "params"}),
-    notes={"fp16": "fp16 with FSDP needs a sharded GradScaler, not wired in this release: use bf16"},
-)
+# Both FSDP generations: bf16 and fp16 via their mixed-precision policies (fp16 with torch's
+# ShardedGradScaler: Prepared.scaler).
+FSDP_CAPABILITIES = Capabilities(offload=frozenset({"none", "params"}))

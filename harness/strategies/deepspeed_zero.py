@@ -208,7 +208,7 @@ def ds_config(cell: CellSpec) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": cell.micro_batch,
         "gradient_accumulation_steps": s.accumulation,
         "train_batch_size": cell.global_batch,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": s.clip_grad_norm or 0.0,  # 0: no clipping
         "zero_optimization": zero,
         "comms_logger": {"enabled": True, "prof_all": True, "verbose": False, "debug": False},
         "steps_per_print": 10**9,
@@ -359,7 +359,17 @@ class EngineSteps:
         are refused by it)."""
         return Prepared(model=self.engine, optimizer=optimizer, use_autocast=False, backward=self.backward,
                         after_micro_step=self.after_micro_step, memory_module=self.engine.module,
-                        memory_optimizer=getattr(optimizer, "optimizer", optimizer), **extra)
+                        memory_optimizer=getattr(optimizer, "optimizer", optimizer),
+                        engine_numerics=self.numerics, **extra)
+
+    def numerics(self) -> tuple[float | None, int, float | None]:
+        """After a step: the loss scale of DeepSpeed's own scaler (fp16 only), the steps it has
+        skipped for overflow, and the gradient norm its optimizer computed before clipping
+        (inf on an overflowed step; None where it computes none)."""
+        engine = self.engine
+        scale = float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None
+        norm = engine.get_global_grad_norm()
+        return scale, engine.skipped_steps, None if norm is None else float(norm)
 
     def comms_by_step(self) -> list[dict[str, dict[str, int]]]:
         return [_delta(b, a) for a, b in zip(self._snapshots, self._snapshots[1:])]

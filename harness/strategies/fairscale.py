@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from harness import faults
@@ -34,21 +35,19 @@ if TYPE_CHECKING:
     from harness.config import CellSpec
     from harness.distributed import DistEnv
 
-_FP16_NEEDS_SHARDED_SCALER = (
-    "fp16 with ShardedDataParallel needs FairScale's ShardedGradScaler: each rank keeps only"
-    " the gradients of its own optimizer shard, so torch's GradScaler can find an inf on one"
-    " rank only and skip the step there alone; not wired in this release, use bf16"
+# fp16 with ShardedDataParallel takes FairScale's ShardedGradScaler: each rank keeps only the
+# gradients of its own optimizer shard, so torch's GradScaler could find an inf on one rank
+# and skip the step there alone. FairScale's scaler needs CUDA.
+SHARDED_SCALER_NEEDS_CUDA = (
+    "fp16 with ShardedDataParallel takes FairScale's ShardedGradScaler, which needs CUDA: without it"
+    " the scaler disables itself ('torch.cuda.amp.GradScaler is enabled, but CUDA is not available."
+    "  Disabling.') and its unscale_ moves the found-inf flags to CUDA to all-reduce them"
 )
 
 # fairscale_oss: DDP all-reduces full gradients, so every rank's GradScaler sees the same
 # gradients (fp16 composes), and OSS builds any per-tensor optimizer on whole tensors.
 _OSS_CAPABILITIES = Capabilities(optimizers=frozenset(optimizers.NAMES))
 
-_SDP_CAPABILITIES = dataclasses.replace(
-    _OSS_CAPABILITIES,
-    precisions=frozenset({"fp32", "bf16"}),
-    notes={"fp16": _FP16_NEEDS_SHARDED_SCALER},
-)
 
 # Flat parameters as in torch's FSDP1 (harness/strategies/fsdp1.py): the same optimizer
 # reasoning. Not run yet: it needs CUDA.
@@ -88,7 +87,8 @@ def _prepare_oss(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, 
     optimizer = _oss(ddp_model.parameters(), cell)
     # OSS keeps the sharded state in its local optimizer: that is what the tracker must see.
     return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync,
-                    memory_optimizer=optimizer.optim, engine_report=lambda: ddp.engine_report(ddp_model))
+                    memory_optimizer=optimizer.optim, clip_grad_norm=optimizer.clip_grad_norm,
+                    engine_report=lambda: ddp.engine_report(ddp_model))
 
 
 def _prepare_sdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
@@ -107,7 +107,20 @@ def _prepare_sdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, 
     set_to_none = faults.planned().get(cell.cell_id) == faults.GRADS_SET_TO_NONE
     return Prepared(model=sdp_model, optimizer=optimizer, no_sync=sdp_model.no_sync,
                     grads_set_to_none=set_to_none, memory_module=model,
-                    memory_optimizer=optimizer.optim, engine_report=lambda: report)
+                    memory_optimizer=optimizer.optim, scaler=_sharded_scaler(cell),
+                    clip_grad_norm=optimizer.clip_grad_norm, engine_report=lambda: report)
+
+
+def _sharded_scaler(cell: CellSpec) -> torch.amp.GradScaler:
+    """FairScale's ShardedGradScaler (all-reduces the ranks' found-inf flags), for fp16."""
+    from fairscale.optim.grad_scaler import ShardedGradScaler
+
+    scaler: torch.amp.GradScaler = ShardedGradScaler(enabled=cell.strategy.precision == "fp16")
+    return scaler
+
+
+def _sdp_unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
+    return SHARDED_SCALER_NEEDS_CUDA if cell.strategy.precision == "fp16" and device_type != "cuda" else None
 
 
 def _prepare_fsdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
@@ -137,6 +150,7 @@ def _prepare_fsdp(model: nn.Module, block_type: type[nn.Module], cell: CellSpec,
         no_sync=wrapped.no_sync,
         # FairScale FSDP casts parameters itself (mixed_precision / compute_dtype).
         use_autocast=False,
+        clip_grad_norm=wrapped.clip_grad_norm_,
         engine_report=lambda: report,
     )
 
@@ -154,7 +168,8 @@ STRATEGIES = (
     ),
     Strategy(
         name="fairscale_sdp", superseded_by="fsdp_grad_op", summary="FairScale ShardedDataParallel + OSS (ZeRO-2)",
-        engine="fairscale", families=("fairscale",), zero_idea="zero2", capabilities=_SDP_CAPABILITIES,
+        engine="fairscale", families=("fairscale",), zero_idea="zero2", capabilities=_OSS_CAPABILITIES,
+        unsupported_reason=_sdp_unsupported_reason,
         # Each gradient is reduced to its owner, but the other ranks' .grad tensors stay
         # allocated: the harness zeroes them in place (set_to_none silently breaks SDP).
         engine_model=EngineModel(sharded=frozenset({"optimizer"}), comm="reduce_to_owner",

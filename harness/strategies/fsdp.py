@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from harness import distributed
-from harness.features import offload, optimizers
+from harness.features import offload, optimizers, precision
 from harness.features.precision import DTYPES
 from harness.strategies.base import FSDP_CAPABILITIES, EngineModel, ModelState, Prepared, Strategy
 
@@ -61,12 +61,12 @@ def _mesh(cell: CellSpec, env: DistEnv) -> DeviceMesh:
     return distributed.mesh(env.device.type, (env.world_size,), ("shard",))
 
 
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    if precision == "fp32":
+def mixed_precision_policy(name: str) -> MixedPrecisionPolicy:
+    if name == "fp32":
         return MixedPrecisionPolicy()
     # Compute in low precision, reduce gradients in fp32 (the usual recipe: bf16 sums of
     # many ranks' gradients lose too many bits).
-    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=DTYPES[name], reduce_dtype=torch.float32)
 
 
 @contextmanager
@@ -109,6 +109,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         no_sync=lambda: no_gradient_sync(root),
         use_autocast=False,
         fsdp2=True,
+        scaler=precision.sharded_grad_scaler(s.precision, env.device),
         engine_report=lambda: report,
     )
 

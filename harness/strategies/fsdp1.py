@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, Sha
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from harness import distributed
-from harness.features import offload, optimizers
+from harness.features import offload, optimizers, precision
 from harness.features.precision import DTYPES
 from harness.strategies.base import FSDP_CAPABILITIES, EngineModel, Prepared, Strategy
 
@@ -48,10 +48,10 @@ SHARDING = {
 }
 
 
-def _mixed_precision(precision: str) -> MixedPrecision | None:
-    if precision == "fp32":
+def _mixed_precision(name: str) -> MixedPrecision | None:
+    if name == "fp32":
         return None
-    return MixedPrecision(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    return MixedPrecision(param_dtype=DTYPES[name], reduce_dtype=torch.float32)
 
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
@@ -78,6 +78,8 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         optimizer=optimizers.make(wrapped.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=wrapped.no_sync,
         use_autocast=False,
+        scaler=precision.sharded_grad_scaler(s.precision, env.device),
+        clip_grad_norm=wrapped.clip_grad_norm_,
         engine_report=lambda: engine_report(wrapped, block_type),
     )
 

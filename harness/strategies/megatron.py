@@ -63,7 +63,10 @@ LAYOUTS = ("gpt2", "llama")
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32"}),
     checkpointing=frozenset({"none", "full"}),
+    clipping=False,
     notes={
+        "clip_grad_norm": ("Megatron clips inside its own optimizer (OptimizerConfig.clip_grad), which"
+                           " needs CUDA to be measured against the gate: not wired"),
         "bf16": ("Megatron's bf16 recipe (Float16Module: bf16 parameters, fp32 main copies in the"
                  " optimizer) starts its fp32 master weights from bf16-rounded copies, not the"
                  " reference's fp32 weights; not wired until it is measured against the gate on a GPU"),

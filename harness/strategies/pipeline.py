@@ -57,7 +57,10 @@ CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
     checkpointing=ALL_CHECKPOINTING,
     min_world_size=2,
-    notes={"fp16": "fp16 needs a GradScaler whose scale and overflow checks span every stage (all"
+    clipping=False,
+    notes={"clip_grad_norm": ("the global norm spans every stage's parameters, each on its own rank: a clip"
+                              " needs the stages' squared norms summed over the pipeline first; not wired"),
+           "fp16": "fp16 needs a GradScaler whose scale and overflow checks span every stage (all"
                    " ranks must skip the same steps); not wired for pipelines: use bf16"},
 )
 

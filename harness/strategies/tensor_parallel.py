@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 from transformers.pytorch_utils import Conv1D
 
 from harness import distributed
-from harness.features import optimizers
+from harness.features import optimizers, precision
 from harness.strategies import fsdp
 from harness.strategies.base import FSDP_CAPABILITIES, Capabilities, EngineModel, Prepared, Strategy
 
@@ -64,10 +64,9 @@ _TP_CAPABILITIES = Capabilities(
                       " pow_ that follows has no sharding rule"),
     },
 )
-# tp_fsdp's gradients are all DTensors (FSDP2 shards the replicated ones too): its fp16
-# refusal is FSDP's.
-_TP_FSDP_CAPABILITIES = dataclasses.replace(
-    _TP_CAPABILITIES, notes={**_TP_CAPABILITIES.notes, "fp16": FSDP_CAPABILITIES.notes["fp16"]})
+# tp_fsdp's gradients are all DTensors (FSDP2 shards the replicated ones too): fp16 takes
+# FSDP's ShardedGradScaler.
+_TP_FSDP_CAPABILITIES = dataclasses.replace(_TP_CAPABILITIES, precisions=FSDP_CAPABILITIES.precisions)
 _PLANNED_LAYOUTS = ("gpt2", "llama")
 
 
@@ -234,6 +233,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         no_sync=lambda: fsdp.no_gradient_sync(root),
         use_autocast=False,
         fsdp2=True,
+        scaler=precision.sharded_grad_scaler(cell.strategy.precision, env.device),
         data_rank=mesh.get_local_rank("dp"),
     )
 

@@ -139,6 +139,22 @@ def test_tp_claim_compares_the_params_each_rank_holds():
     assert run([4 * 134_912] * 2)["verdict"] == "does not hold"  # nothing split
 
 
+def test_fp16_underflow_claim_reads_the_cells_gradient_range():
+    c = cell("ddp", 2, precision="fp16")
+
+    def judged(held: int, unscaled: int) -> dict:
+        record = _record(c)
+        record["numerics"] = {"gradient_range": {
+            "dtype": "float16", "loss_scale": 65536.0, "values": 1000, "zero_in_fp32": 5, "zero_or_subnormal": held,
+            "zero_or_subnormal_unscaled": unscaled, "fraction_zero_or_subnormal": held / 1000,
+            "fraction_zero_or_subnormal_unscaled": unscaled / 1000, "log2_histogram": []}}
+        return records.evaluate("precision/fp16_gradient_underflow", lambda _: record, 2)
+
+    assert judged(held=6, unscaled=140)["verdict"] == "holds"
+    assert judged(held=40, unscaled=140)["verdict"] == "does not hold"  # 3.5 points beyond the zeros
+    assert judged(held=6, unscaled=6)["verdict"] == "does not hold"  # scaling recovered nothing
+
+
 def test_kendall_tau_b():
     assert judges.kendall_tau_b([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert judges.kendall_tau_b([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0

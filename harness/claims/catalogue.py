@@ -138,6 +138,25 @@ _CLAIMS += [
           formula="upstream gradient 2^-30 through an autocast matmul; GradScaler(init_scale=2^24) then unscale",
           tolerance="no fp16 gradient survives unscaled, every one scaled, error ≤ 1%",
           unit="Σ|scaled| / Σ|fp32|", judge=judges.fp16_loss_scaling),
+    Claim(claim_id="precision/fp16_gradient_underflow",
+          title="Loss scaling keeps a real model's fp16 gradients out of the subnormals",
+          source="Micikevicius et al. 2018 §3.2, Figure 3",
+          published="a share of the gradients lies below fp16's normal range and flushes to zero or subnormals"
+                    " unless the loss is scaled, which shifts them into it",
+          formula="the DDP fp16 cell's gradients on its last warm-up step (record numerics.gradient_range): the"
+                  " fraction zero or subnormal in fp16 as held (× GradScaler's 2^16) and divided by the scale",
+          tolerance=f"scaled: at most {judges.UNDERFLOW_TOL:.0%} beyond the gradients zero in fp32 already;"
+                    " unscaled: more than scaled",
+          unit="fraction of gradient values", judge=judges.fp16_gradient_underflow,
+          cells=_cells(("ddp", {"precision": "fp16"}))),
+    Claim(claim_id="precision/autocast_fp32_ops", title="Autocast keeps LayerNorm and softmax in fp32",
+          source="torch.amp autocast op reference (ops that autocast to float32); Micikevicius et al. 2018 §3.3",
+          published="reductions and normalisations (layer_norm, softmax, log_softmax) run in fp32 under autocast;"
+                    " matmuls in the low precision",
+          formula="the output dtype of every aten op of a GPT-2 forward and loss (eager attention) under"
+                  " autocast bf16 and fp16, on this host's device",
+          tolerance="every layer_norm, softmax and log_softmax float32; every mm, addmm, bmm the low precision",
+          unit="dtype", judge=judges.autocast_fp32_ops),
     Claim(claim_id="zero/table1", title="ZeRO Table 1 recomputed from the model-state formulas",
           source=f"{_ZERO} Table 1", published="54 entries, GB per device, K = 12",
           formula="analytic.zero_model_states(Ψ, N_d, stage).total / 1e9",

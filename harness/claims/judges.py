@@ -15,6 +15,7 @@ from harness.claims.base import (
     ACTIVATIONS_TOL,
     COMM_TOL,
     EXACT_TOL,
+    MODEL,
     MODEL_STATES_TOL,
     NotMeasurable,
     Outcome,
@@ -384,6 +385,75 @@ def fp16_loss_scaling(r: Readings) -> Outcome:
                 f" bf16 {nonzero['bf16']:.0%}"),
         details={"nonzero_fraction": nonzero, "max_relative_error_scaled": error,
                  "largest_fp32_gradient": float(reference.abs().max()), "loss_scale": _LOSS_SCALE})
+
+
+# Scaled by the loss scale, the fp16 gradients zero or subnormal beyond those zero in fp32 already.
+UNDERFLOW_TOL = 0.01
+
+
+def fp16_gradient_underflow(r: Readings) -> Outcome:
+    """A real model's fp16 gradients, as the DDP cell's last warm-up step held them (scaled by
+    GradScaler's 2^16) and as they would be without the scale (measure/numerics.py)."""
+    record = r.record(r.cell("ddp", precision="fp16"))
+    g = (record.get("numerics") or {}).get("gradient_range")
+    if not g or not g["values"]:
+        raise NotMeasurable(f"{record['cell_id']}: no gradient range in its record", failed=True)
+    exact_zeros = g["zero_in_fp32"] / g["values"]
+    scaled, unscaled = g["fraction_zero_or_subnormal"], g["fraction_zero_or_subnormal_unscaled"]
+    # Scaled, only the gradients zero in fp32 already should be left (within a point).
+    ok = unscaled > scaled and scaled - exact_zeros <= UNDERFLOW_TOL
+    return Outcome(
+        predicted=exact_zeros, measured=scaled, verdict="holds" if ok else "does not hold",
+        reason=(f"zero or subnormal in fp16: {unscaled:.1%} of the gradients unscaled, {scaled:.2%} scaled by"
+                f" {g['loss_scale']:g} ({exact_zeros:.2%} are zero in fp32 already)"),
+        details={"gradient_range": {k: v for k, v in g.items() if k != "log2_histogram"}})
+
+
+# The ops autocast must keep in fp32 (torch.amp's "autocast to float32" lists) and those it
+# runs in the low precision, as aten names their outputs.
+_FP32_OPS = ("native_layer_norm", "_softmax", "_log_softmax")
+_LOW_OPS = ("mm", "addmm", "bmm")
+
+
+def autocast_fp32_ops(r: Readings) -> Outcome:
+    """The dtypes a GPT-2 forward and loss produce under autocast (eager attention, so that its
+    softmax is an op of its own), op by op, on this host's device."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from harness import models
+
+    class OutputDtypes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: dict[str, set[str]] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in _FP32_OPS + _LOW_OPS:
+                first = out[0] if isinstance(out, tuple | list) else out
+                self.seen.setdefault(name, set()).add(str(first.dtype).removeprefix("torch."))
+            return out
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    built = models.build(models.PRESETS[MODEL], seed=0, attention="eager")
+    built.module.to(device)
+    batch = {k: v.to(device) for k, v in built.make_batch(torch.Generator().manual_seed(0), 2).items()}
+    seen, wrong = {}, []
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        with torch.autocast(device.type, dtype=dtype), OutputDtypes() as log:
+            built.loss(built.module, batch)
+        seen[name] = {op: sorted(dtypes) for op, dtypes in log.seen.items()}
+        low = str(dtype).removeprefix("torch.")
+        wrong += [f"{name}: {op} gave {dtypes}" for op, dtypes in seen[name].items()
+                  if dtypes != (["float32"] if op in _FP32_OPS else [low])]
+        wrong += [f"{name}: no {op} ran" for op in _FP32_OPS + _LOW_OPS if op not in seen[name]]
+    return Outcome(predicted=None, measured="fp32" if not wrong else "; ".join(wrong),
+                   verdict="holds" if not wrong else "does not hold",
+                   reason=(f"on {device.type}: {', '.join(_FP32_OPS)} gave float32 and the matmuls the low precision"
+                           if not wrong else "; ".join(wrong)),
+                   details={"device": device.type, "output_dtypes": seen})
 
 
 # --- ZeRO Table 1 (no cells) --------------------------------------------------------------------

@@ -27,7 +27,14 @@ Checkpointing = Literal["none", "full", "selective"]
 Offload = Literal["none", "params", "optimizer", "optimizer_params"]
 Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"]
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
+LossScaling = Literal["dynamic", "none"]
 HsdpMesh = Literal["explicit", "fsdp_default"]
+# Where a cell's samples come from (harness/data.py): random tokens, or the standard library's
+# source as bytes; the real sources' training sets, in sequences (a global batch must divide
+# them, so that every epoch is whole steps).
+DataSource = Literal["synthetic", "stdlib_bytes"]
+TRAIN_SEQUENCES = {"stdlib_bytes": 1600}
+BYTE_VOCABULARY = 256
 # transformers' attn_implementation: "eager" materialises the attention scores, "sdpa"
 # calls torch's scaled_dot_product_attention (a fused kernel where the device has one),
 # "flash" is flash_attention_2 (the flash-attn package, CUDA only).
@@ -74,6 +81,9 @@ class StrategySpec:
     # Clip the gradients to this global 2-norm before each optimizer step, the engine's own
     # way (harness/features/clipping.py); None: no clipping.
     clip_grad_norm: float | None = None
+    # fp16's loss scaling (features/precision.py): "none" trains fp16 without it, to measure
+    # what it loses.
+    loss_scaling: LossScaling = "dynamic"
     # HYBRID_SHARD / HSDP: "explicit" builds a (replicate × shard) DeviceMesh;
     # "fsdp_default" lets FSDP1 pick its own process groups, which on a single node silently
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
@@ -100,6 +110,9 @@ class StrategySpec:
         _check_choice("hsdp_mesh", self.hsdp_mesh, get_args(HsdpMesh))
         _check_positive("accumulation", self.accumulation)
         _check_positive("powersgd_rank", self.powersgd_rank)
+        _check_choice("loss_scaling", self.loss_scaling, get_args(LossScaling))
+        if self.loss_scaling != "dynamic" and self.precision != "fp16":
+            raise ValueError(f"loss_scaling={self.loss_scaling!r}: applies to precision=fp16 only")
         if self.clip_grad_norm is not None and (
                 isinstance(self.clip_grad_norm, bool) or not isinstance(self.clip_grad_norm, int | float)
                 or not 0 < self.clip_grad_norm < float("inf")):
@@ -177,6 +190,9 @@ class CellSpec:
     # expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
     attention: Attention = "sdpa"
     expandable_segments: bool = False
+    # Real data (harness/data.py) and, with it, the held-out loss every ``eval_every`` steps.
+    data: DataSource = "synthetic"
+    eval_every: int | None = None
     # Steps after warm-up: one memory-tracked, one communication-counted, the rest timed.
     # (Both probes add overhead, so they never share a step with the timer.)
     probe_steps: int = field(default=2, init=False)
@@ -226,12 +242,34 @@ class CellSpec:
                              " choose precision bf16 or fp16")
         if not isinstance(self.expandable_segments, bool):
             raise ValueError(f"expandable_segments={self.expandable_segments!r}: must be true or false")
+        self._check_data()
         s = self.strategy
         if problem := strategies.get(s.name).layout_problem(self):
             raise ValueError(problem)
         if s.pipelined and s.accumulation != 1:
             raise ValueError(f"accumulation={s.accumulation} with {s.name}: a pipeline accumulates over its own"
                              " micro-batches; set pp_microbatches instead")
+
+    def _check_data(self) -> None:
+        _check_choice("data", self.data, get_args(DataSource))
+        if self.data == "synthetic":
+            if self.eval_every is not None:
+                raise ValueError(f"eval_every={self.eval_every}: applies to real data only (data=stdlib_bytes)")
+            return
+        if self.eval_every is not None:
+            _check_positive("eval_every", self.eval_every)
+        spec = self.model_spec
+        if spec.family not in ("gpt2", "llama") or (spec.vocab_size or 0) < BYTE_VOCABULARY:
+            raise ValueError(f"data={self.data}: needs a causal language model (gpt2, llama) with at least"
+                             f" {BYTE_VOCABULARY} tokens (bytes); {spec.name} is a {spec.family} model with"
+                             f" {spec.vocab_size} (the gpt2-bytes preset is made for it)")
+        if TRAIN_SEQUENCES[self.data] % self.global_batch:
+            raise ValueError(f"data={self.data}: its {TRAIN_SEQUENCES[self.data]} training sequences must split into"
+                             f" whole global batches; {self.global_batch} does not divide them")
+        if not strategies.get(self.strategy.name).capabilities.evaluation:
+            raise ValueError(f"data={self.data} with {self.strategy.name}: "
+                             + strategies.get(self.strategy.name).capabilities.notes.get(
+                                 "evaluation", "it cannot evaluate a held-out set"))
 
     def _named_spec(self) -> ModelSpec:
         return self.model if isinstance(self.model, ModelSpec) else PRESETS[self.model]
@@ -285,6 +323,8 @@ class CellSpec:
             parts.append(f"compress_{s.compression}{rank}")
         if s.clip_grad_norm is not None:
             parts.append(f"clip{s.clip_grad_norm:g}")
+        if s.loss_scaling != "dynamic":
+            parts.append(f"scale_{s.loss_scaling}")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
         # The layout options are None wherever they do not apply (StrategySpec._resolve).
@@ -296,22 +336,24 @@ class CellSpec:
             parts.append("alloc_expandable")
         if self.seq_len is not None:
             parts.append(f"seq{self.seq_len}")
+        if self.data != "synthetic":
+            parts.append(self.data + (f"/eval{self.eval_every}" if self.eval_every else ""))
         parts += [f"mb{self.micro_batch}", f"ws{self.world_size}", f"seed{self.seed}"]
         return "/".join(parts)
 
     def reference(self) -> CellSpec:
         """The single-process run this cell must train identically to.
 
-        Same model, attention, seed, precision, optimizer, gradient clipping, data and steps;
-        the whole global batch in one process and one micro-step, no feature that should not
-        change the maths (checkpointing, offload, compression, accumulation, the allocator's
-        settings).
+        Same model, attention, seed, precision and loss scaling, optimizer, gradient clipping,
+        data and steps; the whole global batch in one process and one micro-step, no feature
+        that should not change the maths (checkpointing, offload, compression, accumulation,
+        the allocator's settings).
         """
         s = self.strategy
         return dataclasses.replace(
             self,
             strategy=StrategySpec(name=REFERENCE, precision=s.precision, optimizer=s.optimizer,
-                                  clip_grad_norm=s.clip_grad_norm),
+                                  clip_grad_norm=s.clip_grad_norm, loss_scaling=s.loss_scaling),
             micro_batch=self.global_batch,
             world_size=1,
             warmup=None,  # its own: the warm-up decides which steps are measured, not the losses

@@ -1,8 +1,8 @@
 """The equivalence gate: does a strategy train the same model as the one-process reference?
 
-Compared: the global mean loss of every step (warm-up included) against the reference cell
-of the same model, seed, data, precision and global batch. The statistic is the largest
-relative difference over steps, |loss - ref| / |ref|.
+Compared: the global mean loss of every step (warm-up included; a real-data cell's first
+GATE_STEPS) against the reference cell of the same model, seed, data, precision and global
+batch. The statistic is the largest relative difference over steps, |loss - ref| / |ref|.
 
 Tolerances, set from the default suite on CPU with gloo (2 ranks, tiny presets, 10 steps at
 lr 1e-3; reproduce with ``./run_all.sh`` and read ``equivalence.max_rel_loss_diff``):
@@ -42,6 +42,8 @@ from typing import Any
 
 from harness.config import CellSpec
 
+# The steps a real-data cell's gate compares (check).
+GATE_STEPS = 10
 TOLERANCE_FP32 = 1e-5
 TOLERANCE_LOW_PRECISION = 5e-4
 TOLERANCE_LOSSY_COMPRESSION = 5e-3
@@ -80,6 +82,10 @@ def check(cell: CellSpec, losses: list[float], reference_record: dict[str, Any] 
         status = "missing" if reference_record is None else reference_record["status"]
         return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol,
                 "passed": False, "reason": f"reference run is {status}"}
-    diff = max_rel_diff(losses, reference_record["losses"])
+    # Real-data cells train hundreds of steps, over which the rounding differences of equally
+    # right strategies compound: the gate compares their first GATE_STEPS (the synthetic
+    # cells' default length); harness/convergence.py judges where training ends.
+    compared = GATE_STEPS if cell.data != "synthetic" else None
+    diff = max_rel_diff(losses[:compared], reference_record["losses"][:compared])
     return {"reference_cell_id": ref_id, "max_rel_loss_diff": diff if math.isfinite(diff) else None,
             "tolerance": tol, "passed": diff <= tol, "reason": ""}

@@ -10,7 +10,7 @@ import re
 from typing import get_args
 
 from harness import strategies
-from harness.config import Attention, CellSpec, Checkpointing, Compression, Optimizer, Precision
+from harness.config import Attention, CellSpec, Checkpointing, Compression, DataSource, Optimizer, Precision
 from harness.models.spec import Family
 
 MODEL_FAMILIES: tuple[str, ...] = get_args(Family)  # hf_config: a transformers config.json
@@ -36,6 +36,8 @@ CATALOGUE: dict[str, str] = {
     "mqa": "multi-query attention (one key/value head)",
     "alloc_expandable": "CUDA caching allocator with expandable segments",
     "clip": "gradients clipped by their global norm (clip_grad_norm)",
+    "scale_none": "fp16 without loss scaling (loss_scaling = \"none\")",
+    **{f"data_{d}": f"training data: {d}" for d in get_args(DataSource)},
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
     **{f"offload_{o}": f"offload: {o}" for o in ("none", "params", "optimizer")},
@@ -76,6 +78,8 @@ def markers_of(cell: CellSpec) -> list[str]:
         *([] if family == "mlp" else [f"attn_{cell.attention}", _attention_heads(spec)]),
         *(["alloc_expandable"] if cell.expandable_segments else []),
         *(["clip"] if s.clip_grad_norm is not None else []),
+        *([f"scale_{s.loss_scaling}"] if s.loss_scaling != "dynamic" else []),
+        f"data_{cell.data}",
     ]
     unknown = [m for m in marks if m not in CATALOGUE]
     if unknown:

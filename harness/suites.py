@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import convergence as convergence_verdicts
 from harness import strategies, suite_files, suites_gpu
 from harness.claims import catalogue as claims_catalogue
 from harness.config import CellSpec, StrategySpec
@@ -97,6 +98,11 @@ def default(world_size: int) -> list[CellSpec]:
               for s in ("single", "ddp", "fsdp_full", "fsdp1_full", "fairscale_oss", "deepspeed_zero2")]
     cells += [suite_cell("gpt2-tiny", StrategySpec(name=s, precision="fp16", optimizer="sgd",
                                                    clip_grad_norm=CLIP_GRAD_NORM), world_size, lr=CLIP_LR)
+              for s in ("single", "ddp")]
+    # fp16 without loss scaling; real text through each rank's DistributedSampler and
+    # DataLoader, with its held-out loss (the convergence suite trains on it for 200 steps).
+    cells += [_cell("gpt2-tiny", s, world_size, precision="fp16", loss_scaling="none") for s in ("single", "ddp")]
+    cells += [suite_cell("gpt2-bytes", StrategySpec(name=s), world_size, data="stdlib_bytes", eval_every=5)
               for s in ("single", "ddp")]
     # Activation checkpointing.
     cells += [
@@ -247,6 +253,23 @@ def perf(world_size: int) -> list[CellSpec]:
     return []
 
 
+CONVERGENCE_PRECISIONS: tuple[dict[str, Any], ...] = (
+    {"precision": "fp32"}, {"precision": "bf16"}, {"precision": "fp16"}, {"precision": "fp16", "loss_scaling": "none"})
+CONVERGENCE_STRATEGIES = ("single", "ddp", "fsdp_full", "deepspeed_zero2", "deepspeed_zero3")
+
+
+def convergence(world_size: int) -> list[CellSpec]:
+    """Training on real data (harness/convergence.py: the model, the data, the verdict): every
+    strategy of CONVERGENCE_STRATEGIES under fp32, bf16, fp16 with and without loss scaling,
+    and the fp32 reference under each of convergence_verdicts.SEEDS (whose spread is the
+    verdict's tolerance)."""
+    cells = [convergence_verdicts.cell("single", world_size, seed=seed, precision="fp32")
+             for seed in convergence_verdicts.SEEDS]
+    cells += [convergence_verdicts.cell(s, world_size, **options) for options in CONVERGENCE_PRECISIONS
+              for s in CONVERGENCE_STRATEGIES if s == "single" or world_size > 1]
+    return cells
+
+
 def claims(world_size: int) -> list[CellSpec]:
     """The cells the published claims read (harness/claims/catalogue.py names them per claim): GPT-2
     tiny under each ZeRO stage in torch and DeepSpeed, checkpointing, bf16, the 8-bit and
@@ -256,6 +279,7 @@ def claims(world_size: int) -> list[CellSpec]:
 
 SUITES: dict[str, Callable[[int], list[CellSpec]]] = {
     "smoke": smoke, "default": default, "full": full, "real": real, "perf": perf, "claims": claims,
+    "convergence": convergence,
 }
 # Suites whose tests are benchmarks of the harness (suites/test_perf.py), not cells.
 BENCHMARK_SUITES = frozenset({"perf"})

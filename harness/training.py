@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import faults, models, strategies
+from harness import data, faults, models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.features import checkpointing, clipping, precision
@@ -67,10 +67,19 @@ def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv,
     split. Micro-step k of data-parallel group r (of D) takes rows [(k·D + r)·rows, +rows),
     where rows is the micro-batch (a pipeline's micro-step is all its micro-batches, which its
     schedule cuts up).
+
+    Real data (``cell.data``) comes through the rank's DistributedSampler and DataLoader
+    (harness/data.py), whose micro-batches make the same global batches.
     """
     generator = torch.Generator().manual_seed(cell.seed)
     world = cell.strategy.data_parallel_size(cell.world_size)
     mb = cell.global_batch // (world * cell.strategy.accumulation)
+    accumulation = cell.strategy.accumulation
+    if cell.data != "synthetic":
+        train, _, _ = data.splits(cell.model_spec.required("seq_len"))
+        loaded = data.sampler_batches(train, mb, cell.steps * accumulation, world, data_rank, cell.seed)
+        on_device = [{name: t.to(env.device) for name, t in batch.items()} for batch in loaded]
+        return [on_device[i:i + accumulation] for i in range(0, len(on_device), accumulation)]
     steps = []
     for _ in range(cell.steps):
         global_batch = built.make_batch(generator, cell.global_batch)
@@ -150,6 +159,8 @@ class PreparedCell:
     # Each step's gradient norm before clipping, NaN where the step measured none; filled in
     # place, as the losses are (run_cell).
     grad_norms: torch.Tensor
+    # The held-out set's batches (real data only: harness/data.py), on the device.
+    held_out: list[dict[str, torch.Tensor]]
     unscale_before_clip: bool = True
 
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
@@ -161,6 +172,24 @@ class PreparedCell:
                           between_micro_steps, before_optimizer_step,
                           grad_norm_into=self.grad_norms[i] if keep_norm else None,
                           unscale_before_clip=self.unscale_before_clip)
+
+    def evaluates_after(self, steps_done: int) -> bool:
+        """Whether the held-out loss is taken after ``steps_done`` steps: before the first, every
+        ``eval_every`` and after the last."""
+        every = self.cell.eval_every
+        return bool(self.held_out) and (steps_done % every == 0 if every else steps_done in (0, self.cell.steps))
+
+    def evaluate(self) -> float:
+        """The mean loss over the held-out set, which every rank evaluates whole (its forward
+        may need every rank: FSDP's gathers), in the cell's precision."""
+        total, samples = torch.zeros((), device=self.env.device), 0
+        with torch.no_grad(), precision.autocast(self.cell.strategy.precision, self.env.device,
+                                                 enabled=self.prep.use_autocast):
+            for batch in self.held_out:
+                n = len(next(iter(batch.values())))
+                total += self.built.loss(self.prep.model, batch).float() * n
+                samples += n
+        return (total / samples).item()
 
     def gradient_range_unmeasured(self) -> str:
         """Why this cell's gradients are not held against its precision's range ("" when they are)."""
@@ -211,10 +240,14 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing)
     prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
     data_rank = env.rank if prep.data_rank is None else prep.data_rank
+    held_out = ([{name: t.to(env.device) for name, t in batch.items()}
+                 for batch in data.eval_batches(data.splits(cell.model_spec.required("seq_len"))[1])]
+                if cell.data != "synthetic" else [])
     return PreparedCell(cell=cell, env=env, built=built, prep=prep,
-                        scaler=prep.scaler or precision.grad_scaler(cell.strategy.precision, env.device),
+                        scaler=prep.scaler or precision.grad_scaler(cell.strategy, env.device),
                         batches=local_batches(built, cell, env, data_rank),
                         grad_norms=torch.full((cell.steps,), math.nan, device=env.device),
+                        held_out=held_out,
                         unscale_before_clip=faults.planned().get(cell.cell_id) != faults.CLIP_BEFORE_UNSCALE)
 
 
@@ -243,9 +276,20 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     range_unmeasured = session.gradient_range_unmeasured()
     grad_range: dict[str, Any] | None = None
 
+    held_out: list[list[float]] = []  # [steps done, held-out loss]
+
     def probe_gradient_range() -> None:
         nonlocal grad_range
         grad_range = session.gradient_range()
+
+    def after_step(i: int) -> None:
+        """Outside any measured step: step ``i``'s numerics, and the held-out loss when due."""
+        session.log_numerics(log, i)
+        if session.evaluates_after(i + 1):
+            held_out.append([i + 1, session.evaluate()])
+
+    if session.evaluates_after(0):
+        held_out.append([0, session.evaluate()])
 
     # Warm-up, not measured: the first steps make what later steps reuse (optimizer state,
     # allocator caches, DDP's rebuilt buckets). They measure the gradient norm, and the last
@@ -253,7 +297,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     for i in range(warmup):
         probe = probe_gradient_range if i == warmup - 1 and not range_unmeasured else _no_op
         losses[i] = session.step(i, before_optimizer_step=probe, measure_grad_norm=True)
-        session.log_numerics(log, i)
+        after_step(i)
 
     # The memory-tracked step; with a snapshot folder, also its timeline (and CUDA's snapshot).
     i = warmup
@@ -261,14 +305,14 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
                                   else (None, None))
     with memory.cuda_memory_history(pickle_file) if env.is_cuda and pickle_file else nullcontext():
         losses[i], mem = session.tracked_step(i, timeline=timeline_file is not None)
-    session.log_numerics(log, i)
+    after_step(i)
     snapshot = (write_memory_snapshot(mem, timeline_file, cell, env) if timeline_file
                 else {"memory_timeline": None, "memory_snapshot": None, "memory_snapshot_reason": "not asked for"})
     enforce_cpu_memory_cap(mem.peak_bytes, mem_cap_bytes, env)
 
     # The comm-counted step.
     losses[i + 1], comm_by_op = session.counted_step(i + 1)
-    session.log_numerics(log, i + 1)
+    after_step(i + 1)
 
     # The timed steps; the memory held after the first and after the last is the leak check.
     step_times: list[float] = []
@@ -277,12 +321,12 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     for i in range(first_timed, cell.steps):
         with timing.timed(env.device, step_times):
             losses[i] = session.step(i)
-        session.log_numerics(log, i)
         if leak_bytes:
             leaked.append(torch.empty(leak_bytes, dtype=torch.uint8, device=env.device))
         if i in (first_timed, cell.steps - 1):
             gc.collect()  # what waits in reference cycles is not a leak
             live_after.append(memory.live_bytes(env.device))
+        after_step(i)
 
     # The mean over the loss-holding ranks of their mean losses is the global mean loss
     # (equal-sized micro-batches, equal tokens per sample): the number the reference computes.
@@ -314,6 +358,8 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         "engine": prep.engine_report(),
         "losses": loss_tensor.tolist(),
         "numerics": log.to_record(grad_range, range_unmeasured),
+        "evaluation": ({"data": data.splits(cell.model_spec.required("seq_len"))[2], "every": cell.eval_every,
+                        "held_out_loss": held_out} if held_out else None),
         "n_params": built.n_params,
         "attn_implementation": built.attn_implementation,
         "tokens_per_sample": built.tokens_per_sample,

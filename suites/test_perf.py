@@ -56,7 +56,7 @@ def _harness_step():
     """The harness's own train_step (harness/training.py), with the strategy and precision plumbing it always has."""
     built = models.build(CELL.model_spec, seed=CELL.seed)
     prep = strategies.get("single").prepare(built.module, built.block_type, CELL, ENV)
-    scaler = precision.grad_scaler(CELL.strategy.precision, ENV.device)
+    scaler = precision.grad_scaler(CELL.strategy, ENV.device)
     micro_batches = training.local_batches(built, CELL, ENV, ENV.rank)[0]
     return lambda: training.train_step(built, prep, CELL, ENV, micro_batches, scaler)
 

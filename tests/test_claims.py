@@ -23,8 +23,11 @@ def test_suite_is_exactly_the_cells_the_claims_read():
     for world_size in (2, 4):
         cells = suites.cells_of("claims", world_size)
         assert [c.cell_id for c in cells] == [c.cell_id for c in catalogue.cells(world_size)]
-        assert all(c.steps == STEPS and c.model == MODEL for c in cells)
-        assert max(c.min_steps for c in cells) == STEPS
+        # GPT-2 tiny at the fewest steps every cell accepts; real text trains for the convergence claim.
+        tiny = [c for c in cells if c.data == "synthetic"]
+        assert all(c.steps == STEPS and c.model == MODEL for c in tiny)
+        assert max(c.min_steps for c in tiny) == STEPS
+        assert {c.model for c in cells if c not in tiny} == {"gpt2-bytes"}
     ids = {c.cell_id for c in suites.cells_of("claims", 2)}
     assert "gpt2-tiny/deepspeed_zero3/fp32/ckpt_none/mb2/ws2/seed0" in ids
     assert "gpt2-tiny/ddp/fp32/ckpt_none/compress_powersgd-r4/mb2/ws2/seed0" in ids
@@ -153,6 +156,23 @@ def test_fp16_underflow_claim_reads_the_cells_gradient_range():
     assert judged(held=6, unscaled=140)["verdict"] == "holds"
     assert judged(held=40, unscaled=140)["verdict"] == "does not hold"  # 3.5 points beyond the zeros
     assert judged(held=6, unscaled=6)["verdict"] == "does not hold"  # scaling recovered nothing
+
+
+def test_bf16_convergence_claim_reads_the_seeds_spread():
+    from harness import convergence
+
+    cells = catalogue.CLAIMS["precision/bf16_converges"].cells(2)
+    finals = dict(zip((c.cell_id for c in cells), (2.75, 2.74, 2.73, 2.745)))
+
+    def judged(bf16_final: float) -> dict:
+        by_id = {cell_id: {"cell_id": cell_id, "status": "ok", "evaluation": {"held_out_loss": [[200, loss]]}}
+                 for cell_id, loss in {**finals, cells[-1].cell_id: bf16_final}.items()}
+        return records.evaluate("precision/bf16_converges", lambda c: by_id.get(c.cell_id), 2)
+
+    assert cells[-1] == convergence.cell("single", 2, precision="bf16")
+    held = judged(2.745)
+    assert (held["verdict"], held["predicted"], held["measured"]) == ("holds", 2.75, 2.745)
+    assert judged(2.80)["verdict"] == "does not hold"  # 0.05 above, the seeds span 0.02
 
 
 def test_kendall_tau_b():

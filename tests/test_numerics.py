@@ -1,6 +1,7 @@
 """Numerics: the record's per-step loss scale, skipped steps and gradient norm, the gradients
 against the compute precision's range, gradient clipping each engine's way, and fp16 under
-FSDP2 with torch's ShardedGradScaler; the gate catching a clip made before unscale_."""
+FSDP2 with torch's ShardedGradScaler; the gate catching a clip made before unscale_. And
+training on real data (harness/data.py): the held-out loss in the record."""
 
 from __future__ import annotations
 
@@ -108,6 +109,10 @@ FSDP2 = gpt2("fsdp_full", precision="fp16", clip_grad_norm=CLIP, **SGD)
 # The same global batch and reference as DDP's, so a cell id of its own for the fault.
 CLIPPED_BEFORE_UNSCALE = gpt2("ddp", precision="fp16", clip_grad_norm=CLIP, micro_batch=1, accumulation=2, **SGD)
 SDP_FP16 = gpt2("fairscale_sdp", precision="fp16")
+# Real data: the standard library's bytes, the held-out loss before, halfway and after.
+BYTES_REFERENCE, BYTES_DDP = (CellSpec(model="gpt2-bytes", strategy=StrategySpec(name=name), world_size=world,
+                                       micro_batch=16 // world, steps=12, data="stdlib_bytes", eval_every=6)
+                              for name, world in (("single", 1), ("ddp", 2)))
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +121,8 @@ def records(tmp_path_factory) -> dict[str, dict]:
     assert CLIPPED_BEFORE_UNSCALE.reference() == REFERENCE == DDP.reference() == FSDP2.reference()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(faults.ENV_VAR, f"{CLIPPED_BEFORE_UNSCALE.cell_id}={faults.CLIP_BEFORE_UNSCALE}")
-        return MatrixRun([REFERENCE, UNCLIPPED, DDP, FSDP2, CLIPPED_BEFORE_UNSCALE, SDP_FP16],
-                         RunStore(tmp / "results", "run"), untraced(), device_type="cpu", device_name=None,
+        cells = [REFERENCE, UNCLIPPED, DDP, FSDP2, CLIPPED_BEFORE_UNSCALE, SDP_FP16, BYTES_REFERENCE, BYTES_DDP]
+        return MatrixRun(cells, RunStore(tmp / "results", "run"), untraced(), device_type="cpu", device_name=None,
                          progress=print).run()
 
 
@@ -176,3 +181,15 @@ def test_cell_page_states_the_numerics(records):
 def test_fairscale_sdp_fp16_is_unsupported_here_with_the_reason(records):
     record = records[SDP_FP16.cell_id]
     assert record["status"] == "unsupported" and "ShardedGradScaler" in record["reason"]
+
+
+def test_real_data_cells_record_their_held_out_loss(records):
+    reference, ddp = records[BYTES_REFERENCE.cell_id], records[BYTES_DDP.cell_id]
+    assert ddp["status"] == "ok" and ddp["equivalence"]["passed"], ddp["equivalence"]
+    evaluation = ddp["evaluation"]
+    assert [step for step, _ in evaluation["held_out_loss"]] == [0, 6, 12]
+    losses = [loss for _, loss in evaluation["held_out_loss"]]
+    assert losses[-1] < losses[0] - 0.5  # bytes are learnable: ln 256 = 5.5 falls fast
+    assert losses == pytest.approx([loss for _, loss in reference["evaluation"]["held_out_loss"]], rel=1e-5)
+    assert evaluation["data"]["name"] == "stdlib_bytes" and evaluation["data"]["loader_workers"] == 2
+    assert records[REFERENCE.cell_id]["evaluation"] is None  # synthetic data: nothing held out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from harness import convergence
 from harness.claims import judges, published, zero_claims
 from harness.claims.base import ACTIVATIONS_TOL, COMM_TOL, EXACT_TOL, MODEL_STATES_TOL, Claim, cell
 from harness.config import CellSpec
@@ -157,6 +158,16 @@ _CLAIMS += [
                   " autocast bf16 and fp16, on this host's device",
           tolerance="every layer_norm, softmax and log_softmax float32; every mm, addmm, bmm the low precision",
           unit="dtype", judge=judges.autocast_fp32_ops),
+    Claim(claim_id="precision/bf16_converges", title="bf16 trains to fp32's held-out loss on real text",
+          source="Kalamkar et al. 2019 (bf16 for deep learning training); Micikevicius et al. 2018",
+          published="bf16 mixed precision reaches the fp32 run's accuracy without loss scaling or tuned"
+                    " hyper-parameters",
+          formula="harness/convergence.py: the final held-out loss after 200 steps on the standard library's bytes,"
+                  " bf16 against fp32 (one process)",
+          tolerance="within the spread of three fp32 seeds' final held-out losses", unit="held-out loss",
+          judge=judges.bf16_converges,
+          cells=lambda world_size: [convergence.cell("single", world_size, seed=seed, precision=p)
+                                    for p, seeds in (("fp32", convergence.SEEDS), ("bf16", (0,))) for seed in seeds]),
     Claim(claim_id="zero/table1", title="ZeRO Table 1 recomputed from the model-state formulas",
           source=f"{_ZERO} Table 1", published="54 entries, GB per device, K = 12",
           formula="analytic.zero_model_states(Ψ, N_d, stage).total / 1e9",

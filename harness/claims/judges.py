@@ -428,7 +428,7 @@ def autocast_fp32_ops(r: Readings) -> Outcome:
             super().__init__()
             self.seen: dict[str, set[str]] = {}
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
             if name in _FP32_OPS + _LOW_OPS:
@@ -454,6 +454,21 @@ def autocast_fp32_ops(r: Readings) -> Outcome:
                    reason=(f"on {device.type}: {', '.join(_FP32_OPS)} gave float32 and the matmuls the low precision"
                            if not wrong else "; ".join(wrong)),
                    details={"device": device.type, "output_dtypes": seen})
+
+
+def bf16_converges(r: Readings) -> Outcome:
+    """The one-process bf16 run's final held-out loss on the convergence suite's real text,
+    against the fp32 runs' (harness/convergence.py)."""
+    from harness import convergence
+
+    bf16 = convergence.cell("single", r.world_size, precision="bf16")
+    judged = convergence.verdict(bf16, r.record)  # r.record refuses a cell without a record
+    if judged is None or judged["verdict"] is None:
+        raise NotMeasurable(judged["reason"] if judged else "not a real-data cell", failed=True)
+    fp32 = judged["fp32_by_seed"][bf16.seed]
+    return Outcome(predicted=fp32, measured=judged["final_held_out_loss"],
+                   verdict="holds" if judged["verdict"] == "within" else "does not hold", reason=judged["reason"],
+                   details=judged)
 
 
 # --- ZeRO Table 1 (no cells) --------------------------------------------------------------------

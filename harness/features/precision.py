@@ -7,8 +7,12 @@ fp32 gets a disabled autocast and a disabled GradScaler, so the step reads the s
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from harness.config import StrategySpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -23,17 +27,23 @@ def autocast(precision: str, device: torch.device, *, enabled: bool = True) -> A
     )
 
 
-def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
-    """Dynamic loss scaling for fp16 (scale down and skip the step on inf/nan, grow after
-    2000 clean steps); bf16 has fp32's exponent range and needs none."""
-    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+def scales_loss(strategy: StrategySpec) -> bool:
+    """Dynamic loss scaling: fp16's, unless the cell turns it off (``loss_scaling="none"``, to
+    measure what fp16 loses without it); bf16 has fp32's exponent range and needs none."""
+    return strategy.precision == "fp16" and strategy.loss_scaling == "dynamic"
 
 
-def sharded_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+def grad_scaler(strategy: StrategySpec, device: torch.device) -> torch.amp.GradScaler:
+    """Dynamic loss scaling (scale down and skip the step on inf/nan, grow after 2000 clean
+    steps) where ``scales_loss``; a disabled scaler, whose calls do nothing, elsewhere."""
+    return torch.amp.GradScaler(device.type, enabled=scales_loss(strategy))
+
+
+def sharded_grad_scaler(strategy: StrategySpec, device: torch.device) -> torch.amp.GradScaler:
     """``grad_scaler`` for gradients sharded over the ranks (FSDP1, FSDP2): each rank sees
     only its shard, so an inf on one rank must skip the step on all of them. torch's
     ShardedGradScaler all-reduces the found-inf flags before stepping; the plain GradScaler
     would step the other ranks' shards and leave the model inconsistent."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    return ShardedGradScaler(device.type, enabled=precision == "fp16")
+    return ShardedGradScaler(device.type, enabled=scales_loss(strategy))

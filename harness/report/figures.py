@@ -278,6 +278,44 @@ def accuracy_figure(panels: list[dict], path: Path) -> None:
     _save(fig, path)
 
 
+def convergence_figure(curves: list[dict], path: Path) -> None:
+    """Held-out loss over training as the difference from the fp32 one-process runs' mean, a
+    panel per precision: those runs' band (their least and most at each evaluation) shaded
+    around zero, each cell a line over it; the loss itself on a second row. ``curves``:
+    {label, panel, points: [[steps done, loss], …], fp32_reference}; the references share
+    their evaluation steps."""
+    references = [dict(map(tuple, c["points"])) for c in curves if c["fp32_reference"]]
+    steps = sorted(references[0]) if references else []
+    mean = {step: sum(r[step] for r in references) / len(references) for step in steps}
+    panels = list(dict.fromkeys(c["panel"] for c in curves))
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 5.6), squeeze=False, sharey="row",
+                             sharex=True)
+    for column, panel in enumerate(panels):
+        difference, loss = axes[0][column], axes[1][column]
+        if references:
+            difference.fill_between(steps, [min(r[s] for r in references) - mean[s] for s in steps],
+                                    [max(r[s] for r in references) - mean[s] for s in steps], color="0.8",
+                                    label=f"fp32, {len(references)} seeds")
+            loss.fill_between(steps, [min(r[s] for r in references) for s in steps],
+                              [max(r[s] for r in references) for s in steps], color="0.8")
+        for curve in curves:
+            if curve["panel"] != panel or curve["fp32_reference"]:
+                continue
+            done, losses = zip(*curve["points"])
+            line, = loss.plot(done, losses, lw=1, marker=".")
+            if references:
+                shared = [(s, v - mean[s]) for s, v in zip(done, losses) if s in mean]
+                difference.plot(*zip(*shared), lw=1, marker=".", color=line.get_color(), label=curve["label"])
+        difference.axhline(0, color="black", lw=0.6)
+        difference.set_title(panel, fontsize=9)
+        difference.legend(fontsize=6)
+        loss.set_xlabel("steps")
+    axes[0][0].set_ylabel("held-out loss − fp32 mean")
+    axes[1][0].set_ylabel("held-out loss")
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def model_figures(model: str, mdf: pd.DataFrame, mrecs: list[dict], by_id: dict[str, dict], fig_dir: Path) -> dict:
     """Every chart of one model's cells: {model, figures: [{title, path}]}, paths relative to
     the report folder."""

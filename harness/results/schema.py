@@ -39,6 +39,7 @@ def make_record(
     per_rank: list[dict[str, Any]] | None = None,
     losses: list[float] | None = None,
     numerics: dict[str, Any] | None = None,
+    evaluation: dict[str, Any] | None = None,
     equivalence: dict[str, Any] | None = None,
     predicted: dict[str, Any] | None = None,
     fit: dict[str, Any] | None = None,
@@ -66,6 +67,8 @@ def make_record(
         "losses": _finite_or_none(losses or []),
         # measure/numerics.py; None where the cell did not train (and in records before it).
         "numerics": numerics,
+        # Real-data cells' held-out loss over training (harness/data.py); None otherwise.
+        "evaluation": evaluation,
         "equivalence": equivalence,
         "predicted": predicted,
         "fit": fit,

@@ -193,6 +193,7 @@ class MatrixRun:
                 per_rank=summary.per_rank_view(outcome.per_rank),
                 losses=rank0["losses"],
                 numerics=rank0["numerics"],
+                evaluation=rank0["evaluation"],
                 equivalence=None if is_reference else equivalence.check(
                     cell, rank0["losses"], self._reference_record(cell, trial)),
                 **common,

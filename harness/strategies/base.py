@@ -49,6 +49,9 @@ class Capabilities:
     # Whether the strategy clips gradients by their global norm (``clip_grad_norm``) its
     # engine's way (Prepared.clip_grad_norm, or the engine's own step).
     clipping: bool = True
+    # Whether its ranks can evaluate a held-out set with the model's own forward (real-data
+    # cells: harness/data.py); a pipeline's forward is its schedule's.
+    evaluation: bool = True
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.

@@ -54,8 +54,10 @@ RING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
+    evaluation=False,
     optimizers=frozenset(optimizers.NAMES),
-    notes={"fp16": "fp16 needs the GradScaler inside the context-parallel forward/backward: not wired"},
+    notes={"evaluation": "its forward shards the sequence inside the context-parallel step: no held-out evaluation",
+           "fp16": "fp16 needs the GradScaler inside the context-parallel forward/backward: not wired"},
 )
 
 CPU_REASON = (

@@ -7,7 +7,8 @@ The engine's config is built from the cell (no JSON files):
   cell.micro_batch; ``gradient_accumulation_steps`` = cell.strategy.accumulation.
 - precision: fp32 (nothing), ``bf16: {enabled}`` (DeepSpeed casts the model to bf16 and keeps
   fp32 master weights in the ZeRO optimizer, so no autocast), ``fp16: {enabled,
-  loss_scale: 0}`` (dynamic loss scaling) where the device has fp16. DeepSpeed's CPU
+  loss_scale: 0}`` (dynamic loss scaling; ``loss_scale: 1``, a static scale of one, for
+  ``loss_scaling="none"``) where the device has fp16. DeepSpeed's CPU
   accelerator has fp16 where oneDNN has it (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``,
   e.g. AVX512-FP16/AMX CPUs); elsewhere deepspeed.initialize raises "Type fp16 is not
   supported on your device.", which ``unsupported_reason`` reports before launching.
@@ -222,7 +223,8 @@ def ds_config(cell: CellSpec) -> dict[str, Any]:
     if s.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif s.precision == "fp16":
-        config["fp16"] = {"enabled": True, "loss_scale": 0}  # 0: dynamic loss scaling
+        # loss_scale 0: dynamic loss scaling; 1: a static scale of 1, i.e. none.
+        config["fp16"] = {"enabled": True, "loss_scale": 0 if s.loss_scaling == "dynamic" else 1}
     return config
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from harness import faults
-from harness.features import optimizers
+from harness.features import optimizers, precision
 from harness.features.precision import DTYPES
 from harness.strategies import ddp
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
@@ -115,7 +115,7 @@ def _sharded_scaler(cell: CellSpec) -> torch.amp.GradScaler:
     """FairScale's ShardedGradScaler (all-reduces the ranks' found-inf flags), for fp16."""
     from fairscale.optim.grad_scaler import ShardedGradScaler
 
-    scaler: torch.amp.GradScaler = ShardedGradScaler(enabled=cell.strategy.precision == "fp16")
+    scaler: torch.amp.GradScaler = ShardedGradScaler(enabled=precision.scales_loss(cell.strategy))
     return scaler
 
 

@@ -109,7 +109,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         no_sync=lambda: no_gradient_sync(root),
         use_autocast=False,
         fsdp2=True,
-        scaler=precision.sharded_grad_scaler(s.precision, env.device),
+        scaler=precision.sharded_grad_scaler(cell.strategy, env.device),
         engine_report=lambda: report,
     )
 

@@ -78,7 +78,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         optimizer=optimizers.make(wrapped.parameters(), cell.strategy.optimizer, cell.lr),
         no_sync=wrapped.no_sync,
         use_autocast=False,
-        scaler=precision.sharded_grad_scaler(s.precision, env.device),
+        scaler=precision.sharded_grad_scaler(cell.strategy, env.device),
         clip_grad_norm=wrapped.clip_grad_norm_,
         engine_report=lambda: engine_report(wrapped, block_type),
     )

@@ -64,7 +64,9 @@ CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32"}),
     checkpointing=frozenset({"none", "full"}),
     clipping=False,
+    evaluation=False,
     notes={
+        "evaluation": "Megatron's forward runs through its own schedule and loss: no held-out evaluation wired",
         "clip_grad_norm": ("Megatron clips inside its own optimizer (OptimizerConfig.clip_grad), which"
                            " needs CUDA to be measured against the gate: not wired"),
         "bf16": ("Megatron's bf16 recipe (Float16Module: bf16 parameters, fp32 main copies in the"

@@ -58,7 +58,9 @@ CAPABILITIES = Capabilities(
     checkpointing=ALL_CHECKPOINTING,
     min_world_size=2,
     clipping=False,
-    notes={"clip_grad_norm": ("the global norm spans every stage's parameters, each on its own rank: a clip"
+    evaluation=False,
+    notes={"evaluation": "a pipeline's forward runs through its schedule, stage by stage: no held-out evaluation wired",
+           "clip_grad_norm": ("the global norm spans every stage's parameters, each on its own rank: a clip"
                               " needs the stages' squared norms summed over the pipeline first; not wired"),
            "fp16": "fp16 needs a GradScaler whose scale and overflow checks span every stage (all"
                    " ranks must skip the same steps); not wired for pipelines: use bf16"},

@@ -233,7 +233,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         no_sync=lambda: fsdp.no_gradient_sync(root),
         use_autocast=False,
         fsdp2=True,
-        scaler=precision.sharded_grad_scaler(cell.strategy.precision, env.device),
+        scaler=precision.sharded_grad_scaler(cell.strategy, env.device),
         data_rank=mesh.get_local_rank("dp"),
     )
 

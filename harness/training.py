@@ -177,7 +177,8 @@ class PreparedCell:
         """Whether the held-out loss is taken after ``steps_done`` steps: before the first, every
         ``eval_every`` and after the last."""
         every = self.cell.eval_every
-        return bool(self.held_out) and (steps_done % every == 0 if every else steps_done in (0, self.cell.steps))
+        return bool(self.held_out) and (steps_done in (0, self.cell.steps)
+                                        or (every is not None and steps_done % every == 0))
 
     def evaluate(self) -> float:
         """The mean loss over the held-out set, which every rank evaluates whole (its forward

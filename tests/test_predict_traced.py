@@ -30,10 +30,14 @@ def _assert_prediction(result: dict) -> None:
     assert sum(result["breakdown_bytes"].values()) == result["peak_bytes"] > 0
 
 
-def test_single_equals_the_workers_real_step():
+@pytest.mark.parametrize("cell", [
+    _cell("single", 1),
+    # Real data: traced on synthetic batches of its shapes (the loader's tensors are real).
+    dataclasses.replace(_cell("single", 1, model="gpt2-bytes"), data="stdlib_bytes"),
+], ids=lambda c: c.cell_id)
+def test_single_equals_the_workers_real_step(cell):
     """The same cell run for real by training.run_cell (one gloo rank in this process) and
     traced under FakeTensorMode: the same peak, byte for byte, in every category."""
-    cell = _cell("single", 1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         env = DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")

@@ -381,8 +381,10 @@ def _rebuild_ddp_buckets(model: torch.nn.Module) -> None:
 
 def _run(cell: CellSpec, env: DistEnv, mode) -> tuple[memory.StepMemory, DispatchedWork]:
     """The training step's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP
-    would make it, before the second step), and what the tracked step dispatched."""
-    session = training.prepare_cell(cell, env)
+    would make it, before the second step), and what the tracked step dispatched. A real-data
+    cell is traced on synthetic batches of its shapes: a step's memory follows the shapes, not
+    the values, and the loader's real tensors cannot enter the fake mode."""
+    session = training.prepare_cell(dataclasses.replace(cell, data="synthetic", eval_every=None), env)
     for i in range(cell.warmup_steps):
         if i == 1:
             _rebuild_ddp_buckets(session.prep.model)

@@ -29,9 +29,9 @@ from typing import Any
 from harness import convergence as convergence_verdicts
 from harness import strategies, suite_files, suites_gpu
 from harness.claims import catalogue as claims_catalogue
-from harness.config import CellSpec, StrategySpec
+from harness.config import TRAIN_SEQUENCES, CellSpec, StrategySpec
 from harness.models import ModelSpec, sources
-from harness.suite_cell import suite_cell
+from harness.suite_cell import MICRO_BATCH, suite_cell
 
 # Suite files to start one's own from (README: Suites of your own).
 SUITE_FILE_EXAMPLES = Path(__file__).resolve().parents[1] / "suites" / "examples"
@@ -102,8 +102,9 @@ def default(world_size: int) -> list[CellSpec]:
     # fp16 without loss scaling; real text through each rank's DistributedSampler and
     # DataLoader, with its held-out loss (the convergence suite trains on it for 200 steps).
     cells += [_cell("gpt2-tiny", s, world_size, precision="fp16", loss_scaling="none") for s in ("single", "ddp")]
-    cells += [suite_cell("gpt2-bytes", StrategySpec(name=s), world_size, data="stdlib_bytes", eval_every=5)
-              for s in ("single", "ddp")]
+    if TRAIN_SEQUENCES["stdlib_bytes"] % (MICRO_BATCH * world_size) == 0:  # whole global batches an epoch
+        cells += [suite_cell("gpt2-bytes", StrategySpec(name=s), world_size, data="stdlib_bytes", eval_every=5)
+                  for s in ("single", "ddp")]
     # Activation checkpointing.
     cells += [
         _cell("gpt2-tiny", "ddp", world_size, checkpointing="full"),

@@ -166,8 +166,11 @@ class PreparedCell:
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
              before_optimizer_step: Callable[[], None] = _no_op, measure_grad_norm: bool = False) -> torch.Tensor:
         """Step ``i``. Its gradient norm is kept where the cell clips (computed anyway) or
-        ``measure_grad_norm`` asks for it (measure/numerics.py says which steps do)."""
-        keep_norm = measure_grad_norm or self.cell.strategy.clip_grad_norm is not None
+        ``measure_grad_norm`` asks for it (measure/numerics.py says which steps do) and the
+        strategy can take the global norm: those that cannot clip (a pipeline's stages,
+        Megatron's splits) would give each rank's own part of it."""
+        can_norm = strategies.get(self.cell.strategy.name).capabilities.clipping
+        keep_norm = self.cell.strategy.clip_grad_norm is not None or (measure_grad_norm and can_norm)
         return train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
                           between_micro_steps, before_optimizer_step,
                           grad_norm_into=self.grad_norms[i] if keep_norm else None,

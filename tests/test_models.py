@@ -7,10 +7,17 @@ import dataclasses
 import pytest
 import torch
 
-from harness.models import PRESETS, ModelSpec, analytic_n_params, build, flops_per_sample, get_preset
+from harness.models import (
+    PRESETS,
+    REAL_SIZE_PRESETS,
+    ModelSpec,
+    analytic_n_params,
+    build,
+    flops_per_sample,
+    get_preset,
+)
 
-TINY = ["gpt2-tiny", "llama-tiny", "llama-tiny-mha", "llama-tiny-mqa", "bert-tiny", "vit-tiny", "mlp-tiny",
-        "moe-tiny"]
+TINY = [name for name in PRESETS if name not in REAL_SIZE_PRESETS]
 
 
 def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -76,7 +83,7 @@ def test_block_type_and_counts(name: str) -> None:
     assert built.flops_per_sample > 0
 
 
-@pytest.mark.parametrize("name", sorted(set(PRESETS) - set(TINY)))
+@pytest.mark.parametrize("name", REAL_SIZE_PRESETS)
 def test_real_presets_are_sized_without_building(name: str) -> None:
     expected = {"gpt2-124m": 124_439_808, "llama-1b": 1_235_814_400, "llama3-8b": 8_030_261_248,
                 "mixtral-8x7b": 46_702_792_704}

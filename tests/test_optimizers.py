@@ -106,9 +106,11 @@ def test_flat_parameter_strategies_take_8bit_but_refuse_adafactor(strategy):
     assert "unfactored second moment" in _refusal(strategy, "adafactor")
 
 
-def test_fairscale_sdp_refuses_fp16_but_oss_takes_it():
-    assert "ShardedGradScaler" in strategies.incompatibility(
-        CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fairscale_sdp", precision="fp16")))
+def test_fairscale_takes_fp16_and_sdp_needs_cuda_for_its_sharded_scaler():
+    sdp = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fairscale_sdp", precision="fp16"))
+    assert strategies.incompatibility(sdp) is None
+    assert "ShardedGradScaler" in strategies.unsupported_reason(sdp, "cpu")
+    assert strategies.unsupported_reason(sdp, "cuda") is None
     assert strategies.incompatibility(
         CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="fairscale_oss", precision="fp16"))) is None
 

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from harness.distributed import is_dtensor
 
 
 def torch_clip(parameters: Iterable[nn.Parameter]) -> Callable[[float], torch.Tensor]:
@@ -40,7 +41,7 @@ def torch_clip(parameters: Iterable[nn.Parameter]) -> Callable[[float], torch.Te
         grads = [p.grad for p in params if p.grad is not None]
         kinds: dict[object, list[torch.Tensor]] = {}
         for grad in grads:
-            kinds.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+            kinds.setdefault(grad.device_mesh if is_dtensor(grad) else None, []).append(grad)
         if len(kinds) == 1:
             norm = (torch.nn.utils.get_total_norm(grads) if math.isinf(max_norm)
                     else torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -50,7 +51,7 @@ def torch_clip(parameters: Iterable[nn.Parameter]) -> Callable[[float], torch.Te
         if not math.isinf(max_norm):
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_coef
             for grad in grads:  # a DTensor's local shard is a view of it: scaled in place
-                (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient)
+                (grad.to_local() if is_dtensor(grad) else grad).mul_(coefficient)
         return total
 
     return clip
@@ -58,4 +59,4 @@ def torch_clip(parameters: Iterable[nn.Parameter]) -> Callable[[float], torch.Te
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:
     """A norm of DTensor gradients is itself a DTensor (partial over the mesh): reduced."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm

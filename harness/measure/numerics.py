@@ -12,7 +12,8 @@ precision's range. The record's ``numerics`` (README "Results format").
   gradients and, where they are sharded, a collective: a cell that clips computes it every
   step anyway; one that does not has it measured only in its warm-up steps, so that no timed,
   memory-tracked or comm-counted step pays for it (null for those steps). DeepSpeed computes
-  it inside every step itself.
+  it inside every step itself. Null throughout for the strategies that cannot clip (the
+  pipelines, Megatron: each rank holds a part of the model, and no global norm is wired).
 - gradient_range (fp16 and bf16 cells): the last warm-up step's gradients, as the backward
   left them for the optimizer (multiplied by the loss scale), cast to the compute precision:
   how many are zero or subnormal there, and how many would be without the loss scale — the
@@ -29,7 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from harness.distributed import is_dtensor
 
 # frexp's exponents of float32 values (|g| = m·2^e, 0.5 ≤ m < 1) run from -148 to 128.
 _EXPONENT_OFFSET = 160
@@ -37,7 +39,7 @@ _EXPONENT_BINS = 300
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return grad.to_local() if is_dtensor(grad) else grad
 
 
 def gradient_range(grads: Iterable[torch.Tensor], dtype: torch.dtype, loss_scale: float, device: torch.device,

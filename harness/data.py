@@ -61,8 +61,10 @@ class ByteSequences(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+@cache
 def splits(seq_len: int) -> tuple[ByteSequences, ByteSequences, dict[str, Any]]:
-    """The training and held-out sets of ``stdlib_bytes`` at ``seq_len``, and what they are."""
+    """The training and held-out sets of ``stdlib_bytes`` at ``seq_len``, and what they are
+    (made once a process: a cell reads them for its batches, its held-out set and its record)."""
     corpus, source = stdlib_corpus()
     train = TRAIN_SEQUENCES["stdlib_bytes"]
     n = train + HELD_OUT_SEQUENCES

@@ -71,7 +71,6 @@ def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv,
     Real data (``cell.data``) comes through the rank's DistributedSampler and DataLoader
     (harness/data.py), whose micro-batches make the same global batches.
     """
-    generator = torch.Generator().manual_seed(cell.seed)
     world = cell.strategy.data_parallel_size(cell.world_size)
     mb = cell.global_batch // (world * cell.strategy.accumulation)
     accumulation = cell.strategy.accumulation
@@ -80,6 +79,7 @@ def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv,
         loaded = data.sampler_batches(train, mb, cell.steps * accumulation, world, data_rank, cell.seed)
         on_device = [{name: t.to(env.device) for name, t in batch.items()} for batch in loaded]
         return [on_device[i:i + accumulation] for i in range(0, len(on_device), accumulation)]
+    generator = torch.Generator().manual_seed(cell.seed)
     steps = []
     for _ in range(cell.steps):
         global_batch = built.make_batch(generator, cell.global_batch)

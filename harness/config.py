@@ -29,12 +29,13 @@ Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafac
 Compression = Literal["none", "fp16", "bf16", "powersgd"]
 LossScaling = Literal["dynamic", "none"]
 HsdpMesh = Literal["explicit", "fsdp_default"]
-# Where a cell's samples come from (harness/data.py): random tokens, or the standard library's
-# source as bytes; the real sources' training sets, in sequences (a global batch must divide
-# them, so that every epoch is whole steps).
-DataSource = Literal["synthetic", "stdlib_bytes"]
-TRAIN_SEQUENCES = {"stdlib_bytes": 1600}
+# Where a cell's samples come from (harness/data.py): random ones, the standard library's
+# source as bytes, or scikit-learn's digits; the real sources' training sets, in samples (a
+# global batch must divide them, so that every epoch is whole steps).
+DataSource = Literal["synthetic", "stdlib_bytes", "digits"]
+TRAIN_SAMPLES = {"stdlib_bytes": 1600, "digits": 1440}
 BYTE_VOCABULARY = 256
+DIGITS_IMAGE = {"image_size": 8, "num_classes": 10}
 # transformers' attn_implementation: "eager" materialises the attention scores, "sdpa"
 # calls torch's scaled_dot_product_attention (a fused kernel where the device has one),
 # "flash" is flash_attention_2 (the flash-attn package, CUDA only).
@@ -84,6 +85,9 @@ class StrategySpec:
     # fp16's loss scaling (features/precision.py): "none" trains fp16 without it, to measure
     # what it loses.
     loss_scaling: LossScaling = "dynamic"
+    # BatchNorm over the data-parallel group's samples (torch's SyncBatchNorm) rather than
+    # each rank's own; models with BatchNorm only, strategies that declare it.
+    sync_batch_norm: bool = False
     # HYBRID_SHARD / HSDP: "explicit" builds a (replicate × shard) DeviceMesh;
     # "fsdp_default" lets FSDP1 pick its own process groups, which on a single node silently
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
@@ -118,6 +122,8 @@ class StrategySpec:
                 or not 0 < self.clip_grad_norm < float("inf")):
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r}: must be a positive, finite number (a global"
                              " gradient 2-norm, e.g. 1.0)")
+        if not isinstance(self.sync_batch_norm, bool):
+            raise ValueError(f"sync_batch_norm={self.sync_batch_norm!r}: must be true or false")
         # Options that would change nothing must not make a second cell with a new id.
         if self.powersgd_rank != 1 and self.compression != "powersgd":
             raise ValueError(f"powersgd_rank={self.powersgd_rank}: applies to compression=powersgd only")
@@ -235,7 +241,7 @@ class CellSpec:
         if self.strategy.name == REFERENCE and self.world_size != 1:
             raise ValueError(f"strategy={REFERENCE} is the one-process reference: world_size must be 1")
         _check_choice("attention", self.attention, get_args(Attention))
-        if self.attention != "sdpa" and self.model_spec.family == "mlp":
+        if self.attention != "sdpa" and not self.model_spec.has_attention:
             raise ValueError(f"attention={self.attention!r}: model {self.model_name} has no attention; leave it 'sdpa'")
         if self.attention == "flash" and self.strategy.precision == "fp32":
             raise ValueError("attention='flash' with precision=fp32: flash-attn computes in fp16 or bf16 only;"
@@ -244,6 +250,9 @@ class CellSpec:
             raise ValueError(f"expandable_segments={self.expandable_segments!r}: must be true or false")
         self._check_data()
         s = self.strategy
+        if s.sync_batch_norm and not self.model_spec.has_batch_norm:
+            raise ValueError(f"sync_batch_norm=True: model {self.model_name} has no BatchNorm layers to synchronise"
+                             " (the convnet family has)")
         if problem := strategies.get(s.name).layout_problem(self):
             raise ValueError(problem)
         if s.pipelined and s.accumulation != 1:
@@ -254,17 +263,23 @@ class CellSpec:
         _check_choice("data", self.data, get_args(DataSource))
         if self.data == "synthetic":
             if self.eval_every is not None:
-                raise ValueError(f"eval_every={self.eval_every}: applies to real data only (data=stdlib_bytes)")
+                raise ValueError(f"eval_every={self.eval_every}: applies to real data only"
+                                 " (data=stdlib_bytes or digits)")
             return
         if self.eval_every is not None:
             _check_positive("eval_every", self.eval_every)
         spec = self.model_spec
-        if spec.family not in ("gpt2", "llama") or (spec.vocab_size or 0) < BYTE_VOCABULARY:
+        if self.data == "stdlib_bytes" and (spec.family not in ("gpt2", "llama")
+                                            or (spec.vocab_size or 0) < BYTE_VOCABULARY):
             raise ValueError(f"data={self.data}: needs a causal language model (gpt2, llama) with at least"
                              f" {BYTE_VOCABULARY} tokens (bytes); {spec.name} is a {spec.family} model with"
                              f" {spec.vocab_size} (the gpt2-bytes preset is made for it)")
-        if TRAIN_SEQUENCES[self.data] % self.global_batch:
-            raise ValueError(f"data={self.data}: its {TRAIN_SEQUENCES[self.data]} training sequences must split into"
+        if self.data == "digits" and (spec.family != "convnet" or spec.image_size != DIGITS_IMAGE["image_size"]
+                                      or spec.num_classes != DIGITS_IMAGE["num_classes"]):
+            raise ValueError(f"data={self.data}: needs a convnet model for 8×8 grayscale images of 10 classes;"
+                             f" {spec.name} is a {spec.family} model (the convnet-digits preset is made for it)")
+        if TRAIN_SAMPLES[self.data] % self.global_batch:
+            raise ValueError(f"data={self.data}: its {TRAIN_SAMPLES[self.data]} training samples must split into"
                              f" whole global batches; {self.global_batch} does not divide them")
         if not strategies.get(self.strategy.name).capabilities.evaluation:
             raise ValueError(f"data={self.data} with {self.strategy.name}: "
@@ -325,6 +340,8 @@ class CellSpec:
             parts.append(f"clip{s.clip_grad_norm:g}")
         if s.loss_scaling != "dynamic":
             parts.append(f"scale_{s.loss_scaling}")
+        if s.sync_batch_norm:
+            parts.append("syncbn")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
         # The layout options are None wherever they do not apply (StrategySpec._resolve).

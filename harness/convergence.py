@@ -14,10 +14,11 @@ to training, over hundreds of steps. For a cell C:
 
 A run without all the seeds' references (a ``-k`` selection) gets no verdict for its cells.
 
-What trains (``cell``): a byte-level GPT-2 (``MODEL``) on the standard library's source
-(harness/data.py), ``STEPS`` steps of a global batch of ``GLOBAL_BATCH`` (two epochs of its
-1,600 training sequences), the held-out loss every ``EVAL_EVERY`` steps: the convergence suite
-(harness/suites.py) and the claims that read it.
+What trains (``cell``): a byte-level GPT-2 (``MODEL``) on the standard library's source, or the
+small BatchNorm convnet (``VISION_MODEL``) on scikit-learn's digits (harness/data.py): ``STEPS``
+steps of a global batch of ``GLOBAL_BATCH`` (two epochs of the 1,600 training sequences, 2.2 of
+the 1,440 training images), the held-out loss every ``EVAL_EVERY`` steps: the convergence
+suite (harness/suites.py) and the claims that read it.
 """
 
 from __future__ import annotations
@@ -31,19 +32,23 @@ from harness.suite_cell import suite_cell
 
 SEEDS = (0, 1, 2)
 MODEL = "gpt2-bytes"
+VISION_MODEL = "convnet-digits"
+DATA_OF = {MODEL: "stdlib_bytes", VISION_MODEL: "digits"}
 STEPS = 200
 EVAL_EVERY = 25
 GLOBAL_BATCH = 16
 
 
-def cell(strategy: str, world_size: int, seed: int = 0, **options: Any) -> CellSpec:
-    """A convergence cell on ``world_size`` ranks (the reference takes the whole batch)."""
-    if GLOBAL_BATCH % world_size:
+def cell(strategy: str, world_size: int, seed: int = 0, model: str = MODEL, **options: Any) -> CellSpec:
+    """A convergence cell of ``model`` on ``world_size`` ranks (the reference takes the whole
+    batch; ``accumulation`` cuts each rank's share into micro-steps)."""
+    accumulation = options.get("accumulation", 1)
+    if GLOBAL_BATCH % (world_size * accumulation):
         raise ValueError(f"the convergence cells' global batch of {GLOBAL_BATCH} does not split over {world_size}"
-                         " ranks (use 1, 2, 4, 8 or 16)")
-    return suite_cell(MODEL, StrategySpec(name=strategy, **options), world_size,
-                      micro_batch=GLOBAL_BATCH // world_size, steps=STEPS, seed=seed, data="stdlib_bytes",
-                      eval_every=EVAL_EVERY)
+                         f" ranks × {accumulation} micro-steps")
+    return suite_cell(model, StrategySpec(name=strategy, **options), world_size,
+                      micro_batch=GLOBAL_BATCH // (world_size * accumulation), steps=STEPS, seed=seed,
+                      data=DATA_OF[model], eval_every=EVAL_EVERY)
 
 
 def final_held_out_loss(record: dict | None) -> float | None:

@@ -5,9 +5,12 @@ theirs: a ``DistributedSampler`` and a ``DataLoader`` with worker processes on e
   (harness/training.py ``local_batches``); what every measurement suite trains on.
 - ``stdlib_bytes``: the Python standard library's own top-level modules (``Lib/*.py``, in name
   order) as one byte string, cut into sequences of the model's length; bytes are the tokens
-  (a vocabulary of 256). The first ``config.TRAIN_SEQUENCES`` train, the next
-  ``HELD_OUT_SEQUENCES`` (later files) are held out. Every machine with Python has it; which Python's library it was
-  is in the record (``source``, ``sha256``).
+  (a vocabulary of 256). The first ``config.TRAIN_SAMPLES`` train, the next
+  ``HELD_OUT_SEQUENCES`` (later files) are held out. Every machine with Python has it; which
+  Python's library it was is in the record (``source``, ``sha256``).
+- ``digits``: scikit-learn's bundled handwritten digits (``load_digits``: 1,797 8×8 grayscale
+  images, 0-16 scaled to [0, 1], ten classes), in the file's order: the first
+  ``config.TRAIN_SAMPLES`` train, the rest (later writers) are held out.
 
 Each rank reads its share through a ``DistributedSampler`` over the data-parallel ranks
 (shuffled from the cell's seed, reshuffled each epoch by ``set_epoch``, ``drop_last``) and a
@@ -33,9 +36,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from harness.config import TRAIN_SEQUENCES
+from harness.config import TRAIN_SAMPLES
 
 HELD_OUT_SEQUENCES = 96
+DIGITS_MAX_VALUE = 16.0  # load_digits' pixels count 0-16 set cells of a 4×4 block
 LOADER_WORKERS = 2
 EVAL_BATCH = 32
 
@@ -61,12 +65,36 @@ class ByteSequences(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+class Images(Dataset):
+    """Images and their class labels as an image classifier's samples."""
+
+    def __init__(self, pixel_values: torch.Tensor, labels: torch.Tensor):
+        self.pixel_values, self.labels = pixel_values, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixel_values[index], "labels": self.labels[index]}
+
+
+def splits(source: str, seq_len: int | None) -> tuple[Dataset, Dataset, dict[str, Any]]:
+    """The training and held-out sets of ``source`` (``seq_len``: a text source's sequence
+    length), and what they are (the record's ``evaluation.data``)."""
+    if source == "stdlib_bytes":
+        if seq_len is None:
+            raise ValueError("data=stdlib_bytes: cut into sequences of the model's seq_len; the model has none")
+        return _stdlib_splits(seq_len)
+    if source == "digits":
+        return _digits_splits()
+    raise ValueError(f"data={source!r}: no such real data (stdlib_bytes, digits)")
+
+
+# Made once a process: a cell reads them for its batches, its held-out set and its record.
 @cache
-def splits(seq_len: int) -> tuple[ByteSequences, ByteSequences, dict[str, Any]]:
-    """The training and held-out sets of ``stdlib_bytes`` at ``seq_len``, and what they are
-    (made once a process: a cell reads them for its batches, its held-out set and its record)."""
+def _stdlib_splits(seq_len: int) -> tuple[ByteSequences, ByteSequences, dict[str, Any]]:
     corpus, source = stdlib_corpus()
-    train = TRAIN_SEQUENCES["stdlib_bytes"]
+    train = TRAIN_SAMPLES["stdlib_bytes"]
     n = train + HELD_OUT_SEQUENCES
     used = corpus[:n * seq_len]
     if len(used) < n * seq_len:
@@ -77,6 +105,23 @@ def splits(seq_len: int) -> tuple[ByteSequences, ByteSequences, dict[str, Any]]:
             "seq_len": seq_len, "train_sequences": train, "held_out_sequences": HELD_OUT_SEQUENCES,
             "loader_workers": LOADER_WORKERS}
     return ByteSequences(sequences[:train]), ByteSequences(sequences[train:]), info
+
+
+@cache
+def _digits_splits() -> tuple[Images, Images, dict[str, Any]]:
+    # Imported here: scikit-learn (and SciPy under it) is only read by cells on the digits.
+    import sklearn
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / DIGITS_MAX_VALUE
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    train = TRAIN_SAMPLES["digits"]
+    info = {"name": "digits", "source": f"sklearn.datasets.load_digits (scikit-learn {sklearn.__version__})",
+            "sha256": hashlib.sha256(pixels.numpy().tobytes() + labels.numpy().tobytes()).hexdigest(),
+            "image_size": pixels.shape[-1], "train_samples": train, "held_out_samples": len(labels) - train,
+            "loader_workers": LOADER_WORKERS}
+    return (Images(pixels[:train], labels[:train]), Images(pixels[train:], labels[train:]), info)
 
 
 def sampler_batches(dataset: Dataset, batch_size: int, batches: int, replicas: int, rank: int, seed: int,

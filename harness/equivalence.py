@@ -31,7 +31,10 @@ FairScale ShardedDataParallel zeroing gradients with set_to_none differs by 1.7e
 
 ``passed`` is None, "not gated", where the reference was predicted not to fit one GPU and so
 never ran (harness/predict/fit.py; llama3-8b in the GPU matrix): the cell is measured, not shown
-to train the reference's model.
+to train the reference's model. Also where the model has BatchNorm and the cell normalises
+over fewer samples than the reference's whole batch (per rank without SyncBatchNorm, per
+micro-step under accumulation: measure/batch_norm.py): a different function by design, judged
+by its held-out accuracy and running statistics instead (the report's BatchNorm table).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from harness.config import CellSpec
+from harness.measure import batch_norm
 
 # The steps a real-data cell's gate compares (check).
 GATE_STEPS = 10
@@ -78,6 +82,12 @@ def check(cell: CellSpec, losses: list[float], reference_record: dict[str, Any] 
         # Measured, but against nothing: no one device holds the whole batch (llama3-8b's states).
         return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol, "passed": None,
                 "reason": f"not gated: the reference does not fit ({reference_record['reason']})"}
+    normalised_over = batch_norm.statistics_batch(cell)
+    if cell.model_spec.has_batch_norm and normalised_over != cell.global_batch:
+        return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol, "passed": None,
+                "reason": (f"not gated: BatchNorm normalises over {normalised_over} samples here, over the whole"
+                           f" batch of {cell.global_batch} in the reference (a different function by design);"
+                           " judged by held-out accuracy and running statistics")}
     if reference_record is None or reference_record.get("status") != "ok":
         status = "missing" if reference_record is None else reference_record["status"]
         return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol,

@@ -37,6 +37,7 @@ CATALOGUE: dict[str, str] = {
     "alloc_expandable": "CUDA caching allocator with expandable segments",
     "clip": "gradients clipped by their global norm (clip_grad_norm)",
     "scale_none": "fp16 without loss scaling (loss_scaling = \"none\")",
+    "syncbn": "BatchNorm statistics over the data-parallel group (SyncBatchNorm)",
     **{f"data_{d}": f"training data: {d}" for d in get_args(DataSource)},
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
@@ -75,10 +76,11 @@ def markers_of(cell: CellSpec) -> list[str]:
         f"compress_{s.compression}",
         f"ws{cell.world_size}",
         family,
-        *([] if family == "mlp" else [f"attn_{cell.attention}", _attention_heads(spec)]),
+        *([f"attn_{cell.attention}", _attention_heads(spec)] if spec.has_attention else []),
         *(["alloc_expandable"] if cell.expandable_segments else []),
         *(["clip"] if s.clip_grad_norm is not None else []),
         *([f"scale_{s.loss_scaling}"] if s.loss_scaling != "dynamic" else []),
+        *(["syncbn"] if s.sync_batch_norm else []),
         f"data_{cell.data}",
     ]
     unknown = [m for m in marks if m not in CATALOGUE]

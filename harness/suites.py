@@ -29,7 +29,7 @@ from typing import Any
 from harness import convergence as convergence_verdicts
 from harness import strategies, suite_files, suites_gpu
 from harness.claims import catalogue as claims_catalogue
-from harness.config import TRAIN_SEQUENCES, CellSpec, StrategySpec
+from harness.config import TRAIN_SAMPLES, CellSpec, StrategySpec
 from harness.models import ModelSpec, sources
 from harness.suite_cell import MICRO_BATCH, suite_cell
 
@@ -102,9 +102,15 @@ def default(world_size: int) -> list[CellSpec]:
     # fp16 without loss scaling; real text through each rank's DistributedSampler and
     # DataLoader, with its held-out loss (the convergence suite trains on it for 200 steps).
     cells += [_cell("gpt2-tiny", s, world_size, precision="fp16", loss_scaling="none") for s in ("single", "ddp")]
-    if TRAIN_SEQUENCES["stdlib_bytes"] % (MICRO_BATCH * world_size) == 0:  # whole global batches an epoch
+    if TRAIN_SAMPLES["stdlib_bytes"] % (MICRO_BATCH * world_size) == 0:  # whole global batches an epoch
         cells += [suite_cell("gpt2-bytes", StrategySpec(name=s), world_size, data="stdlib_bytes", eval_every=5)
                   for s in ("single", "ddp")]
+    # BatchNorm on the digits: DDP normalising per rank (not gated: measure/batch_norm.py) and
+    # with SyncBatchNorm (unsupported on CPU), beside the whole-batch run.
+    if TRAIN_SAMPLES["digits"] % (MICRO_BATCH * world_size) == 0:
+        cells += [suite_cell("convnet-digits", StrategySpec(name=s, sync_batch_norm=sync), world_size, data="digits",
+                             eval_every=5)
+                  for s, sync in (("single", False), ("ddp", False), ("ddp", True))]
     # Activation checkpointing.
     cells += [
         _cell("gpt2-tiny", "ddp", world_size, checkpointing="full"),
@@ -257,17 +263,23 @@ def perf(world_size: int) -> list[CellSpec]:
 CONVERGENCE_PRECISIONS: tuple[dict[str, Any], ...] = (
     {"precision": "fp32"}, {"precision": "bf16"}, {"precision": "fp16"}, {"precision": "fp16", "loss_scaling": "none"})
 CONVERGENCE_STRATEGIES = ("single", "ddp", "fsdp_full", "deepspeed_zero2", "deepspeed_zero3")
+# BatchNorm on the digits (measure/batch_norm.py): DDP normalising per rank, over the group
+# (SyncBatchNorm), and per micro-step of a virtual batch, in one process and in DDP.
+BATCH_NORM_CELLS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ddp", {}), ("ddp", {"sync_batch_norm": True}), ("ddp", {"accumulation": 2}), ("single", {"accumulation": 2}))
 
 
 def convergence(world_size: int) -> list[CellSpec]:
-    """Training on real data (harness/convergence.py: the model, the data, the verdict): every
-    strategy of CONVERGENCE_STRATEGIES under fp32, bf16, fp16 with and without loss scaling,
-    and the fp32 reference under each of convergence_verdicts.SEEDS (whose spread is the
-    verdict's tolerance)."""
-    cells = [convergence_verdicts.cell("single", world_size, seed=seed, precision="fp32")
-             for seed in convergence_verdicts.SEEDS]
+    """Training on real data (harness/convergence.py: the models, the data, the verdict): on
+    text, every strategy of CONVERGENCE_STRATEGIES under fp32, bf16, fp16 with and without loss
+    scaling; on the digits, BATCH_NORM_CELLS in fp32; and for both models the fp32 reference
+    under each of convergence_verdicts.SEEDS (whose spread is the verdict's tolerance)."""
+    cells = [convergence_verdicts.cell("single", world_size, seed=seed, model=model, precision="fp32")
+             for model in convergence_verdicts.DATA_OF for seed in convergence_verdicts.SEEDS]
     cells += [convergence_verdicts.cell(s, world_size, **options) for options in CONVERGENCE_PRECISIONS
               for s in CONVERGENCE_STRATEGIES if s == "single" or world_size > 1]
+    cells += [convergence_verdicts.cell(s, world_size, model=convergence_verdicts.VISION_MODEL, **options)
+              for s, options in BATCH_NORM_CELLS if s == "single" or world_size > 1]
     return cells
 
 

@@ -54,7 +54,7 @@ from harness import data, faults, models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.features import checkpointing, clipping, precision
-from harness.measure import comm, memory, numerics, timing
+from harness.measure import batch_norm, comm, memory, numerics, timing
 from harness.strategies.base import Prepared
 
 
@@ -75,7 +75,7 @@ def local_batches(built: models.BuiltModel, cell: CellSpec, env: DistEnv,
     mb = cell.global_batch // (world * cell.strategy.accumulation)
     accumulation = cell.strategy.accumulation
     if cell.data != "synthetic":
-        train, _, _ = data.splits(cell.model_spec.required("seq_len"))
+        train, _, _ = data.splits(cell.data, cell.model_spec.seq_len)
         loaded = data.sampler_batches(train, mb, cell.steps * accumulation, world, data_rank, cell.seed)
         on_device = [{name: t.to(env.device) for name, t in batch.items()} for batch in loaded]
         return [on_device[i:i + accumulation] for i in range(0, len(on_device), accumulation)]
@@ -183,17 +183,27 @@ class PreparedCell:
         return bool(self.held_out) and (steps_done in (0, self.cell.steps)
                                         or (every is not None and steps_done % every == 0))
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> tuple[float, float | None]:
         """The mean loss over the held-out set, which every rank evaluates whole (its forward
-        may need every rank: FSDP's gathers), in the cell's precision."""
-        total, samples = torch.zeros((), device=self.env.device), 0
+        may need every rank: FSDP's gathers), in the cell's precision and in eval mode
+        (BatchNorm normalises by its running statistics); and a classifier's accuracy on it
+        (None for other models)."""
+        total, right, samples = torch.zeros((), device=self.env.device), torch.zeros((), device=self.env.device), 0
+        counted = True
+        self.prep.model.eval()
         with torch.no_grad(), precision.autocast(self.cell.strategy.precision, self.env.device,
                                                  enabled=self.prep.use_autocast):
             for batch in self.held_out:
                 n = len(next(iter(batch.values())))
-                total += self.built.loss(self.prep.model, batch).float() * n
+                loss, correct = self.built.loss_and_correct(self.prep.model, batch)
+                total += loss.float() * n
+                if correct is None:
+                    counted = False
+                else:
+                    right += correct
                 samples += n
-        return (total / samples).item()
+        self.prep.model.train()
+        return (total / samples).item(), (right / samples).item() if counted else None
 
     def gradient_range_unmeasured(self) -> str:
         """Why this cell's gradients are not held against its precision's range ("" when they are)."""
@@ -245,7 +255,7 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
     data_rank = env.rank if prep.data_rank is None else prep.data_rank
     held_out = ([{name: t.to(env.device) for name, t in batch.items()}
-                 for batch in data.eval_batches(data.splits(cell.model_spec.required("seq_len"))[1])]
+                 for batch in data.eval_batches(data.splits(cell.data, cell.model_spec.seq_len)[1])]
                 if cell.data != "synthetic" else [])
     return PreparedCell(cell=cell, env=env, built=built, prep=prep,
                         scaler=prep.scaler or precision.grad_scaler(cell.strategy, env.device),
@@ -281,6 +291,13 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     grad_range: dict[str, Any] | None = None
 
     held_out: list[list[float]] = []  # [steps done, held-out loss]
+    accuracy: list[list[float]] = []  # [steps done, held-out accuracy] (classifiers)
+
+    def evaluate(steps_done: int) -> None:
+        loss, right = session.evaluate()
+        held_out.append([steps_done, loss])
+        if right is not None:
+            accuracy.append([steps_done, right])
 
     def probe_gradient_range() -> None:
         nonlocal grad_range
@@ -290,10 +307,10 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         """Outside any measured step: step ``i``'s numerics, and the held-out loss when due."""
         session.log_numerics(log, i)
         if session.evaluates_after(i + 1):
-            held_out.append([i + 1, session.evaluate()])
+            evaluate(i + 1)
 
     if session.evaluates_after(0):
-        held_out.append([0, session.evaluate()])
+        evaluate(0)
 
     # Warm-up, not measured: the first steps make what later steps reuse (optimizer state,
     # allocator caches, DDP's rebuilt buckets). They measure the gradient norm, and the last
@@ -362,8 +379,9 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         "engine": prep.engine_report(),
         "losses": loss_tensor.tolist(),
         "numerics": log.to_record(grad_range, range_unmeasured),
-        "evaluation": ({"data": data.splits(cell.model_spec.required("seq_len"))[2], "every": cell.eval_every,
-                        "held_out_loss": held_out} if held_out else None),
+        "evaluation": ({"data": data.splits(cell.data, cell.model_spec.seq_len)[2], "every": cell.eval_every,
+                        "held_out_loss": held_out, "held_out_accuracy": accuracy or None} if held_out else None),
+        "batch_norm": batch_norm.record(cell, built.module),
         "n_params": built.n_params,
         "attn_implementation": built.attn_implementation,
         "tokens_per_sample": built.tokens_per_sample,

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from harness import convergence, data, markers, suites
-from harness.config import TRAIN_SEQUENCES, CellSpec, StrategySpec
+from harness.config import TRAIN_SAMPLES, CellSpec, StrategySpec
 
 
 class Indices(Dataset):
@@ -49,8 +49,8 @@ def test_ranks_take_each_sample_once_an_epoch_and_the_references_steps(accumulat
 
 
 def test_the_corpus_splits_into_training_and_later_held_out_sequences():
-    train, held_out, info = data.splits(64)
-    assert len(train) == TRAIN_SEQUENCES["stdlib_bytes"] == info["train_sequences"]
+    train, held_out, info = data.splits("stdlib_bytes", 64)
+    assert len(train) == TRAIN_SAMPLES["stdlib_bytes"] == info["train_sequences"]
     assert len(held_out) == data.HELD_OUT_SEQUENCES
     sample = train[0]
     assert sample["input_ids"].shape == (64,) and torch.equal(sample["labels"], sample["input_ids"])
@@ -58,6 +58,20 @@ def test_the_corpus_splits_into_training_and_later_held_out_sequences():
     assert bytes(train.sequences[0].tolist()) == corpus[:64]
     assert bytes(held_out.sequences[0].tolist()) == corpus[len(train) * 64:len(train) * 64 + 64]
     assert len(info["sha256"]) == 64
+
+
+def test_the_digits_split_into_training_and_later_held_out_images():
+    from sklearn.datasets import load_digits
+
+    train, held_out, info = data.splits("digits", None)
+    digits = load_digits()
+    assert len(train) == TRAIN_SAMPLES["digits"] == info["train_samples"]
+    assert len(held_out) == len(digits.target) - len(train) == info["held_out_samples"]
+    first, later = train[0], held_out[0]
+    assert first["pixel_values"].shape == (1, 8, 8) and first["pixel_values"].dtype == torch.float32
+    assert first["pixel_values"].min() >= 0 and first["pixel_values"].max() <= 1
+    assert torch.equal(first["pixel_values"][0] * data.DIGITS_MAX_VALUE, torch.tensor(digits.images[0]).float())
+    assert later["labels"].item() == digits.target[len(train)]
 
 
 def bytes_cell(strategy: str = "ddp", **options) -> CellSpec:
@@ -132,7 +146,7 @@ def test_verdict_is_the_difference_against_the_seeds_spread():
 
 
 def test_report_tabulates_verdicts_and_draws_the_curves_over_the_band(tmp_path):
-    from harness.report import figures, html
+    from harness.report import figures, real_data
 
     cells = [convergence.cell("single", 2, seed=seed) for seed in convergence.SEEDS]
     cells.append(convergence.cell("ddp", 2, precision="fp16", loss_scaling="none"))
@@ -141,7 +155,7 @@ def test_report_tabulates_verdicts_and_draws_the_curves_over_the_band(tmp_path):
                 "evaluation": {"held_out_loss": [[0, 5.5], [100, 3.0], [200, final]]}}
                for c, final in zip(cells, finals)]
     jobs: list = []
-    section = html._convergence(records, tmp_path, jobs)
+    section = real_data.section(records, tmp_path, jobs, page_of=str)
     assert section is not None
     by_id = {row["cell_id"]: row for row in section["rows"]}
     assert by_id[cells[-1].cell_id]["verdict"] == "worse" and by_id[cells[-1].cell_id]["difference"] == "+0.2000"
@@ -149,5 +163,5 @@ def test_report_tabulates_verdicts_and_draws_the_curves_over_the_band(tmp_path):
     assert [function for function, _ in jobs] == [figures.convergence_figure]
     function, arguments = jobs[0]
     function(*arguments)
-    svg = (tmp_path / "convergence.svg").read_text()
+    svg = (tmp_path / "convergence-gpt2-bytes.svg").read_text()
     assert "fp32, 3 seeds" in svg and "fp16, loss scaling none" in svg

@@ -9,13 +9,16 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from . import bert, factory, gpt2, hf_config, layouts, llama, mlp, moe, vit
+from . import bert, convnet, factory, gpt2, hf_config, layouts, llama, mlp, moe, vit
 from .spec import ModelSpec
 
 # Each family file provides build_module, make_batch, loss and count_params; the repeated
 # block is found in the built model (harness.models.layouts).
+# A family may also provide flops_per_sample (where the PaLM formula below does not describe
+# it: a convolution uses each weight at every position) and loss_and_correct (a classifier's
+# held-out accuracy).
 _FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "mlp": mlp,
-                                    "moe": moe, "hf_config": hf_config, "factory": factory}
+                                    "convnet": convnet, "moe": moe, "hf_config": hf_config, "factory": factory}
 
 
 def analytic_n_params(spec: ModelSpec) -> int:
@@ -38,8 +41,11 @@ def flops_per_sample(spec: ModelSpec) -> float:
     as in Mixtral (no capacity limit, no dropped tokens); the routing itself (softmax, top-k,
     gather/scatter of tokens) is not a matmul and is left out.
     The causal mask is NOT credited with halving the attention term, as in torchtitan. For mlp
-    (no attention, one "token" per sample) this is 6*N.
+    (no attention, one "token" per sample) this is 6*N; convnet has its own count.
     """
+    if hasattr(_FAMILIES[spec.family], "flops_per_sample"):
+        own: float = _FAMILIES[spec.family].flops_per_sample(spec)
+        return own
     count = _FAMILIES[spec.family].count_params(spec)
     n, t = count.matmul, spec.tokens_per_sample
     attention = 12 * spec.n_layers * (spec.n_heads or 0) * spec.head_dim * t
@@ -130,6 +136,16 @@ class BuiltModel:
     def loss(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Scalar mean loss; `module` may be this model wrapped by a strategy (DDP, FSDP, ...)."""
         return _FAMILIES[self.spec.family].loss(module, batch)
+
+    def loss_and_correct(self, module: nn.Module,
+                         batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mean loss and, for a classifier whose family counts them, the samples it
+        classifies right (None otherwise)."""
+        family = _FAMILIES[self.spec.family]
+        if hasattr(family, "loss_and_correct"):
+            loss, correct = family.loss_and_correct(module, batch)
+            return loss, correct
+        return family.loss(module, batch), None
 
 
 def build(spec: ModelSpec, *, seed: int = 0, attention: str = "sdpa") -> BuiltModel:

@@ -29,6 +29,10 @@ _TINY_SPECS = [
     ModelSpec(name="vit-tiny", family="vit", n_layers=2, hidden=64, n_heads=4,
               image_size=32, patch_size=8, num_classes=10),
     ModelSpec(name="mlp-tiny", family="mlp", n_layers=2, hidden=64, num_classes=10),
+    # For scikit-learn's 8×8 digits (data=digits): three 32-channel convolutions with
+    # BatchNorm, 19k parameters; what BatchNorm under DDP, SyncBatchNorm and accumulation is
+    # measured on (the convergence suite).
+    ModelSpec(name="convnet-digits", family="convnet", n_layers=3, hidden=32, image_size=8, num_classes=10),
     # Byte-level GPT-2 for the convergence suite's real text (data=stdlib_bytes): 0.47M
     # parameters and 32-byte contexts, sized so that fp16, which a CPU without fp16 units runs
     # about 8x slower than fp32 (0.53 s a step of 16 × 64 bytes on one core), trains 200 steps

@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 
 # "hf_config": a transformers config.json, built through the Auto classes; "factory": a
 # function of one's own that returns the model and its batches (harness.models.sources).
-Family = Literal["gpt2", "llama", "bert", "vit", "mlp", "moe", "hf_config", "factory"]
+Family = Literal["gpt2", "llama", "bert", "vit", "mlp", "convnet", "moe", "hf_config", "factory"]
 # What a config's model is trained for: which Auto class builds it, which batches feed it.
 Task = Literal["causal_lm", "masked_lm", "image_classification"]
 # The module layouts the layout-dependent strategies (tensor-parallel plans, pipeline splits,
@@ -29,6 +29,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "bert": ("n_heads", "seq_len", "vocab_size"),
     "vit": ("n_heads", "image_size", "patch_size", "num_classes"),
     "mlp": ("num_classes",),
+    "convnet": ("image_size", "num_classes"),
     "moe": ("n_heads", "seq_len", "vocab_size", "n_experts", "top_k"),
     "hf_config": ("n_heads",),  # and the task's own sizes (_TASK_SIZES)
     "factory": (),
@@ -39,6 +40,7 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "bert": ("ffn_hidden",),
     "vit": ("ffn_hidden",),
     "mlp": ("ffn_hidden",),
+    "convnet": (),
     "moe": ("ffn_hidden", "n_kv_heads"),
     "hf_config": ("ffn_hidden", "n_kv_heads", "n_experts", "top_k", "patch_size"),
     "factory": ("seq_len",),  # its tokens per sample, where its batches hold input_ids
@@ -56,6 +58,7 @@ SizeField = Literal["n_heads", "n_kv_heads", "ffn_hidden", "seq_len", "vocab_siz
 _SIZES: tuple[SizeField, ...] = get_args(SizeField)
 
 VIT_CHANNELS = 3  # RGB images
+CONVNET_CHANNELS = 1  # grayscale images (scikit-learn's digits)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,14 +103,14 @@ class ModelSpec:
     family: Family
     n_layers: int
     hidden: int
-    n_heads: int | None = None  # every family but mlp
+    n_heads: int | None = None  # every family but mlp and convnet
     n_kv_heads: int | None = None  # llama, moe (grouped-query attention); None = n_heads
     ffn_hidden: int | None = None  # None = 4 * hidden; llama, moe: the 8/3 * hidden rule (moe: per expert)
     seq_len: int | None = None  # gpt2, llama, bert
     vocab_size: int | None = None  # gpt2, llama, bert
-    image_size: int | None = None  # vit
+    image_size: int | None = None  # vit, convnet
     patch_size: int | None = None  # vit
-    num_classes: int | None = None  # vit, mlp
+    num_classes: int | None = None  # vit, mlp, convnet
     n_experts: int | None = None  # moe: experts per layer
     top_k: int | None = None  # moe: experts each token is routed to
     tie_embeddings: bool = False  # llama only (Llama-3.2-1B ties); gpt2 and bert always tie
@@ -179,8 +182,19 @@ class ModelSpec:
         """What a text or image model is trained for (None for the plain-torch mlp)."""
         if self.hf is not None:
             return self.hf.task
-        return {"bert": "masked_lm", "vit": "image_classification", "mlp": None,
-                "factory": None}.get(self.family, "causal_lm")
+        return {"bert": "masked_lm", "vit": "image_classification", "convnet": "image_classification",
+                "mlp": None, "factory": None}.get(self.family, "causal_lm")
+
+    @property
+    def has_batch_norm(self) -> bool:
+        """Whether the model normalises by batch statistics (BatchNorm), which make a
+        per-rank or per-micro-step batch a different computation from the whole batch."""
+        return self.family == "convnet"
+
+    @property
+    def has_attention(self) -> bool:
+        """Whether the model attends (the attention axis and its markers apply)."""
+        return self.family not in ("mlp", "convnet")
 
     def to_dict(self) -> dict[str, Any]:
         """As a record keeps it: the config a JSON object, not a string."""

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import jinja2
 
-from harness import convergence
-from harness.config import REFERENCE, CellSpec
 from harness.predict import accuracy
-from harness.report import figures, findings, guide
+from harness.report import figures, findings, guide, real_data
 from harness.results import trials
 from harness.results.store import load_records, load_run_info
 
@@ -345,7 +343,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
     jobs: list[figures.Job] = []
     findings_sections = _findings(records, fig_dir, jobs)
     accuracy_section = _accuracy(records, fig_dir, jobs)
-    convergence_section = _convergence(records, fig_dir, jobs)
+    convergence_section = real_data.section(records, fig_dir, jobs, lambda cell_id: f"cells/{cell_page_name(cell_id)}")
     refs, loss_jobs = [], {}  # loss_jobs: figure name -> its job, for the ok cells
     for record, row in zip(records, rows):
         eq = record.get("equivalence") or {}
@@ -392,44 +390,6 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
         max_trials=max((r["trials"]["n"] for r in records), default=1),
         device=info.get("device") or {}))
     return page
-
-
-def _convergence(records: list[dict], fig_dir: Path, jobs: list[figures.Job]) -> dict | None:
-    """The real-data cells' verdicts (harness/convergence.py) and a figure of their held-out
-    losses over the fp32 seeds' band (a job added to ``jobs``); None without such cells."""
-    by_id = {r["cell_id"]: r for r in records}
-    cells = [(r, CellSpec.from_dict(r["cell"])) for r in records if r.get("evaluation")]
-    if not cells:
-        return None
-
-    def record_of(cell: CellSpec) -> dict | None:
-        return by_id.get(cell.cell_id)
-
-    rows, curves = [], []
-    for record, cell in cells:
-        judged = convergence.verdict(cell, record_of)
-        if judged is None:
-            continue
-        curves.append({"label": f"{cell.strategy.name} (seed {cell.seed})", "panel": _precision_label(cell),
-                       "points": record["evaluation"]["held_out_loss"],
-                       "fp32_reference": cell.strategy.name == REFERENCE and cell.strategy.precision == "fp32"})
-        rows.append({"cell_id": record["cell_id"], "page": f"cells/{cell_page_name(record['cell_id'])}",
-                     "final": _fixed(judged["final_held_out_loss"]),
-                     "reference": _fixed(judged["fp32_by_seed"].get(cell.seed)),
-                     "difference": _fixed(judged["difference"], sign=True), "tolerance": _fixed(judged["tolerance"]),
-                     "verdict": judged["verdict"], "reason": judged["reason"]})
-    name = "convergence.svg"
-    jobs.append((figures.convergence_figure, (curves, fig_dir / name)))
-    return {"rows": rows, "figure": f"{fig_dir.name}/{name}", "seeds": ", ".join(map(str, convergence.SEEDS))}
-
-
-def _precision_label(cell: CellSpec) -> str:
-    s = cell.strategy
-    return s.precision + (f", loss scaling {s.loss_scaling}" if s.loss_scaling != "dynamic" else "")
-
-
-def _fixed(value: float | None, sign: bool = False) -> str:
-    return "-" if value is None else (f"{value:+.4f}" if sign else f"{value:.4f}")
 
 
 def numerics_rows(record: dict) -> list[tuple[str, str]]:

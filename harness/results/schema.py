@@ -40,6 +40,7 @@ def make_record(
     losses: list[float] | None = None,
     numerics: dict[str, Any] | None = None,
     evaluation: dict[str, Any] | None = None,
+    batch_norm: dict[str, Any] | None = None,
     equivalence: dict[str, Any] | None = None,
     predicted: dict[str, Any] | None = None,
     fit: dict[str, Any] | None = None,
@@ -69,6 +70,9 @@ def make_record(
         "numerics": numerics,
         # Real-data cells' held-out loss over training (harness/data.py); None otherwise.
         "evaluation": evaluation,
+        # A model with BatchNorm: what it normalised over and its running statistics at the
+        # end (measure/batch_norm.py); None otherwise.
+        "batch_norm": batch_norm,
         "equivalence": equivalence,
         "predicted": predicted,
         "fit": fit,

@@ -194,6 +194,7 @@ class MatrixRun:
                 losses=rank0["losses"],
                 numerics=rank0["numerics"],
                 evaluation=rank0["evaluation"],
+                batch_norm=rank0["batch_norm"],
                 equivalence=None if is_reference else equivalence.check(
                     cell, rank0["losses"], self._reference_record(cell, trial)),
                 **common,

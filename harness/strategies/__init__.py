@@ -92,6 +92,9 @@ def incompatibility(cell: CellSpec) -> str | None:
     if s.clip_grad_norm is not None and not caps.clipping:
         why = caps.notes.get("clip_grad_norm", "it does not clip gradients")
         return f"{s.name} with clip_grad_norm={s.clip_grad_norm:g}: {why}"
+    if s.sync_batch_norm and not caps.sync_batch_norm:
+        why = caps.notes.get("sync_batch_norm", "SyncBatchNorm is wired for DDP only")
+        return f"{s.name} with sync_batch_norm=True: {why}"
     if cell.world_size < caps.min_world_size:
         return f"{s.name} needs world_size >= {caps.min_world_size}, got {cell.world_size}"
     if caps.max_world_size is not None and cell.world_size > caps.max_world_size:

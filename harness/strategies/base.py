@@ -52,6 +52,8 @@ class Capabilities:
     # Whether its ranks can evaluate a held-out set with the model's own forward (real-data
     # cells: harness/data.py); a pipeline's forward is its schedule's.
     evaluation: bool = True
+    # Whether it can normalise BatchNorm over its data-parallel group (``sync_batch_norm``).
+    sync_batch_norm: bool = False
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.

@@ -21,8 +21,19 @@ if TYPE_CHECKING:
     from harness.distributed import DistEnv
 
 
+# torch's SyncBatchNorm runs on accelerators only; measured on CPU with torch 2.13, both ways in
+# are refused (tests/test_batch_norm.py checks that these are still torch's words).
+SYNC_BATCH_NORM_ON_CPU = (
+    "torch's SyncBatchNorm runs on accelerators only: on this CPU, DistributedDataParallel refuses a model"
+    " holding it (\"SyncBatchNorm layers only work with GPU modules\") and its forward refuses a CPU input"
+    " (\"SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone\")")
+
+
 def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParallel:
-    """DDP on the cell's device with its compression hook; shared with ZeRO-1."""
+    """DDP on the cell's device with its compression hook (and SyncBatchNorm where the cell
+    asks); shared with ZeRO-1."""
+    if cell.strategy.sync_batch_norm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(env.device)
     bucket_cap_mb: int | None = None  # DDP's default (25 MiB)
     if compression.needs_single_bucket(cell.strategy.compression, env.backend):
@@ -59,6 +70,8 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     if cell.strategy.compression == "bf16" and device_type != "cuda":
         return "bf16_compress_hook requires CUDA 11+ and NCCL 2.10+ (gloo has no bf16 all-reduce path)"
+    if cell.strategy.sync_batch_norm and device_type == "cpu":
+        return SYNC_BATCH_NORM_ON_CPU
     return None
 
 
@@ -68,7 +81,8 @@ STRATEGIES = (
         summary="DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets",
         engine="torch",
         families=("ddp",),
-        capabilities=Capabilities(compression=frozenset(compression.NAMES), optimizers=frozenset(optimizers.NAMES)),
+        capabilities=Capabilities(compression=frozenset(compression.NAMES), optimizers=frozenset(optimizers.NAMES),
+                                  sync_batch_norm=True),
         unsupported_reason=unsupported_reason,
         engine_model=EngineModel(grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,

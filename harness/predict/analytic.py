@@ -42,8 +42,11 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
     it does not describe gets none rather than another strategy's formula."""
     name, family, layout = cell.strategy.name, spec.family, spec.layout
     kind = strategies.get(name).engine_model.analytic  # which part of the model describes it
-    if family not in TRANSFORMER_FAMILIES + ("mlp",):
+    if family not in TRANSFORMER_FAMILIES + ("mlp", "convnet"):
         return f"family {family}: no activation or parameter formula for it in harness/predict/analytic.py"
+    if family == "convnet" and (cell.strategy.precision != "fp32" or cell.strategy.checkpointing != "none"):
+        return ("family convnet: its activations are modelled in fp32 without checkpointing only (which dtype"
+                " autocast gives a convolution's and BatchNorm's outputs, and what recompute keeps, are not)")
     if kind == "data_parallel":
         return None
     if kind == "tensor_parallel":
@@ -171,7 +174,7 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
         "grads": on_device["grads"] if held_grads else 0.0,
         "optimizer": on_device["optimizer"],
         "activations": acts["layers"] + acts["logits"] + transient.get("autocast_copies", 0.0),
-        "other": buffers + transient.get("loss", 0.0) + partition,
+        "other": buffers + transient.get("loss", 0.0) + transient.get("activation_grads", 0.0) + partition,
     }
     # The last block's backward recomputing it: the head's backward is done, so the logits
     # are gone (the loss's gradients are still held, as the trackers see them).

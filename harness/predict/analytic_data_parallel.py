@@ -158,6 +158,13 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     """
     if spec.family == "mlp":
         return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
+    if spec.family == "convnet":
+        # A block keeps its convolution's output (BatchNorm's input) and its ReLU's output
+        # (ReLU's backward reads it; the next convolution's input is the same tensor); the
+        # classifier keeps its pooled input, the loss its fp32 log-probabilities.
+        per_layer = 2.0 * 4 * cell.micro_batch * spec.hidden * spec.required("image_size") ** 2
+        return {"per_layer": per_layer, "layers": per_layer * spec.n_layers,
+                "logits": 4.0 * cell.micro_batch * (spec.hidden + spec.required("num_classes"))}
     fused = attention_is_fused(cell)
     moe = spec.layout == "mixtral"
     heads = spec.required("n_heads")
@@ -362,6 +369,10 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     - ``recompute``: with checkpointing, what one block's backward makes again
       (``recompute_bytes``), held while that block's backward runs, after the head's;
     - ``loss``: the loss's gradients at the start of backward (``loss_bytes``);
+    - ``activation_grads``: the gradients a block's backward holds for its activations: for a
+      transformer a few s·b·h, small beside the ~34 s·b·h its block keeps, and left out; for
+      the convnet two maps as large as each kept one (the gradients of the ReLU's and of the
+      convolution's outputs), a third of what a block keeps;
     - ``root_reduce``: FSDP reduce-scatters the root unit's gradients last in backward, in
       fp32: the unsharded gradients, the flat input they are copied into and, on gloo, the
       copy of it that gloo all-reduces instead (harness/predict/traced.py): three root-sized
@@ -381,6 +392,7 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     copies = 3 if device_type == "cpu" else 2
     return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
+            "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
             "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0}
 
 

@@ -5,6 +5,7 @@ launch measures."""
 import pytest
 import torch
 
+from harness.distributed import DistEnv
 from harness.measure import bandwidth
 from harness.measure.comm import busbw_factor
 from harness.report import html
@@ -22,6 +23,21 @@ def test_sweep_on_two_gloo_ranks_covers_every_collective_and_size(swept):
     measured = [(row["op"], row["bytes"]) for row in swept["rows"]]
     assert measured == [(op, size) for op in bandwidth.OPS for size in bandwidth.CPU_SIZES]
     assert all(row["time_s"] > 0 for row in swept["rows"])
+    # One node: its point-to-point rows are within it.
+    assert {row.get("scope") for row in swept["rows"] if row["op"] == "send_recv"} == {"intra_node"}
+
+
+def test_point_to_point_pairs_within_a_node_and_across_nodes():
+    def peers(rank, world_size, nnodes):
+        env = DistEnv(rank=rank, world_size=world_size, nnodes=nnodes, device=torch.device("cpu"), backend="gloo")
+        return bandwidth.p2p_peers(env)
+
+    # 8 ranks on 2 nodes: rank 5 is node 1's second rank.
+    assert peers(5, 8, 2) == {"intra_node": (6, 4), "inter_node": (1, 1)}
+    assert peers(3, 8, 2) == {"intra_node": (0, 2), "inter_node": (7, 7)}
+    assert peers(2, 6, 3) == {"intra_node": (3, 3), "inter_node": (4, 0)}
+    assert peers(0, 2, 1) == {"intra_node": (1, 1)}  # one node: nothing crosses the network
+    assert peers(1, 2, 2) == {"inter_node": (0, 0)}  # one rank a node: nothing within one
 
 
 def test_bandwidths_follow_nccl_tests(swept):
@@ -29,10 +45,14 @@ def test_bandwidths_follow_nccl_tests(swept):
         algbw = row["bytes"] / row["time_s"] / 1e9
         assert row["algbw_gbps"] == pytest.approx(algbw)
         assert row["busbw_gbps"] == pytest.approx(algbw * busbw_factor(row["op"], 2))
-    # With 2 ranks all-reduce moves as much per rank as it holds; the other two half of it.
+    # With 2 ranks all-reduce moves as much per rank as it holds, all-gather and all-to-all
+    # half of it; broadcast and send/recv their whole buffer.
     by_op = {row["op"]: row for row in swept["rows"] if row["bytes"] == 2**20}
     assert by_op["all_reduce"]["busbw_gbps"] == pytest.approx(by_op["all_reduce"]["algbw_gbps"])
     assert by_op["all_gather"]["busbw_gbps"] == pytest.approx(by_op["all_gather"]["algbw_gbps"] / 2)
+    assert by_op["all_to_all"]["busbw_gbps"] == pytest.approx(by_op["all_to_all"]["algbw_gbps"] / 2)
+    for op in ("broadcast", "send_recv"):
+        assert by_op[op]["busbw_gbps"] == pytest.approx(by_op[op]["algbw_gbps"])
 
 
 def test_one_rank_has_no_sweep_and_says_why(tmp_path):
@@ -52,6 +72,7 @@ def test_report_shows_the_sweep_or_why_there_is_none(swept):
     info = {"environment": {"bandwidth": {"scope": "2 rank(s) of one node", **swept}}}
     page = template.render(env=html._environment(info))
     assert page.count("<td class=\"l\">reduce_scatter</td>") == len(bandwidth.CPU_SIZES)
+    assert page.count("<td class=\"l\">send_recv (intra-node)</td>") == len(bandwidth.CPU_SIZES)
     assert "1,048,576" in page and "2 rank(s) of one node" in page
     none = template.render(env=html._environment({"environment": {"bandwidth": {"error": "needs 2 ranks"}}}))
     assert "No sweep: needs 2 ranks" in none

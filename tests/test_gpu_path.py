@@ -251,3 +251,21 @@ def test_a_host_without_nvml_records_no_driver_and_why():
 
     version, reason = environment.nvidia_driver()
     assert version is None and ("nvidia-ml-py" in reason or reason.startswith("NVML: "))
+
+
+def test_the_interconnect_is_recorded_and_a_host_without_nvidia_smi_says_why(monkeypatch, tmp_path):
+    """Runs on different fabrics are told apart (issue 19): the network links, the RDMA
+    devices, and on CUDA nvidia-smi's topology matrix or why it is missing."""
+    from harness.measure import environment
+    from harness.report import html
+
+    recorded = environment.collect(tmp_path)["interconnect"]
+    assert all(nic["name"] != "lo" and nic["mtu"] > 0 for nic in recorded["network"])
+    assert isinstance(recorded["rdma_devices"], list)
+    monkeypatch.setattr(environment.shutil, "which", lambda name: None)
+    assert environment.gpu_topology() == (None, "nvidia-smi is not on PATH")
+
+    page = html.ENV.get_template("_env.html.j2").render(env=html._environment({"environment": {"interconnect": {
+        "network": [{"name": "ib0", "speed_mbps": 200000, "mtu": 4092}], "rdma_devices": ["mlx5_0"],
+        "gpu_topology": "\tGPU0\tGPU1\nGPU0\t X \tNV18"}}}))
+    assert "ib0 (200000 Mb/s, MTU 4092)" in page and "mlx5_0" in page and "<pre>\tGPU0\tGPU1" in page

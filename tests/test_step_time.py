@@ -59,6 +59,19 @@ def test_sizes_between_measured_points_are_interpolated_log_log():
     assert rate == pytest.approx(10e9)
 
 
+def test_each_collective_is_priced_by_its_own_rows_and_p2p_by_the_intra_node_send_recv():
+    rows = _calibration()["rows"]
+    rows += [{"op": "broadcast", "bytes": 2**20, "time_s": 3 * MS},
+             {"op": "send_recv", "scope": "intra_node", "bytes": 2**20, "time_s": 5 * MS},
+             {"op": "send_recv", "scope": "inter_node", "bytes": 2**20, "time_s": 50 * MS}]
+    assert step_time._call_seconds("broadcast", 2**20, 2, rows, 2) == pytest.approx(3 * MS)
+    assert step_time._call_seconds("send", 2**20, 2, rows, 2) == pytest.approx(5 * MS)
+    assert step_time._call_seconds("recv", 2**20, 2, rows, 2) == pytest.approx(5 * MS)
+    # Not swept (gather; all-to-all in a sweep from before it was added): as an all-gather.
+    assert step_time._call_seconds("gather", 2**20, 2, rows, 2) == pytest.approx(2**20 / 1e9)
+    assert step_time._call_seconds("all_to_all", 2**20, 2, rows, 2) == pytest.approx(2**20 / 1e9)
+
+
 def test_one_process_takes_the_rates_measured_alone_and_extra_ranks_share_the_cores():
     single = _cell("single", world_size=1)
     work = {"work": _work(ops=1000, flops=0, memory=())}

@@ -145,7 +145,7 @@ def busbw_factor(op: str, world_size: int) -> float:
         return 2 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
-    if op in ("broadcast", "reduce", "send", "recv"):
+    if op in ("broadcast", "reduce", "send", "recv", "send_recv"):
         return 1.0
     raise ValueError(f"no bus-bandwidth factor for {op!r}")
 

@@ -1,11 +1,13 @@
-"""The environment recorded with every run: hardware, library versions, git state, and the
-variables that change how collectives and the allocator behave."""
+"""The environment recorded with every run: hardware, the interconnect, library versions, git
+state, and the variables that change how collectives and the allocator behave (NCCL_* among
+them: the transports NCCL may use, NCCL_IB_*, NCCL_P2P_*, NCCL_SOCKET_IFNAME, …)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,10 +80,51 @@ def hardware() -> dict[str, Any]:
     return info
 
 
+def network_interfaces() -> list[dict[str, Any]]:
+    """The host's network interfaces that are up, loopback aside: name, link speed (Mb/s as
+    the driver reports it; 0 where it does not) and MTU. Ethernet and InfiniBand (IPoIB)
+    links both appear; the RDMA devices say which fabric RDMA can use."""
+    return [{"name": name, "speed_mbps": stats.speed, "mtu": stats.mtu}
+            for name, stats in sorted(psutil.net_if_stats().items())
+            if stats.isup and name != "lo"]
+
+
+def rdma_devices() -> list[str]:
+    """The host's RDMA devices (InfiniBand or RoCE HCAs, which NCCL's IB transport uses), as
+    the kernel lists them."""
+    root = Path("/sys/class/infiniband")
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def gpu_topology() -> tuple[str | None, str]:
+    """(``nvidia-smi topo -m``'s matrix: how each GPU reaches each other GPU and each NIC
+    (NV# NVLink, PIX/PXB PCIe switches, PHB/NODE/SYS through the CPU), "") or (None, why not)."""
+    if shutil.which("nvidia-smi") is None:
+        return None, "nvidia-smi is not on PATH"
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"nvidia-smi topo -m: {error}"
+    if out.returncode != 0:
+        return None, f"nvidia-smi topo -m exited with status {out.returncode}: {out.stderr.strip()[-300:]}"
+    return out.stdout.rstrip(), ""
+
+
+def interconnect() -> dict[str, Any]:
+    """What the ranks communicate over, so that runs on different fabrics can be told apart."""
+    info: dict[str, Any] = {"network": network_interfaces(), "rdma_devices": rdma_devices()}
+    if torch.cuda.is_available():
+        info["gpu_topology"], reason = gpu_topology()
+        if reason:
+            info["gpu_topology_reason"] = reason
+    return info
+
+
 def collect(repo: Path) -> dict[str, Any]:
     status = _git(repo, "status", "--porcelain")
     return {
         "hardware": hardware(),
+        "interconnect": interconnect(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "versions": {name: _version(name) for name in LIBRARIES},

@@ -26,8 +26,10 @@ run's own calibration launch; the record names which was used):
 - communication: each call at the time the sweep measured for its collective and size
   (log-log between measured sizes, the smallest size's latency below them, the largest's
   bandwidth above them; all-reduce's bus factor 2(n−1)/n and the others' (n−1)/n rescale a
-  sweep of another world size). Collectives the sweep does not run (broadcast, p2p,
-  all-to-all, gather, scatter) are priced as an all-gather of the same bytes.
+  sweep of another world size). A send or a recv is priced as the sweep's send/recv between
+  ranks of one node. Collectives the sweep does not run (gather, scatter, reduce; and
+  broadcast, all-to-all and send/recv in a run swept before they were added) are priced as
+  an all-gather of the same bytes.
 - overlap: on the CPU none — gloo's threads compute the reductions on the cores the ranks
   compute on, so a collective in flight takes its time from the step. On CUDA the
   collectives run on their own stream: a data-parallel engine's gradient reductions overlap
@@ -56,7 +58,8 @@ from harness.strategies import pipeline
 
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16 host-device copies as measured by bandwidthTest, ~25 of 32 GB/s
 HOST_MEMORY_BYTES_PER_S = 50e9  # a server socket's sustained stream bandwidth per GPU's share
-_SWEPT = ("all_reduce", "all_gather", "reduce_scatter")
+# A collective kind as the record counts it -> the sweep's row that prices it.
+_SWEPT_AS = {"send": "send_recv", "recv": "send_recv"}
 _OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW in fp32: reads p, g, m, v and writes p, m, v
 
 
@@ -160,8 +163,11 @@ def _call_seconds(kind: str, nbytes: int, world_size: int, rows: list[dict], swe
     """One call's time by the sweep (module docstring)."""
     if world_size < 2:
         return 0.0
-    swept = kind if kind in _SWEPT else "all_gather"
-    points = sorted((r["bytes"], r["time_s"]) for r in rows if r["op"] == swept)
+    swept = _SWEPT_AS.get(kind, kind)
+    if not any(r["op"] == swept for r in rows):
+        swept = "all_gather"
+    points = sorted((r["bytes"], r["time_s"]) for r in rows
+                    if r["op"] == swept and r.get("scope", "intra_node") == "intra_node")
     if not points:
         raise ValueError(f"the bandwidth sweep has no {swept} rows")
     sizes = [b for b, _ in points]

@@ -235,6 +235,7 @@ def _environment(info: dict) -> dict:
         "git_dirty": git.get("dirty"),
         "env": env.get("env") or {},
         "bandwidth": env.get("bandwidth"),
+        "interconnect": env.get("interconnect"),  # null in runs from before it was recorded
     }
 
 

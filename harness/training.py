@@ -239,9 +239,9 @@ class PreparedCell:
             loss = self.step(i, probe.micro_step_boundary, probe.before_optimizer_step)
         return loss, probe.result()
 
-    def counted_step(self, i: int) -> tuple[torch.Tensor, dict[str, comm.OpStats]]:
+    def counted_step(self, i: int) -> tuple[torch.Tensor, comm.CommStep]:
         """Step ``i`` with its collectives counted: its loss and, per collective kind, the
-        count, bytes and time."""
+        count, bytes and time, and how much of their time compute hid."""
         with comm.count_comm(self.env.device) as comm_stats:
             loss = self.step(i)
         return loss, comm_stats()
@@ -332,7 +332,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     enforce_cpu_memory_cap(mem.peak_bytes, mem_cap_bytes, env)
 
     # The comm-counted step.
-    losses[i + 1], comm_by_op = session.counted_step(i + 1)
+    losses[i + 1], comm_step = session.counted_step(i + 1)
     after_step(i + 1)
 
     # The timed steps; the memory held after the first and after the last is the leak check.
@@ -375,7 +375,8 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         # fp32 matmuls on TF32 tensor cores ("high", "medium") have another peak (flops.py).
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "step_times_s": step_times,
-        "comm_by_op": {op: stats.to_record() for op, stats in comm_by_op.items()},
+        "comm_by_op": {op: stats.to_record() for op, stats in comm_step.by_op.items()},
+        "comm_exposure": comm_step.exposure.to_record(),
         "engine": prep.engine_report(),
         "losses": loss_tensor.tolist(),
         "numerics": log.to_record(grad_range, range_unmeasured),

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from harness.measure import overlap
 from harness.measure.comm import OpStats, _Event, _Op, _profiler_kind, _summarise, busbw_factor, count_comm
 
 
@@ -30,7 +31,7 @@ def _comm_of_step(model, opt):
         step()
     with count_comm(torch.device("cpu")) as comm:
         step()
-    return {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
+    return {k: [v.count, v.bytes, v.time_s] for k, v in comm().by_op.items()}
 
 
 def _worker(rank, port, out_dir):
@@ -45,7 +46,7 @@ def _worker(rank, port, out_dir):
     out = {}
     with count_comm(torch.device("cpu")) as comm:
         dist.all_reduce(torch.ones(1000, dtype=torch.float64))
-    out["manual"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
+    out["manual"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().by_op.items()}
 
     # A collective issued from a future's callback, as PowerSGD's hook issues its P and Q
     # all-reduces. Rank 1 joins late, so rank 0's future is still pending when its callback
@@ -60,8 +61,23 @@ def _worker(rank, port, out_dir):
         time.sleep(0.5)
     with count_comm(torch.device("cpu")) as comm:
         dist.all_reduce(torch.ones(1000), async_op=True).get_future().then(in_callback).wait()
-    out["callback"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().items()}
+    out["callback"] = {k: [v.count, v.bytes, v.time_s] for k, v in comm().by_op.items()}
     out["callback_off_thread"] = callback_threads != [threading.get_ident()]
+
+    # Known overlap: a 16 MiB all-reduce (tens of ms on gloo) issued async in front of 0.4 s
+    # of matmuls on this thread, which hide it; then the same all-reduce blocking, which
+    # nothing hides.
+    big, a = torch.ones(2**22), torch.randn(512, 512)  # a matmul of ms: few gaps between them
+    with count_comm(torch.device("cpu")) as comm:
+        work = dist.all_reduce(big, async_op=True)
+        until = time.perf_counter() + 0.4
+        while time.perf_counter() < until:
+            a @ a
+        work.wait()
+    out["hidden"] = {**comm().exposure.to_record(), "op_s": comm().by_op["all_reduce"].time_s}
+    with count_comm(torch.device("cpu")) as comm:
+        dist.all_reduce(big)
+    out["exposed"] = {**comm().exposure.to_record(), "op_s": comm().by_op["all_reduce"].time_s}
 
     ddp = DDP(_model())
     out["ddp"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
@@ -101,6 +117,27 @@ def observed(tmp_path_factory):
 
 
 PARAM_BYTES = sum(p.nbytes for p in _model().parameters())  # 49,792
+
+
+def test_exposed_communication_is_what_no_compute_on_the_step_thread_hides(observed):
+    for rank in observed:
+        hidden, exposed = rank["hidden"], rank["exposed"]
+        # One collective: its busy time is its event's time.
+        assert hidden["busy_s"] == pytest.approx(hidden["op_s"]) and exposed["busy_s"] == pytest.approx(exposed["op_s"])
+        # Behind 0.4 s of matmuls all but the gaps between them (and before the first) is hidden.
+        assert hidden["overlap_fraction"] > 0.8, hidden
+        # Blocking, with this thread idle: all of it is exposed.
+        assert exposed["overlap_fraction"] < 0.05 and exposed["exposed_s"] > 0, exposed
+
+
+def test_overlap_arithmetic_on_known_intervals():
+    # Two collectives overlapping each other (busy 0..20 ns), compute 2..5, 7..12 and 30..40:
+    # 8 ns hidden, 12 exposed.
+    result = overlap.exposure([(0, 10), (8, 20)], [(2, 5), (7, 12), (30, 40)])
+    assert (result.busy_s, result.exposed_s) == (20e-9, 12e-9)
+    assert result.overlap_fraction == pytest.approx(0.4)
+    assert overlap.exposure([], [(0, 5)]).overlap_fraction is None  # no collective: nothing to hide
+    assert overlap.merged([(5, 9), (0, 2), (1, 3), (9, 9)]) == [(0, 3), (5, 9)]
 
 
 def test_manual_all_reduce_exact_bytes(observed):

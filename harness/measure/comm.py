@@ -2,7 +2,8 @@
 
     with count_comm(torch.device("cpu")) as comm:
         step()
-    stats = comm()   # {"all_reduce": OpStats(count=1, bytes=49792, time_s=0.0014), ...}
+    stats = comm().by_op   # {"all_reduce": OpStats(count=1, bytes=49792, time_s=0.0014), ...}
+    comm().exposure        # the collectives' busy time and how much of it no compute hid
 
 The profiler adds overhead: run this on its own step, not on a timed one.
 
@@ -35,6 +36,11 @@ Sources
   them there either: such an op is counted with its bytes and time_s 0.0 (a callback that
   runs inline, on a future already complete, stays on the counting thread and is timed).
 
+- exposure: from the same profile, the intervals in which collectives ran and those in
+  which the step computed (on the CPU, aten ops on the step's own thread, found by the
+  ``STEP_MARKER`` around the step; on CUDA, the GPU's other kernels), measured by
+  measure/overlap.py.
+
 Bytes convention (this rank's payload, per op)
 - all_reduce, broadcast, reduce, send, recv: the tensor bytes.
 - all_gather: output bytes (the full gathered size).
@@ -53,10 +59,15 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from harness.measure import futures
+from harness.measure import futures, overlap
+from harness.measure.overlap import Interval
+
+# Marks the counted step on the thread that runs it: that thread's aten ops are its compute.
+STEP_MARKER = "shardbench::counted_step"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,13 +237,28 @@ class _Event:
     input_dtypes: list[str]
 
 
-def _comm_events(prof: profile) -> list[_Event]:
-    """The profile's collective events, read from kineto's raw events: torch's
-    ``prof.events()`` first builds every op's FunctionEvent and their tree (0.3 s a tiny
-    step on the reference host, a quarter of a cell's time), and only these few are needed."""
-    raw = prof.profiler.kineto_results.events() if prof.profiler and prof.profiler.kineto_results else []
+def _raw_events(prof: profile) -> list[Any]:
+    """kineto's raw events: torch's ``prof.events()`` first builds every op's FunctionEvent
+    and their tree (0.3 s a tiny step on the reference host, a quarter of a cell's time),
+    and only a few of them are needed."""
+    return list(prof.profiler.kineto_results.events()) if prof.profiler and prof.profiler.kineto_results else []
+
+
+def _comm_events(raw: list[Any]) -> list[_Event]:
+    """The profile's collective events."""
     return [_Event(e.name(), kind, e.start_ns(), e.duration_ns(), e.shapes(), e.dtypes())
             for e in raw if (kind := _profiler_kind(e.name())) is not None]
+
+
+def _compute_intervals(raw: list[Any], on_cuda: bool) -> list[Interval]:
+    """When the step computed (module docstring, exposure)."""
+    if on_cuda:
+        return [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in raw
+                if e.device_type() == DeviceType.CUDA and _profiler_kind(e.name()) is None
+                and not e.name().startswith(("Memcpy", "Memset"))]
+    step_threads = {e.start_thread_id() for e in raw if e.name() == STEP_MARKER}
+    return [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in raw
+            if e.start_thread_id() in step_threads and e.name().startswith("aten::")]
 
 
 def _event_numel_bytes(event: _Event) -> tuple[int | None, int | None]:
@@ -279,21 +305,32 @@ def _counting_on_this_thread() -> bool:
     return any(isinstance(m, _CommDispatchMode) for m in _get_current_dispatch_mode_stack())
 
 
+@dataclass(frozen=True, kw_only=True)
+class CommStep:
+    by_op: dict[str, OpStats]
+    exposure: overlap.Exposure
+
+
 @contextmanager
-def count_comm(device: torch.device) -> Iterator[Callable[[], dict[str, OpStats]]]:
+def count_comm(device: torch.device) -> Iterator[Callable[[], CommStep]]:
     """Count the collectives issued inside the block (on this thread, and in future
-    callbacks registered in it); the callable returns them after it."""
+    callbacks registered in it) and time how much of them compute hid; the callable returns
+    them after it."""
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU]
     if on_cuda:
         activities.append(ProfilerActivity.CUDA)
     mode = _CommDispatchMode()
-    result: list[dict[str, OpStats]] = []
+    result: list[CommStep] = []
     with profile(activities=activities, record_shapes=True) as prof:
         # Callbacks count into this step's list on whichever thread runs them (measure/futures.py).
         counting = lambda: nullcontext() if _counting_on_this_thread() else _CommDispatchMode(mode.ops)  # noqa: E731
-        with futures.callbacks_under(counting), mode:
+        with futures.callbacks_under(counting), mode, record_function(STEP_MARKER):
             yield lambda: result[0]
         if on_cuda:
             torch.cuda.synchronize(device)  # let the NCCL kernels finish inside the profile
-    result.append(_summarise(mode.ops, _comm_events(prof)))
+    raw = _raw_events(prof)
+    events = _comm_events(raw)
+    result.append(CommStep(by_op=_summarise(mode.ops, events),
+                           exposure=overlap.exposure([(e.start_ns, e.start_ns + e.duration_ns) for e in events],
+                                                     _compute_intervals(raw, on_cuda))))

@@ -22,6 +22,9 @@
   step unless something is kept.
 - comm_*: counted on rank 0's comm step; every rank runs the same collectives. busbw_gbps
   per op by the nccl-tests factors (on gloo, time includes waiting for the peer).
+  comm_exposed_s_per_step: the part of that step's collective time during which it computed
+  nothing, and comm_overlap_fraction the rest's share (measure/overlap.py); None in records
+  from before they were measured.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def summarize(cell: CellSpec, per_rank: list[dict[str, Any]], peak_flops_per_ran
         "comm_time_s_per_step": sum(op["time_s"] for op in comm_by_op.values()),
         "comm_bytes_per_step": sum(op["bytes"] for op in comm_by_op.values()),
         "comm_by_op": comm_by_op,
+        "comm_exposed_s_per_step": (rank0.get("comm_exposure") or {}).get("exposed_s"),
+        "comm_overlap_fraction": (rank0.get("comm_exposure") or {}).get("overlap_fraction"),
     }
 
 

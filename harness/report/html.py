@@ -124,6 +124,7 @@ def _row(r: dict) -> dict:
              _num(mfu)),
             (_mib(m.get("comm_bytes_per_step")), _num(m.get("comm_bytes_per_step"))),
             (_fmt(m.get("comm_time_s_per_step"), 1000, 2), _num(m.get("comm_time_s_per_step"))),
+            (_fmt(m.get("comm_exposed_s_per_step"), 1000, 2), _num(m.get("comm_exposed_s_per_step"))),
         ],
         "trials": _trials_cell(r),
         "verdict": verdict,

@@ -109,8 +109,8 @@ def test_list_shows_the_selection_and_the_references_it_needs():
     assert all("bf16" in line for line in lines[:-1])
 
 
-def test_smoke_suite_end_to_end(tmp_path):
-    result = shardbench("run", "--suite", "smoke", "--out", str(tmp_path))
+def test_smoke_suite_end_to_end(smoke_run):
+    tmp_path, result = smoke_run
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "[  1/6]" in out and "[  6/6]" in out  # a progress line per cell, the added reference included

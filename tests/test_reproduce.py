@@ -47,8 +47,8 @@ def test_harness_code_hash_changes_with_the_code(tmp_path, monkeypatch):
     provenance.harness_code_hash.cache_clear()
 
 
-def test_a_recorded_cell_reproduces_bitwise(tmp_path):
-    run = shardbench("run", "--suite", "smoke", "-k", CELL, "--no-trace", "--no-bandwidth", "--out", str(tmp_path))
+def test_a_recorded_cell_reproduces_bitwise(smoke_run):
+    tmp_path, run = smoke_run  # the smoke suite's run (tests/conftest.py), CELL among its cells
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     run_dir = (tmp_path / "results" / "latest").resolve()
     record = next(json.loads(line) for line in (run_dir / "cells.jsonl").read_text().splitlines()

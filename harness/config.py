@@ -26,7 +26,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
 Offload = Literal["none", "params", "optimizer", "optimizer_params"]
 Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"]
-Compression = Literal["none", "fp16", "bf16", "powersgd"]
+Compression = Literal["none", "fp16", "bf16", "powersgd", "int8_tensor", "int8_channel", "topk", "randomk"]
 LossScaling = Literal["dynamic", "none"]
 HsdpMesh = Literal["explicit", "fsdp_default"]
 # Where a cell's samples come from (harness/data.py): random ones, the standard library's

@@ -128,6 +128,12 @@ def default(world_size: int) -> list[CellSpec]:
         _cell("gpt2-tiny", "ddp", world_size, compression="bf16"),
         _cell("gpt2-tiny", "ddp", world_size, compression="powersgd", powersgd_rank=1),
         _cell("gpt2-tiny", "ddp", world_size, compression="powersgd", powersgd_rank=4),
+        # Quantization (unsupported on gloo, with the measured reason) and sparsification with
+        # error feedback: not gated, judged in the convergence suite.
+        _cell("gpt2-tiny", "ddp", world_size, compression="int8_tensor"),
+        _cell("gpt2-tiny", "ddp", world_size, compression="int8_channel"),
+        _cell("gpt2-tiny", "ddp", world_size, compression="topk"),
+        _cell("gpt2-tiny", "ddp", world_size, compression="randomk"),
     ]
     # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU
     # Adam (optimizer offload) is compiled on first use, outside any measured step.
@@ -267,17 +273,26 @@ CONVERGENCE_STRATEGIES = ("single", "ddp", "fsdp_full", "deepspeed_zero2", "deep
 # (SyncBatchNorm), and per micro-step of a virtual batch, in one process and in DDP.
 BATCH_NORM_CELLS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ddp", {}), ("ddp", {"sync_batch_norm": True}), ("ddp", {"accumulation": 2}), ("single", {"accumulation": 2}))
+# The compression hooks that change the update (features/compression.py UNGATED) and PowerSGD:
+# their effect on where training ends, DDP in fp32 on text.
+CONVERGENCE_COMPRESSIONS: tuple[dict[str, Any], ...] = (
+    {"compression": "powersgd"}, {"compression": "int8_tensor"}, {"compression": "int8_channel"},
+    {"compression": "topk"}, {"compression": "randomk"})
 
 
 def convergence(world_size: int) -> list[CellSpec]:
     """Training on real data (harness/convergence.py: the models, the data, the verdict): on
     text, every strategy of CONVERGENCE_STRATEGIES under fp32, bf16, fp16 with and without loss
-    scaling; on the digits, BATCH_NORM_CELLS in fp32; and for both models the fp32 reference
-    under each of convergence_verdicts.SEEDS (whose spread is the verdict's tolerance)."""
+    scaling; DDP under each of CONVERGENCE_COMPRESSIONS; on the digits, BATCH_NORM_CELLS in
+    fp32; and for both models the fp32 reference under each of convergence_verdicts.SEEDS
+    (whose spread is the verdict's tolerance)."""
     cells = [convergence_verdicts.cell("single", world_size, seed=seed, model=model, precision="fp32")
              for model in convergence_verdicts.DATA_OF for seed in convergence_verdicts.SEEDS]
     cells += [convergence_verdicts.cell(s, world_size, **options) for options in CONVERGENCE_PRECISIONS
               for s in CONVERGENCE_STRATEGIES if s == "single" or world_size > 1]
+    if world_size > 1:
+        cells += [convergence_verdicts.cell("ddp", world_size, precision="fp32", **options)
+                  for options in CONVERGENCE_COMPRESSIONS]
     cells += [convergence_verdicts.cell(s, world_size, model=convergence_verdicts.VISION_MODEL, **options)
               for s, options in BATCH_NORM_CELLS if s == "single" or world_size > 1]
     return cells

@@ -12,8 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from harness.features import compression, sparsification
 from harness.measure import overlap
 from harness.measure.comm import OpStats, _Event, _Op, _profiler_kind, _summarise, busbw_factor, count_comm
+from harness.predict.formulas.compression import sparsified_bytes
 
 
 def _model():
@@ -35,7 +37,7 @@ def _comm_of_step(model, opt):
 
 
 def _worker(rank, port, out_dir):
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook, quantization_hooks
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -91,6 +93,39 @@ def _worker(rank, port, out_dir):
         process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0),
         powerSGD_hook.powerSGD_hook)
     out["ddp_powersgd"] = _comm_of_step(ddp, torch.optim.AdamW(ddp.parameters()))
+    # Sparsification with error feedback (harness/features/sparsification.py): one backward
+    # from zeroed memory, then what was applied and what was kept add up to what was computed.
+    for selection in ("topk", "randomk"):
+        ddp = DDP(_model())
+        state = sparsification.SparsificationState(selection=selection, seed=0, world_size=2)
+        ddp.register_comm_hook(state, sparsification.hook)
+        torch.manual_seed(rank)
+        with count_comm(torch.device("cpu")) as comm:
+            ddp(torch.randn(8, 64)).sum().backward()
+        applied = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+        local = _model()  # the same weights, this rank's batch, no DDP: what the rank computed
+        torch.manual_seed(rank)
+        local(torch.randn(8, 64)).sum().backward()
+        computed = torch.tensor([float(sum(p.grad.sum() for p in local.parameters()))], dtype=torch.float64)
+        kept = torch.tensor([float(sum(e.sum() for e in state.errors.values()))], dtype=torch.float64)
+        dist.all_reduce(computed)
+        dist.all_reduce(kept)
+        out[f"sparse_{selection}"] = {
+            "by_op": {k: [v.count, v.bytes] for k, v in comm().by_op.items()},
+            "nonzero": int(applied.count_nonzero()), "numel": applied.numel(),
+            # Σ over ranks of what each computed = n × the applied mean + Σ of what each kept.
+            "balance": [float(computed), 2 * float(applied.sum(dtype=torch.float64)) + float(kept)]}
+
+    # torch's int8 hooks on gloo (compression.INT8_ON_GLOO: why such cells are unsupported here).
+    for hook in (quantization_hooks.quantization_pertensor_hook, quantization_hooks.quantization_perchannel_hook):
+        ddp = DDP(_model())
+        ddp.register_comm_hook(None, hook)
+        try:
+            ddp(torch.randn(8, 64)).sum().backward()
+            out.setdefault("int8_errors", []).append(None)
+        except RuntimeError as error:
+            out.setdefault("int8_errors", []).append(str(error))
+
     ddp = DDP(_model())
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW)
     out["zero"] = _comm_of_step(ddp, zero)
@@ -138,6 +173,28 @@ def test_overlap_arithmetic_on_known_intervals():
     assert result.overlap_fraction == pytest.approx(0.4)
     assert overlap.exposure([], [(0, 5)]).overlap_fraction is None  # no collective: nothing to hide
     assert overlap.merged([(5, 9), (0, 2), (1, 3), (9, 9)]) == [(0, 3), (5, 9)]
+
+
+@pytest.mark.parametrize("selection, op", [("topk", "all_gather"), ("randomk", "all_reduce")])
+def test_sparsification_sends_its_formulas_bytes_and_loses_nothing_with_error_feedback(observed, selection, op):
+    k = sparsification.k_of(PARAM_BYTES // 4)  # one bucket: every parameter
+    for rank in observed:
+        sparse = rank[f"sparse_{selection}"]
+        # topk's values and indices are two all-gathers; random-k one all-reduce of the values.
+        sent = sparsified_bytes(PARAM_BYTES // 4, 2, sparsification.DENSITY, selection)
+        assert sparse["by_op"] == {op: [2 if op == "all_gather" else 1, sent]}
+        # Applied: at most every rank's k entries (top-k), exactly the shared k (random-k).
+        assert sparse["nonzero"] <= 2 * k if selection == "topk" else sparse["nonzero"] == k
+        computed, accounted = sparse["balance"]
+        assert accounted == pytest.approx(computed, rel=1e-5, abs=1e-4)
+
+
+def test_torchs_int8_hooks_fail_on_gloo_as_the_unsupported_reason_says(observed):
+    per_tensor, per_channel = observed[0]["int8_errors"]
+    assert "invalid index of a 0-dim tensor" in per_tensor
+    assert "invalid index of a 0-dim tensor" in compression.INT8_ON_GLOO
+    assert "too many indices for tensor of dimension 2" in per_channel
+    assert "too many indices for tensor of dimension 2" in compression.INT8_ON_GLOO
 
 
 def test_manual_all_reduce_exact_bytes(observed):

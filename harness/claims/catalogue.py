@@ -123,6 +123,22 @@ _CLAIMS += [
             tolerance=f"±{EXACT_TOL:.0%}", unit="bytes", judge=judges.powersgd(rank),
             cells=_cells(("ddp", {"compression": "powersgd", "powersgd_rank": rank}), ("ddp", {})))
       for rank in (1, 4)),
+    *(Claim(claim_id=f"compression/{name}", title=title, source=source, published=published, formula=formula,
+            tolerance=f"±{EXACT_TOL:.0%}", unit="bytes", judge=judges.compressed_bytes(name),
+            cells=_cells(("ddp", {"compression": name}), ("ddp", {})))
+      for name, title, source, published, formula in (
+          ("int8_tensor", "torch's per-tensor int8 hook all-gathers one byte per gradient",
+           "torch ddp_comm_hooks.quantization_hooks", "4 B → 1 B per gradient, plus a scale and zero point",
+           "formulas.int8_allgather_bytes: n·(8 + Ψ) as gathered"),
+          ("int8_channel", "torch's per-channel int8 hook all-gathers one byte per gradient, 512 to a channel",
+           "torch ddp_comm_hooks.quantization_hooks", "4 B → 1 B per gradient, plus a scale and zero point a channel",
+           "formulas.int8_allgather_bytes: n·C·(8 + 512), C = Ψ // 512 + 1"),
+          ("topk", "top-k sends 1 % of the gradients, with their indices",
+           "Aji & Heafield 2017; Lin et al. 2018 (DGC)", "k values and k indices per rank",
+           "formulas.sparsified_bytes: 8·n·k as gathered, k = ⌈0.01 Ψ⌉"),
+          ("randomk", "random-k all-reduces 1 % of the gradients, the same entries on every rank",
+           "Stich, Cordonnier & Jaggi 2018", "k values; the indices come from a shared seed",
+           "formulas.sparsified_bytes: 4·k, k = ⌈0.01 Ψ⌉"))),
     Claim(claim_id="compression/fp16_hook_half", title="fp16_compress_hook halves the all-reduce bytes",
           source="torch ddp_comm_hooks.default_hooks", published="½ of DDP's all-reduce bytes",
           formula="2Ψ bytes against 4Ψ", tolerance=f"±{EXACT_TOL:.0%}", unit="fp16 / fp32",

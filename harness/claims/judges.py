@@ -313,6 +313,26 @@ def powersgd(rank: int) -> Callable[[Readings], Outcome]:
     return judge
 
 
+def compressed_bytes(name: str) -> Callable[[Readings], Outcome]:
+    """A quantizing or sparsifying hook's bytes per step against its formula
+    (formulas/compression.py, through the analytic comm model)."""
+    def judge(r: Readings) -> Outcome:
+        from harness.predict import analytic_data_parallel
+
+        c = r.cell("ddp", compression=name)
+        op = "all_reduce" if name == "randomk" else "all_gather"
+        by_op = r.record(c)["metrics"].get("comm_by_op") or {}
+        if op not in by_op:
+            raise NotMeasurable(f"{c.cell_id}: no {op} counted", failed=True)
+        predicted = analytic_data_parallel.comm_bytes_per_step(c, _layout(c))[op]
+        ddp = _bytes_by_op(r.record(r.cell("ddp"))).get("all_reduce")
+        return compare(by_op[op]["bytes"], predicted, EXACT_TOL, details={
+            f"{op}_count": by_op[op]["count"], "ddp_all_reduce_bytes": ddp,
+            "fraction_of_ddp": by_op[op]["bytes"] / ddp if ddp else None})
+
+    return judge
+
+
 def fp16_hook_half(r: Readings) -> Outcome:
     half = _bytes_by_op(r.record(r.cell("ddp", compression="fp16"))).get("all_reduce", 0)
     full = _bytes_by_op(r.record(r.cell("ddp"))).get("all_reduce", 0)

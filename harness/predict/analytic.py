@@ -160,6 +160,8 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     is the first-order figure that ``plan`` and the fit check decide by."""
     on_device = {k: states[k] - offloaded.get(k, 0.0) for k in ("params", "grads", "optimizer")}
     buffers = states.get("buffers", 0.0)
+    # A sparsifying hook's result is among the buffers at the step, not yet in backward.
+    in_backward = buffers - transient.get("hook_result", 0.0)
     engine = strategies.get(cell.strategy.name).engine_model
     # A pipeline's schedule runs later micro-batches' forwards while earlier ones' gradients
     # are held, as accumulation does.
@@ -174,7 +176,7 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
         "grads": on_device["grads"] if held_grads else 0.0,
         "optimizer": on_device["optimizer"],
         "activations": acts["layers"] + acts["logits"] + transient.get("autocast_copies", 0.0),
-        "other": buffers + transient.get("loss", 0.0) + transient.get("activation_grads", 0.0) + partition,
+        "other": in_backward + transient.get("loss", 0.0) + transient.get("activation_grads", 0.0) + partition,
     }
     # The last block's backward recomputing it: the head's backward is done, so the logits
     # are gone (the loss's gradients are still held, as the trackers see them).

@@ -15,6 +15,7 @@ import torch
 from harness import models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
+from harness.features import compression, sparsification
 from harness.features.optimizers import BITSANDBYTES
 from harness.models import ModelSpec, ParamLayout
 from harness.predict.formulas import (
@@ -26,6 +27,7 @@ from harness.predict.formulas import (
     powersgd_elements,
     sgd_momentum_state_bytes,
 )
+from harness.predict.formulas.compression import int8_allgather_bytes, sparsified_bytes
 from harness.strategies import deepspeed_zero  # its sizing rule; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
 
@@ -33,6 +35,7 @@ from harness.strategies.base import EngineModel
 # default): a model within it stays gathered from forward to backward (measured here: one
 # all-gather per micro-step for the tiny models).
 DS_MAX_LIVE_PARAMETERS = deepspeed_zero.MAX_LIVE_PARAMETERS
+SPARSIFIED = ("topk", "randomk")
 # Bytes of one value in the cell's compute precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -97,9 +100,12 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     optimizer's own state); DeepSpeed keeps parameters and gradients in the compute
     precision and an fp32 master partition (K = 4 + the optimizer's state), as the paper.
     ``buffers``: DDP's flat gradient bucket (one gradient-sized copy; torch DDP,
-    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP); DeepSpeed ZeRO-3's gradient reduce
-    bucket, which stays allocated between steps (reduce_bucket_size elements: h² for hidden
-    size h, as harness/strategies/deepspeed_zero.py configures it). ZeRO-3's persistent
+    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP), and under top-k or random-k two
+    more: the error-feedback memory and the hook's averaged result, which DDP's reducer
+    keeps until the next step's replaces it (measured on the tiny presets' one bucket);
+    DeepSpeed ZeRO-3's gradient reduce bucket, which stays allocated between steps
+    (reduce_bucket_size elements: h² for hidden size h, as harness/strategies/deepspeed_zero.py
+    configures it). ZeRO-3's persistent
     parameters are held whole on every rank beside their partitions (``params``).
     """
     s, engine = cell.strategy, _engine(cell)
@@ -118,7 +124,7 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     grads = psi * grad_bytes
     buffers = 0.0
     if engine.grad_buffer == "ddp_bucket":
-        buffers = grads
+        buffers = grads * (3 if s.compression in SPARSIFIED else 1)
     elif engine.grad_buffer == "deepspeed_reduce_bucket":
         buffers = _ds_sizes(cell)["reduce_bucket_size"] * grad_bytes
     return {
@@ -278,7 +284,9 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     reduce-scatter the full input), so it compares with the counted bytes directly.
 
     From ZeRO §7 and the FSDP paper §3.2, per engine: DDP all-reduces the gradients once per
-    step (fp32, or half with an fp16 hook; PowerSGD the factors of ``powersgd_elements``);
+    step (fp32, or half with an fp16 hook; PowerSGD the factors of ``powersgd_elements``;
+    int8 quantization an all-gather of uint8 buckets with their scales, top-k an all-gather
+    and random-k an all-reduce of 1 % of the entries: formulas/compression.py, one bucket);
     ZeRO-1 over DDP adds a broadcast of the updated parameters (torch and FairScale OSS);
     FairScale SDP reduces to each owner and broadcasts; FSDP all-gathers the parameters
     (in the compute dtype) in forward and, resharded, again in backward, and
@@ -295,11 +303,19 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     psi, a = layout.numel, s.accumulation
     low = PRECISION_BYTES[s.precision]
     if engine.comm == "all_reduce":
+        n = s.data_parallel_size(cell.world_size)
+        out: dict[str, float] = {}
         if s.compression == "powersgd":
-            reduced = 4 * sum(powersgd_elements(shape, s.powersgd_rank) for shape in layout.shapes)
+            out["all_reduce"] = 4 * sum(powersgd_elements(shape, s.powersgd_rank) for shape in layout.shapes)
+        elif s.compression in ("int8_tensor", "int8_channel"):
+            channel = compression.INT8_CHANNEL if s.compression == "int8_channel" else None
+            out["all_gather"] = int8_allgather_bytes(psi, n, channel)
+        elif s.compression == "topk":
+            out["all_gather"] = sparsified_bytes(psi, n, sparsification.DENSITY, "topk")
+        elif s.compression == "randomk":
+            out["all_reduce"] = sparsified_bytes(psi, n, sparsification.DENSITY, "randomk")
         else:
-            reduced = psi * (2 if s.compression in ("fp16", "bf16") else 4)
-        out: dict[str, float] = {"all_reduce": reduced}
+            out["all_reduce"] = psi * (2 if s.compression in ("fp16", "bf16") else 4)
         if "optimizer" in engine.sharded:  # each rank broadcasts the parameters it updated
             out["broadcast"] = 4 * psi
         return out
@@ -378,7 +394,12 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       copy of it that gloo all-reduces instead (harness/predict/traced.py): three root-sized
       copies on the CPU (measured: the real suite's FSDP2 and FSDP1 cells), two on CUDA (as
       FSDP2's foreach_reduce reads; not yet measured on a GPU). A large vocabulary makes this
-      the step's peak (gpt2-124m: the root unit is 32 % of the parameters).
+      the step's peak (gpt2-124m: the root unit is 32 % of the parameters);
+    - ``hook_result``: under top-k and random-k, the hook's averaged result, made at the end
+      of backward and held by DDP's reducer through the optimizer step (counted in the
+      buffers at the step, not at the start of backward); its working copy, the
+      error-corrected gradient, replaces the previous error as it is made, so nothing more
+      is held at the hook than at the step.
     """
     s, engine = cell.strategy, _engine(cell)
     low = PRECISION_BYTES[s.precision]
@@ -393,7 +414,8 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
-            "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0}
+            "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0,
+            "hook_result": 4.0 * layout.numel if s.compression in SPARSIFIED else 0.0}
 
 
 def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:

@@ -42,7 +42,7 @@ def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParal
     ddp_model = DistributedDataParallel(
         model, device_ids=[env.device.index] if env.is_cuda else None, bucket_cap_mb=bucket_cap_mb
     )
-    compression.register(ddp_model, cell.strategy.compression, cell.strategy.powersgd_rank)
+    compression.register(ddp_model, cell.strategy.compression, cell.strategy.powersgd_rank, cell.seed)
     return ddp_model
 
 
@@ -70,6 +70,8 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     if cell.strategy.compression == "bf16" and device_type != "cuda":
         return "bf16_compress_hook requires CUDA 11+ and NCCL 2.10+ (gloo has no bf16 all-reduce path)"
+    if cell.strategy.compression in ("int8_tensor", "int8_channel") and device_type != "cuda":
+        return compression.INT8_ON_GLOO
     if cell.strategy.sync_batch_norm and device_type == "cpu":
         return SYNC_BATCH_NORM_ON_CPU
     return None

@@ -88,6 +88,9 @@ class StrategySpec:
     # BatchNorm over the data-parallel group's samples (torch's SyncBatchNorm) rather than
     # each rank's own; models with BatchNorm only, strategies that declare it.
     sync_batch_norm: bool = False
+    # Local SGD (features/local_sgd.py): ranks step on their own gradients and average their
+    # parameters every this many steps; None: DDP's all-reduce every step.
+    local_sgd_period: int | None = None
     # HYBRID_SHARD / HSDP: "explicit" builds a (replicate × shard) DeviceMesh;
     # "fsdp_default" lets FSDP1 pick its own process groups, which on a single node silently
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
@@ -124,6 +127,14 @@ class StrategySpec:
                              " gradient 2-norm, e.g. 1.0)")
         if not isinstance(self.sync_batch_norm, bool):
             raise ValueError(f"sync_batch_norm={self.sync_batch_norm!r}: must be true or false")
+        if self.local_sgd_period is not None:
+            if isinstance(self.local_sgd_period, bool) or not isinstance(self.local_sgd_period, int) \
+                    or self.local_sgd_period < 2:
+                raise ValueError(f"local_sgd_period={self.local_sgd_period!r}: must be an integer of 2 or more (steps"
+                                 " between parameter averagings; every step is what DDP does)")
+            if self.compression != "none":
+                raise ValueError(f"local_sgd_period={self.local_sgd_period} with compression={self.compression!r}:"
+                                 " both are DDP communication hooks, and DDP takes one")
         # Options that would change nothing must not make a second cell with a new id.
         if self.powersgd_rank != 1 and self.compression != "powersgd":
             raise ValueError(f"powersgd_rank={self.powersgd_rank}: applies to compression=powersgd only")
@@ -342,6 +353,8 @@ class CellSpec:
             parts.append(f"scale_{s.loss_scaling}")
         if s.sync_batch_norm:
             parts.append("syncbn")
+        if s.local_sgd_period is not None:
+            parts.append(f"localsgd{s.local_sgd_period}")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
         # The layout options are None wherever they do not apply (StrategySpec._resolve).

@@ -38,7 +38,8 @@ by its held-out accuracy and running statistics instead (the report's BatchNorm 
 where the cell's gradient compression changes the update by design (int8 quantization, top-k
 and random-k sparsification: features/compression.py UNGATED): its losses leave the
 reference's by construction, so it is judged by where training ends, its final held-out loss
-in the convergence suite against the fp32 band (harness/convergence.py).
+in the convergence suite against the fp32 band (harness/convergence.py). The same for local
+SGD (features/local_sgd.py), whose ranks train apart between averagings.
 """
 
 from __future__ import annotations
@@ -87,9 +88,12 @@ def check(cell: CellSpec, losses: list[float], reference_record: dict[str, Any] 
         # Measured, but against nothing: no one device holds the whole batch (llama3-8b's states).
         return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol, "passed": None,
                 "reason": f"not gated: the reference does not fit ({reference_record['reason']})"}
-    if cell.strategy.compression in compression.UNGATED:
+    changes_update = (f"compression={cell.strategy.compression}" if cell.strategy.compression in compression.UNGATED
+                      else f"local_sgd_period={cell.strategy.local_sgd_period}"
+                      if cell.strategy.local_sgd_period is not None else None)
+    if changes_update:
         return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol, "passed": None,
-                "reason": (f"not gated: compression={cell.strategy.compression} changes the update by design;"
+                "reason": (f"not gated: {changes_update} changes the update by design;"
                            " judged by its final held-out loss in the convergence suite")}
     normalised_over = batch_norm.statistics_batch(cell)
     if cell.model_spec.has_batch_norm and normalised_over != cell.global_batch:

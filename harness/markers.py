@@ -38,6 +38,7 @@ CATALOGUE: dict[str, str] = {
     "clip": "gradients clipped by their global norm (clip_grad_norm)",
     "scale_none": "fp16 without loss scaling (loss_scaling = \"none\")",
     "syncbn": "BatchNorm statistics over the data-parallel group (SyncBatchNorm)",
+    "local_sgd": "local SGD: parameters averaged every local_sgd_period steps (PostLocalSGDOptimizer)",
     **{f"data_{d}": f"training data: {d}" for d in get_args(DataSource)},
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
@@ -81,6 +82,7 @@ def markers_of(cell: CellSpec) -> list[str]:
         *(["clip"] if s.clip_grad_norm is not None else []),
         *([f"scale_{s.loss_scaling}"] if s.loss_scaling != "dynamic" else []),
         *(["syncbn"] if s.sync_batch_norm else []),
+        *(["local_sgd"] if s.local_sgd_period is not None else []),
         f"data_{cell.data}",
     ]
     unknown = [m for m in marks if m not in CATALOGUE]

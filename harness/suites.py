@@ -135,6 +135,8 @@ def default(world_size: int) -> list[CellSpec]:
         _cell("gpt2-tiny", "ddp", world_size, compression="topk"),
         _cell("gpt2-tiny", "ddp", world_size, compression="randomk"),
     ]
+    # Local SGD: parameters averaged every 4 steps, nothing sent between (not gated either).
+    cells.append(_cell("gpt2-tiny", "ddp", world_size, local_sgd_period=4))
     # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU
     # Adam (optimizer offload) is compiled on first use, outside any measured step.
     for model in ("gpt2-tiny", "llama-tiny"):
@@ -273,11 +275,11 @@ CONVERGENCE_STRATEGIES = ("single", "ddp", "fsdp_full", "deepspeed_zero2", "deep
 # (SyncBatchNorm), and per micro-step of a virtual batch, in one process and in DDP.
 BATCH_NORM_CELLS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ddp", {}), ("ddp", {"sync_batch_norm": True}), ("ddp", {"accumulation": 2}), ("single", {"accumulation": 2}))
-# The compression hooks that change the update (features/compression.py UNGATED) and PowerSGD:
-# their effect on where training ends, DDP in fp32 on text.
+# The compression hooks that change the update (features/compression.py UNGATED), PowerSGD and
+# local SGD every 4 and 16 steps: their effect on where training ends, DDP in fp32 on text.
 CONVERGENCE_COMPRESSIONS: tuple[dict[str, Any], ...] = (
     {"compression": "powersgd"}, {"compression": "int8_tensor"}, {"compression": "int8_channel"},
-    {"compression": "topk"}, {"compression": "randomk"})
+    {"compression": "topk"}, {"compression": "randomk"}, {"local_sgd_period": 4}, {"local_sgd_period": 16})
 
 
 def convergence(world_size: int) -> list[CellSpec]:

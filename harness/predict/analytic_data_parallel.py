@@ -286,7 +286,9 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     From ZeRO §7 and the FSDP paper §3.2, per engine: DDP all-reduces the gradients once per
     step (fp32, or half with an fp16 hook; PowerSGD the factors of ``powersgd_elements``;
     int8 quantization an all-gather of uint8 buckets with their scales, top-k an all-gather
-    and random-k an all-reduce of 1 % of the entries: formulas/compression.py, one bucket);
+    and random-k an all-reduce of 1 % of the entries: formulas/compression.py, one bucket;
+    local SGD the parameters' fp32 all-reduce of its averaging steps, which is the counted
+    step and as large as DDP's, sent every local_sgd_period-th step and nothing between);
     ZeRO-1 over DDP adds a broadcast of the updated parameters (torch and FairScale OSS);
     FairScale SDP reduces to each owner and broadcasts; FSDP all-gathers the parameters
     (in the compute dtype) in forward and, resharded, again in backward, and

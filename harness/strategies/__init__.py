@@ -95,6 +95,8 @@ def incompatibility(cell: CellSpec) -> str | None:
     if s.sync_batch_norm and not caps.sync_batch_norm:
         why = caps.notes.get("sync_batch_norm", "SyncBatchNorm is wired for DDP only")
         return f"{s.name} with sync_batch_norm=True: {why}"
+    if s.local_sgd_period is not None and not caps.local_sgd:
+        return f"{s.name} with local_sgd_period={s.local_sgd_period}: local SGD is wired for DDP only"
     if cell.world_size < caps.min_world_size:
         return f"{s.name} needs world_size >= {caps.min_world_size}, got {cell.world_size}"
     if caps.max_world_size is not None and cell.world_size > caps.max_world_size:

@@ -54,6 +54,9 @@ class Capabilities:
     evaluation: bool = True
     # Whether it can normalise BatchNorm over its data-parallel group (``sync_batch_norm``).
     sync_batch_norm: bool = False
+    # Whether it can train with local SGD (``local_sgd_period``: a DDP comm hook and torch's
+    # PostLocalSGDOptimizer).
+    local_sgd: bool = False
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.features import compression, optimizers
+from harness.features import compression, local_sgd, optimizers
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParal
         model, device_ids=[env.device.index] if env.is_cuda else None, bucket_cap_mb=bucket_cap_mb
     )
     compression.register(ddp_model, cell.strategy.compression, cell.strategy.powersgd_rank, cell.seed)
+    if cell.strategy.local_sgd_period is not None:
+        local_sgd.register_hook(ddp_model, cell)
     return ddp_model
 
 
@@ -59,9 +61,12 @@ def engine_report(ddp_model: DistributedDataParallel) -> dict[str, Any]:
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     ddp_model = wrap(model, cell, env)
+    optimizer = optimizers.make(ddp_model.parameters(), cell.strategy.optimizer, cell.lr)
+    local = cell.strategy.local_sgd_period is not None
     return Prepared(
         model=ddp_model,
-        optimizer=optimizers.make(ddp_model.parameters(), cell.strategy.optimizer, cell.lr),
+        optimizer=local_sgd.averaging_optimizer(optimizer, cell) if local else optimizer,
+        memory_optimizer=optimizer if local else None,  # whose state the tracker attributes
         no_sync=ddp_model.no_sync,
         engine_report=lambda: engine_report(ddp_model),
     )
@@ -84,7 +89,7 @@ STRATEGIES = (
         engine="torch",
         families=("ddp",),
         capabilities=Capabilities(compression=frozenset(compression.NAMES), optimizers=frozenset(optimizers.NAMES),
-                                  sync_batch_norm=True),
+                                  sync_batch_norm=True, local_sgd=True),
         unsupported_reason=unsupported_reason,
         engine_model=EngineModel(grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,

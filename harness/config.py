@@ -91,6 +91,15 @@ class StrategySpec:
     # Local SGD (features/local_sgd.py): ranks step on their own gradients and average their
     # parameters every this many steps; None: DDP's all-reduce every step.
     local_sgd_period: int | None = None
+    # Communication–computation overlap, each engine's own knob; None or False: the engine's
+    # default (strategies declare which they take: Capabilities.overlap_options). DDP's gradient
+    # bucket size in MiB and its buckets as the gradients' storage (``gradient_as_bucket_view``);
+    # FSDP2's explicit prefetch of the next ``prefetch`` blocks in forward and backward (its
+    # implicit default prefetches one); DeepSpeed's ``overlap_comm``.
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    prefetch: int | None = None
+    overlap_comm: bool | None = None
     # HYBRID_SHARD / HSDP: "explicit" builds a (replicate × shard) DeviceMesh;
     # "fsdp_default" lets FSDP1 pick its own process groups, which on a single node silently
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
@@ -127,6 +136,16 @@ class StrategySpec:
                              " gradient 2-norm, e.g. 1.0)")
         if not isinstance(self.sync_batch_norm, bool):
             raise ValueError(f"sync_batch_norm={self.sync_batch_norm!r}: must be true or false")
+        if self.bucket_cap_mb is not None and (
+                isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float)
+                or not 0 < self.bucket_cap_mb < float("inf")):
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: must be a positive, finite number of MiB")
+        for flag in ("gradient_as_bucket_view", "overlap_comm"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool) and not (flag == "overlap_comm" and value is None):
+                raise ValueError(f"{flag}={value!r}: must be true or false")
+        if self.prefetch is not None:
+            _check_positive("prefetch", self.prefetch)
         if self.local_sgd_period is not None:
             if isinstance(self.local_sgd_period, bool) or not isinstance(self.local_sgd_period, int) \
                     or self.local_sgd_period < 2:
@@ -355,6 +374,14 @@ class CellSpec:
             parts.append("syncbn")
         if s.local_sgd_period is not None:
             parts.append(f"localsgd{s.local_sgd_period}")
+        if s.bucket_cap_mb is not None:
+            parts.append(f"bucket{s.bucket_cap_mb:g}")
+        if s.gradient_as_bucket_view:
+            parts.append("gabv")
+        if s.prefetch is not None:
+            parts.append(f"prefetch{s.prefetch}")
+        if s.overlap_comm is not None:
+            parts.append(f"overlap_comm_{'on' if s.overlap_comm else 'off'}")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
         # The layout options are None wherever they do not apply (StrategySpec._resolve).

@@ -39,6 +39,10 @@ CATALOGUE: dict[str, str] = {
     "scale_none": "fp16 without loss scaling (loss_scaling = \"none\")",
     "syncbn": "BatchNorm statistics over the data-parallel group (SyncBatchNorm)",
     "local_sgd": "local SGD: parameters averaged every local_sgd_period steps (PostLocalSGDOptimizer)",
+    "bucket_cap": "DDP's gradient bucket size set (bucket_cap_mb)",
+    "gabv": "DDP's buckets as the gradients' storage (gradient_as_bucket_view)",
+    "prefetch": "FSDP2's explicit prefetch of the next blocks (prefetch)",
+    "overlap_comm": "DeepSpeed's overlap_comm set on or off",
     **{f"data_{d}": f"training data: {d}" for d in get_args(DataSource)},
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
@@ -83,6 +87,10 @@ def markers_of(cell: CellSpec) -> list[str]:
         *([f"scale_{s.loss_scaling}"] if s.loss_scaling != "dynamic" else []),
         *(["syncbn"] if s.sync_batch_norm else []),
         *(["local_sgd"] if s.local_sgd_period is not None else []),
+        *(["bucket_cap"] if s.bucket_cap_mb is not None else []),
+        *(["gabv"] if s.gradient_as_bucket_view else []),
+        *(["prefetch"] if s.prefetch is not None else []),
+        *(["overlap_comm"] if s.overlap_comm is not None else []),
         f"data_{cell.data}",
     ]
     unknown = [m for m in marks if m not in CATALOGUE]

@@ -137,6 +137,15 @@ def default(world_size: int) -> list[CellSpec]:
     ]
     # Local SGD: parameters averaged every 4 steps, nothing sent between (not gated either).
     cells.append(_cell("gpt2-tiny", "ddp", world_size, local_sgd_period=4))
+    # Communication–computation overlap, each engine's knob: DDP's buckets (four of them at
+    # 0.1 MiB) and buckets as gradient storage, FSDP2 prefetching two blocks ahead (on the
+    # 4-block byte-level GPT-2), DeepSpeed's overlap_comm set against its default per stage.
+    cells += [_cell("gpt2-tiny", "ddp", world_size, bucket_cap_mb=0.1, gradient_as_bucket_view=view)
+              for view in (False, True)]
+    cells += [_cell("gpt2-bytes", s, world_size, **options)
+              for s, options in (("single", {}), ("fsdp_full", {"prefetch": 2}))]
+    cells += [_cell("gpt2-tiny", "deepspeed_zero2", world_size, overlap_comm=True),
+              _cell("gpt2-tiny", "deepspeed_zero3", world_size, overlap_comm=False)]
     # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU
     # Adam (optimizer offload) is compiled on first use, outside any measured step.
     for model in ("gpt2-tiny", "llama-tiny"):

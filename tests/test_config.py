@@ -1,7 +1,9 @@
 import dataclasses
+import re
 
 import pytest
 
+from harness import strategies
 from harness.config import CellSpec, StrategySpec
 
 
@@ -130,3 +132,32 @@ def test_options_that_apply_resolve_to_their_defaults_and_round_trip():
     assert eager.reference().attention == "eager"  # the same maths as its reference
     assert eager.reference().expandable_segments is False  # an allocator setting is not maths
     assert CellSpec.from_dict(eager.to_dict()) == eager
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb=0: must be a positive, finite number of MiB"),
+    ({"bucket_cap_mb": True}, "bucket_cap_mb=True: must be a positive, finite number of MiB"),
+    ({"gradient_as_bucket_view": 1}, "gradient_as_bucket_view=1: must be true or false"),
+    ({"overlap_comm": "yes"}, "overlap_comm='yes': must be true or false"),
+    ({"prefetch": 0}, "prefetch=0: must be a positive integer"),
+    ({"local_sgd_period": 1}, "local_sgd_period=1: must be an integer of 2 or more"),
+    ({"local_sgd_period": 4, "compression": "topk"}, "both are DDP communication hooks, and DDP takes one"),
+])
+def test_overlap_and_local_sgd_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StrategySpec(name="ddp", **options)
+
+
+@pytest.mark.parametrize("strategy, options, message", [
+    ("fsdp_full", {"bucket_cap_mb": 1.0},
+     "fsdp_full with bucket_cap_mb=1.0: an option of ddp, fairscale_oss, zero1 only"),
+    ("ddp", {"prefetch": 2}, "ddp with prefetch=2: an option of fsdp_full, fsdp_grad_op, fsdp_hybrid only"),
+    ("ddp", {"overlap_comm": True}, "ddp with overlap_comm=True: an option of deepspeed_zero1"),
+    ("fsdp_full", {"local_sgd_period": 4}, "fsdp_full with local_sgd_period=4: local SGD is wired for DDP only"),
+])
+def test_overlap_options_apply_to_the_engines_that_have_them(strategy, options, message):
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, **options))
+    assert message in strategies.incompatibility(cell)
+    # The engine default leaves the cell id as it was; a set knob names itself.
+    assert CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", bucket_cap_mb=0.5)).cell_id == (
+        "gpt2-tiny/ddp/fp32/ckpt_none/bucket0.5/mb2/ws2/seed0")

@@ -160,8 +160,8 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     is the first-order figure that ``plan`` and the fit check decide by."""
     on_device = {k: states[k] - offloaded.get(k, 0.0) for k in ("params", "grads", "optimizer")}
     buffers = states.get("buffers", 0.0)
-    # A sparsifying hook's result is among the buffers at the step, not yet in backward.
-    in_backward = buffers - transient.get("hook_result", 0.0)
+    # Buffers made (or first seen) at the end of backward: held at the step, not before.
+    in_backward = buffers - transient.get("buffers_after_backward", 0.0)
     engine = strategies.get(cell.strategy.name).engine_model
     # A pipeline's schedule runs later micro-batches' forwards while earlier ones' gradients
     # are held, as accumulation does.

@@ -100,7 +100,8 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     optimizer's own state); DeepSpeed keeps parameters and gradients in the compute
     precision and an fp32 master partition (K = 4 + the optimizer's state), as the paper.
     ``buffers``: DDP's flat gradient bucket (one gradient-sized copy; torch DDP,
-    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP), and under top-k or random-k two
+    ZeroRedundancyOptimizer + DDP, FairScale OSS + DDP; none with gradient_as_bucket_view, where
+    the gradients are views of it), and under top-k or random-k two
     more: the error-feedback memory and the hook's averaged result, which DDP's reducer
     keeps until the next step's replaces it (measured on the tiny presets' one bucket);
     DeepSpeed ZeRO-3's gradient reduce bucket, which stays allocated between steps
@@ -124,7 +125,8 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     grads = psi * grad_bytes
     buffers = 0.0
     if engine.grad_buffer == "ddp_bucket":
-        buffers = grads * (3 if s.compression in SPARSIFIED else 1)
+        # gradient_as_bucket_view: the gradients are views of the bucket, no second copy.
+        buffers = grads * ((0 if s.gradient_as_bucket_view else 1) + (2 if s.compression in SPARSIFIED else 0))
     elif engine.grad_buffer == "deepspeed_reduce_bucket":
         buffers = _ds_sizes(cell)["reduce_bucket_size"] * grad_bytes
     return {
@@ -397,16 +399,21 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       copies on the CPU (measured: the real suite's FSDP2 and FSDP1 cells), two on CUDA (as
       FSDP2's foreach_reduce reads; not yet measured on a GPU). A large vocabulary makes this
       the step's peak (gpt2-124m: the root unit is 32 % of the parameters);
-    - ``hook_result``: under top-k and random-k, the hook's averaged result, made at the end
-      of backward and held by DDP's reducer through the optimizer step (counted in the
-      buffers at the step, not at the start of backward); its working copy, the
-      error-corrected gradient, replaces the previous error as it is made, so nothing more
-      is held at the hook than at the step.
+    - ``buffers_after_backward``: buffer bytes counted at the optimizer step but not at the
+      start of backward: under top-k and random-k the hook's averaged result, made at the end
+      of backward and held by DDP's reducer through the step (its working copy, the
+      error-corrected gradient, replaces the previous error as it is made, so nothing more is
+      held at the hook than at the step); on the CPU with several DDP buckets (bucket_cap_mb
+      below the gradients' bytes) the buckets, which the CPU trackers see only as each is
+      all-reduced (measured on gpt2-tiny at 0.1 MiB, with and without gradient_as_bucket_view).
+    - FSDP2 with ``prefetch`` N gathers up to N + 1 blocks at once (the one computing and the
+      N prefetched; no more than the model has) beside the root unit.
     """
     s, engine = cell.strategy, _engine(cell)
     low = PRECISION_BYTES[s.precision]
     params_sharded = "params" in engine.sharded
-    gathered = low * (layout.root_numel + 2 * layout.block_numel) if params_sharded else 0.0
+    blocks_gathered = min(1 + (s.prefetch or 1), spec.n_layers)
+    gathered = low * (layout.root_numel + blocks_gathered * layout.block_numel) if params_sharded else 0.0
     if engine.keeps_gathered == "always":  # gathered in forward, kept through backward
         gathered = low * (layout.numel - persistent_numel(cell, layout))
     elif engine.keeps_gathered == "within_live_parameters":
@@ -417,7 +424,17 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
             "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
             "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0,
-            "hook_result": 4.0 * layout.numel if s.compression in SPARSIFIED else 0.0}
+            "buffers_after_backward": _buffers_after_backward(cell, layout, device_type)}
+
+
+def _buffers_after_backward(cell: CellSpec, layout: ParamLayout, device_type: str) -> float:
+    """``transient_bytes``'s ``buffers_after_backward``."""
+    s, grads = cell.strategy, 4.0 * layout.numel
+    result = grads if s.compression in SPARSIFIED else 0.0
+    unseen_buckets = (device_type == "cpu" and _engine(cell).grad_buffer == "ddp_bucket"
+                      and not s.gradient_as_bucket_view
+                      and s.bucket_cap_mb is not None and s.bucket_cap_mb * 2**20 < grads)
+    return result + (grads if unseen_buckets else 0.0)
 
 
 def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:

@@ -53,6 +53,11 @@ def names() -> tuple[str, ...]:
     return tuple(_declarations())
 
 
+# StrategySpec's overlap knobs and the values that leave each engine at its default.
+OVERLAP_DEFAULTS: dict[str, object] = {"bucket_cap_mb": None, "gradient_as_bucket_view": False, "prefetch": None,
+                                       "overlap_comm": None}
+
+
 def declarations() -> tuple[Strategy, ...]:
     return tuple(_declarations().values())
 
@@ -95,6 +100,11 @@ def incompatibility(cell: CellSpec) -> str | None:
     if s.sync_batch_norm and not caps.sync_batch_norm:
         why = caps.notes.get("sync_batch_norm", "SyncBatchNorm is wired for DDP only")
         return f"{s.name} with sync_batch_norm=True: {why}"
+    for option, default in OVERLAP_DEFAULTS.items():
+        value = getattr(s, option)
+        if value != default and option not in caps.overlap_options:
+            takers = sorted(d.name for d in declarations() if option in d.capabilities.overlap_options)
+            return f"{s.name} with {option}={value}: an option of {', '.join(takers)} only"
     if s.local_sgd_period is not None and not caps.local_sgd:
         return f"{s.name} with local_sgd_period={s.local_sgd_period}: local SGD is wired for DDP only"
     if cell.world_size < caps.min_world_size:

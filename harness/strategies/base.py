@@ -57,6 +57,9 @@ class Capabilities:
     # Whether it can train with local SGD (``local_sgd_period``: a DDP comm hook and torch's
     # PostLocalSGDOptimizer).
     local_sgd: bool = False
+    # Which of StrategySpec's overlap knobs its engine takes (bucket_cap_mb,
+    # gradient_as_bucket_view, prefetch, overlap_comm).
+    overlap_options: frozenset[str] = frozenset()
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.

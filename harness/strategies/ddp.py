@@ -1,9 +1,10 @@
 """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets
 during backward, optionally through a compression hook.
 
-Buckets as torch's defaults (bucket_cap_mb 25 MiB, the first bucket 1 MiB), but for PowerSGD
-on gloo, which needs one bucket for the whole model (features/compression.py); the value is in
-the record's per-rank ``engine`` (``engine_report``)."""
+Buckets as torch's defaults (bucket_cap_mb 25 MiB, the first bucket 1 MiB) unless the cell
+sets ``bucket_cap_mb`` (and ``gradient_as_bucket_view``, the buckets as the gradients' own
+storage), but for PowerSGD on gloo, which needs one bucket for the whole model
+(features/compression.py); the value is in the record's per-rank ``engine`` (``engine_report``)."""
 
 from __future__ import annotations
 
@@ -29,18 +30,23 @@ SYNC_BATCH_NORM_ON_CPU = (
     " (\"SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone\")")
 
 
+# The knobs of every strategy over ``wrap`` (ddp, zero1, fairscale_oss).
+BUCKET_OPTIONS = frozenset({"bucket_cap_mb", "gradient_as_bucket_view"})
+
+
 def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParallel:
     """DDP on the cell's device with its compression hook (and SyncBatchNorm where the cell
     asks); shared with ZeRO-1."""
     if cell.strategy.sync_batch_norm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(env.device)
-    bucket_cap_mb: int | None = None  # DDP's default (25 MiB)
+    bucket_cap_mb = cell.strategy.bucket_cap_mb  # None: DDP's default (25 MiB)
     if compression.needs_single_bucket(cell.strategy.compression, env.backend):
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bucket_cap_mb = math.ceil(param_bytes / 2**20) + 1
     ddp_model = DistributedDataParallel(
-        model, device_ids=[env.device.index] if env.is_cuda else None, bucket_cap_mb=bucket_cap_mb
+        model, device_ids=[env.device.index] if env.is_cuda else None, bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=cell.strategy.gradient_as_bucket_view,
     )
     compression.register(ddp_model, cell.strategy.compression, cell.strategy.powersgd_rank, cell.seed)
     if cell.strategy.local_sgd_period is not None:
@@ -56,6 +62,7 @@ def engine_report(ddp_model: DistributedDataParallel) -> dict[str, Any]:
         "bucket_cap_mb": ddp_model.bucket_bytes_cap / 2**20,
         # torch's default: a smaller first bucket (1 MiB) before the bucket_cap_mb ones.
         "first_bucket_smaller": bool(ddp_model.bucket_bytes_cap_default),
+        "gradient_as_bucket_view": ddp_model.gradient_as_bucket_view,
     }
 
 
@@ -75,6 +82,10 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     if cell.strategy.compression == "bf16" and device_type != "cuda":
         return "bf16_compress_hook requires CUDA 11+ and NCCL 2.10+ (gloo has no bf16 all-reduce path)"
+    if (cell.strategy.bucket_cap_mb is not None and device_type == "cpu"
+            and compression.needs_single_bucket(cell.strategy.compression, "gloo")):
+        return ("PowerSGD on gloo takes one bucket of the model's size (several abort intermittently:"
+                " features/compression.py), so bucket_cap_mb cannot apply")
     if cell.strategy.compression in ("int8_tensor", "int8_channel") and device_type != "cuda":
         return compression.INT8_ON_GLOO
     if cell.strategy.sync_batch_norm and device_type == "cpu":
@@ -89,7 +100,7 @@ STRATEGIES = (
         engine="torch",
         families=("ddp",),
         capabilities=Capabilities(compression=frozenset(compression.NAMES), optimizers=frozenset(optimizers.NAMES),
-                                  sync_batch_norm=True, local_sgd=True),
+                                  sync_batch_norm=True, local_sgd=True, overlap_options=BUCKET_OPTIONS),
         unsupported_reason=unsupported_reason,
         engine_model=EngineModel(grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,

@@ -82,6 +82,7 @@ _OPTIMIZERS = frozenset(optimizers.NAMES) - {"adafactor"}
 
 _STAGE3_CAPABILITIES = Capabilities(
     precisions=ALL_PRECISIONS,
+    overlap_options=frozenset({"overlap_comm"}),
     offload=frozenset({"none", "optimizer", "params", "optimizer_params"}),
     min_world_size=1,  # ZeRO-3 with its offload fits one large model on one GPU
     optimizers=_OPTIMIZERS,
@@ -89,6 +90,7 @@ _STAGE3_CAPABILITIES = Capabilities(
 )
 _STAGE12_CAPABILITIES = Capabilities(
     precisions=ALL_PRECISIONS,
+    overlap_options=frozenset({"overlap_comm"}),
     offload=frozenset({"none", "optimizer"}),
     optimizers=_OPTIMIZERS,
     notes={"params": STAGE3_ONLY_NOTE, "optimizer_params": STAGE3_ONLY_NOTE, "adafactor": _ADAFACTOR_NOTE},
@@ -193,6 +195,8 @@ def persistent_numel(shapes: Iterable[tuple[int, ...]], param_threshold: int, mo
 
 def _zero_config(cell: CellSpec, stage: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage, **zero_sizes(model_hidden(cell), stage)}
+    if cell.strategy.overlap_comm is not None:  # otherwise DeepSpeed's default: on for ZeRO-3 only
+        zero["overlap_comm"] = cell.strategy.overlap_comm
     if stage == 3:
         # By default ZeRO-3 replaces torch.nn.functional.linear for the rest of the
         # process, so every later cell of the same launch would run DeepSpeed's linear

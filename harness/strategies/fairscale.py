@@ -162,7 +162,8 @@ def _fsdp_unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 STRATEGIES = (
     Strategy(
         name="fairscale_oss", superseded_by="zero1", summary="FairScale OSS over torch DDP (ZeRO-1)",
-        engine="fairscale", families=("fairscale",), zero_idea="zero1", capabilities=_OSS_CAPABILITIES,
+        engine="fairscale", families=("fairscale",), zero_idea="zero1",
+        capabilities=dataclasses.replace(_OSS_CAPABILITIES, overlap_options=ddp.BUCKET_OPTIONS),  # over ddp.wrap
         engine_model=EngineModel(sharded=frozenset({"optimizer"}), grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=_prepare_oss,
     ),

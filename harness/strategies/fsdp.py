@@ -1,7 +1,10 @@
 """FSDP2 (``fully_shard``): per-parameter sharding with DTensor, one shard unit per
 transformer block plus the root (torch's own recipe, as torchtitan applies it); FSDP2 has no
 bucket to size: each unit's parameters are gathered, and its gradients reduce-scattered, as
-one collective, with torch's implicit prefetch of the next unit. The unit is in the record's
+one collective, with torch's implicit prefetch of the next unit; a cell's ``prefetch`` N
+sets each block's explicit prefetch to the next N blocks in forward and the N before it in
+backward (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``, as
+torchtitan does), so up to N + 1 blocks are gathered at once. The unit is in the record's
 per-rank ``engine``.
 
 - fsdp_full: reshard after forward (ZeRO-3: parameters gathered again in backward)
@@ -14,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 from torch import nn
@@ -38,6 +41,7 @@ _NO_DTENSOR_8BIT = (
 CAPABILITIES = dataclasses.replace(
     FSDP_CAPABILITIES,
     optimizers=frozenset({"adamw", "sgd"}),
+    overlap_options=frozenset({"prefetch"}),
     # One rank is a real configuration (one GPU: the device check); FSDP1's share the rest.
     min_world_size=1,
     notes={
@@ -87,6 +91,14 @@ class _ShardKwargs(TypedDict):
     offload_policy: OffloadPolicy
 
 
+def _prefetch(blocks: list[FSDPModule], depth: int) -> None:
+    """Each block gathers the next ``depth`` blocks as its forward starts and the ``depth``
+    before it (nearest first) as its backward starts."""
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
+
+
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     s = cell.strategy
     if s.offload == "none":
@@ -97,12 +109,15 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         "mp_policy": mixed_precision_policy(s.precision),
         "offload_policy": offload.fsdp2_policy(s.offload, env.device),
     }
-    for module in model.modules():
-        if isinstance(module, block_type):
-            fully_shard(module, **shard_kwargs)
+    blocks = [module for module in model.modules() if isinstance(module, block_type)]
+    for block in blocks:
+        fully_shard(block, **shard_kwargs)
     root = fully_shard(model, **shard_kwargs)  # model itself, now an FSDPModule too
+    if s.prefetch is not None:
+        _prefetch(cast(list[FSDPModule], blocks), s.prefetch)
     report = {"name": "fsdp2", "wrap_unit": f"each {block_type.__name__}, then the root",
-              "units": sum(isinstance(m, FSDPModule) for m in model.modules())}
+              "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+              "prefetch": s.prefetch or "implicit (the next unit)"}
     return Prepared(
         model=model,
         optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr),

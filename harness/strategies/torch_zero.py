@@ -32,7 +32,7 @@ STRATEGIES = (
         engine="torch",
         families=("ddp",),
         zero_idea="zero1",
-        capabilities=Capabilities(optimizers=frozenset(optimizers.NAMES)),
+        capabilities=Capabilities(optimizers=frozenset(optimizers.NAMES), overlap_options=ddp.BUCKET_OPTIONS),
         engine_model=EngineModel(sharded=frozenset({"optimizer"}), grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,
     ),

@@ -99,6 +99,8 @@ def _variants(model: str, world_size: int) -> list[dict[str, Any]]:
             {"name": "fsdp_full", "precision": "bf16", "accumulation": 4}]
     if model == "gpt2-124m":
         out += [{"name": s, "precision": p} for s in ("ddp", "fsdp_full") for p in ("fp32", "fp16")]
+        # DataParallel beside DDP over the same GPUs (one process driving all of them).
+        out += [{"name": "dataparallel", "precision": "bf16"}]
         out += [{"name": "ddp", "precision": "bf16", "compression": "bf16"},
                 {"name": "ddp", "precision": "bf16", "compression": "powersgd", "powersgd_rank": 4},
                 {"name": "ddp", "precision": "bf16", "optimizer": "adamw8bit"}]

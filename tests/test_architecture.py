@@ -169,6 +169,6 @@ def test_each_declaration_is_complete_and_consistent(strategy: Strategy):
 
 
 def test_unknown_strategies_are_refused_naming_the_declared_ones():
-    with pytest.raises(ValueError, match="strategy='zero4': choose one of single, ddp, zero1"):
+    with pytest.raises(ValueError, match="strategy='zero4': choose one of single, ddp, dataparallel, zero1"):
         strategies.get("zero4")
     assert len(set(strategies.names())) == len(strategies.names())

@@ -69,7 +69,7 @@ SUITE_FILES = {
         (["run", "--suite", "{files}/missing.toml"], "missing.toml: cannot read it ([Errno 2] No such file"),
         (["run", "--suite", "{files}/not_toml.toml"], "not_toml.toml: not valid TOML: Expected ']]'"),
         (["list", "--suite", "{files}/zero4.toml"], "zero4.toml, cells[0]: strategy='deepspeed_zero4': choose one of"
-                                                    " single, ddp, zero1"),
+                                                    " single, ddp, dataparallel, zero1"),
         (["run", "--suite", "{files}/powersgd_fsdp.toml"], "cells[1]: gpt2-tiny/fsdp_full/fp32/ckpt_none/compress_"
                                                            "powersgd-r1/mb2/ws2/seed0 is not a valid combination"),
         (["run", "--suite", "{files}/typo.toml"], "cells[0]: unknown option(s) precison: choose from strategy, model"),

@@ -22,6 +22,7 @@ def _declarations() -> dict[str, Strategy]:
     # The strategy files load torch: imported on the first lookup, not with this package.
     from harness.strategies import (
         context_parallel,
+        data_parallel,
         ddp,
         deepspeed_zero,
         expert_parallel,
@@ -38,8 +39,8 @@ def _declarations() -> dict[str, Strategy]:
     # The order strategies are listed in (messages, help, the marker catalogue): the
     # reference, data parallelism and its sharded forms by engine, then the strategies that
     # split the model. A new strategy file is one more entry here.
-    files = (single, ddp, torch_zero, fsdp, fsdp1, deepspeed_zero, fairscale, tensor_parallel, pipeline, megatron,
-             context_parallel, expert_parallel)
+    files = (single, ddp, data_parallel, torch_zero, fsdp, fsdp1, deepspeed_zero, fairscale, tensor_parallel, pipeline,
+             megatron, context_parallel, expert_parallel)
     found: dict[str, Strategy] = {}
     for file in files:
         for strategy in file.STRATEGIES:

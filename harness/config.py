@@ -100,6 +100,9 @@ class StrategySpec:
     gradient_as_bucket_view: bool = False
     prefetch: int | None = None
     overlap_comm: bool | None = None
+    # Each parameter updated (and its gradient freed) in backward, as soon as its gradient is
+    # accumulated (features/optimizer_in_backward.py).
+    optimizer_in_backward: bool = False
     # HYBRID_SHARD / HSDP: "explicit" builds a (replicate × shard) DeviceMesh;
     # "fsdp_default" lets FSDP1 pick its own process groups, which on a single node silently
     # degrades to NO_SHARD-with-diverging-ranks. It exists so the equivalence gate can be
@@ -140,12 +143,19 @@ class StrategySpec:
                 isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float)
                 or not 0 < self.bucket_cap_mb < float("inf")):
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: must be a positive, finite number of MiB")
-        for flag in ("gradient_as_bucket_view", "overlap_comm"):
+        for flag in ("gradient_as_bucket_view", "overlap_comm", "optimizer_in_backward"):
             value = getattr(self, flag)
             if not isinstance(value, bool) and not (flag == "overlap_comm" and value is None):
                 raise ValueError(f"{flag}={value!r}: must be true or false")
         if self.prefetch is not None:
             _check_positive("prefetch", self.prefetch)
+        if self.optimizer_in_backward:
+            clash = ("accumulation" if self.accumulation > 1 else "clip_grad_norm" if self.clip_grad_norm is not None
+                     else "precision=fp16" if self.precision == "fp16"
+                     else "a comm hook" if self.compression != "none" or self.local_sgd_period is not None else None)
+            if clash:
+                raise ValueError(f"optimizer_in_backward with {clash}: each parameter is updated as its gradient"
+                                 " is accumulated, before anything could accumulate, clip or unscale it")
         if self.local_sgd_period is not None:
             if isinstance(self.local_sgd_period, bool) or not isinstance(self.local_sgd_period, int) \
                     or self.local_sgd_period < 2:
@@ -382,6 +392,8 @@ class CellSpec:
             parts.append(f"prefetch{s.prefetch}")
         if s.overlap_comm is not None:
             parts.append(f"overlap_comm_{'on' if s.overlap_comm else 'off'}")
+        if s.optimizer_in_backward:
+            parts.append("opt_in_backward")
         if s.hsdp_mesh != "explicit":
             parts.append(f"mesh_{s.hsdp_mesh}")
         # The layout options are None wherever they do not apply (StrategySpec._resolve).

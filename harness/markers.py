@@ -43,6 +43,7 @@ CATALOGUE: dict[str, str] = {
     "gabv": "DDP's buckets as the gradients' storage (gradient_as_bucket_view)",
     "prefetch": "FSDP2's explicit prefetch of the next blocks (prefetch)",
     "overlap_comm": "DeepSpeed's overlap_comm set on or off",
+    "opt_in_backward": "the optimizer applied in backward, each parameter as its gradient is accumulated",
     **{f"data_{d}": f"training data: {d}" for d in get_args(DataSource)},
     **{p: f"precision {p}" for p in get_args(Precision)},
     **{f"ckpt_{c}": f"activation checkpointing: {c}" for c in get_args(Checkpointing)},
@@ -91,6 +92,7 @@ def markers_of(cell: CellSpec) -> list[str]:
         *(["gabv"] if s.gradient_as_bucket_view else []),
         *(["prefetch"] if s.prefetch is not None else []),
         *(["overlap_comm"] if s.overlap_comm is not None else []),
+        *(["opt_in_backward"] if s.optimizer_in_backward else []),
         f"data_{cell.data}",
     ]
     unknown = [m for m in marks if m not in CATALOGUE]

@@ -146,6 +146,8 @@ def default(world_size: int) -> list[CellSpec]:
               for s, options in (("single", {}), ("fsdp_full", {"prefetch": 2}))]
     cells += [_cell("gpt2-tiny", "deepspeed_zero2", world_size, overlap_comm=True),
               _cell("gpt2-tiny", "deepspeed_zero3", world_size, overlap_comm=False)]
+    # The optimizer applied in backward: one process, and DDP (torch's, unsupported on a CPU).
+    cells += [_cell("gpt2-tiny", s, world_size, optimizer_in_backward=True) for s in ("single", "ddp")]
     # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU
     # Adam (optimizer offload) is compiled on first use, outside any measured step.
     for model in ("gpt2-tiny", "llama-tiny"):

@@ -169,7 +169,9 @@ class PreparedCell:
         ``measure_grad_norm`` asks for it (measure/numerics.py says which steps do) and the
         strategy can take the global norm: those that cannot clip (a pipeline's stages,
         Megatron's splits) would give each rank's own part of it."""
-        can_norm = strategies.get(self.cell.strategy.name).capabilities.clipping
+        # (In backward, no moment holds every gradient to take the norm of.)
+        can_norm = (strategies.get(self.cell.strategy.name).capabilities.clipping
+                    and not self.cell.strategy.optimizer_in_backward)
         keep_norm = self.cell.strategy.clip_grad_norm is not None or (measure_grad_norm and can_norm)
         return train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
                           between_micro_steps, before_optimizer_step,
@@ -212,6 +214,8 @@ class PreparedCell:
         if self.prep.owns_optimizer_step:
             return ("DeepSpeed keeps the gradients in its optimizer's flat partitions, not in the"
                     " parameters' .grad, where this probe reads them")
+        if self.cell.strategy.optimizer_in_backward:
+            return "the optimizer runs in backward: each gradient is freed as soon as it is applied"
         return ""
 
     def gradient_range(self) -> dict[str, Any]:

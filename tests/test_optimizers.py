@@ -126,3 +126,40 @@ def test_quantized_optimizers_get_their_stated_tolerance():
     assert tol(optimizer="adam8bit", precision="bf16") == equivalence.TOLERANCE_LOW_PRECISION
     # Still far below what a wrong strategy costs (unsynchronised ranks: 2e-3).
     assert equivalence.TOLERANCE_QUANTIZED_OPTIMIZER * 10 < 2e-3
+
+
+def test_the_optimizer_in_backward_updates_as_one_step_would_and_frees_every_gradient():
+    """features/optimizer_in_backward.py: each parameter stepped in its post-accumulate hook
+    (one AdamW over all of them) gives, bitwise, what one step after backward gives, and no
+    gradient is left when backward returns."""
+    from harness.features import optimizer_in_backward
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    plain, fused = model(), model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    loop, real = optimizer_in_backward.in_backward(fused.parameters(), lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    for step in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        plain(x).square().sum().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        fused(x).square().sum().backward()
+        assert all(p.grad is None for p in fused.parameters())
+        loop.step()  # nothing left to do
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), fused.parameters()))
+    assert loop.state is real.state and len(real.state) == 4  # the real state, for the memory tracker
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the CPU-only case")
+def test_ddps_optimizer_in_backward_needs_an_accelerator_as_the_unsupported_reason_says():
+    """DDP's optimizer-in-backward hook ends backward by waiting on
+    torch.accelerator.current_stream(); on a host without an accelerator that raises, which
+    the DDP cell's unsupported reason quotes (a harness run of the cell fails with it)."""
+    from harness.features import optimizer_in_backward
+
+    with pytest.raises(RuntimeError) as raised:
+        torch.accelerator.current_stream()
+    assert str(raised.value).rstrip(".") in optimizer_in_backward.ON_CPU

@@ -122,11 +122,14 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     def per_rank(nbytes: float, kind: str) -> float:
         return nbytes / degree if kind in engine.sharded else nbytes
 
-    grads = psi * grad_bytes
+    # The optimizer in backward frees each gradient as soon as it is applied: none is left
+    # when the step would begin (features/optimizer_in_backward.py).
+    grads = 0.0 if s.optimizer_in_backward else psi * grad_bytes
     buffers = 0.0
     if engine.grad_buffer == "ddp_bucket":
         # gradient_as_bucket_view: the gradients are views of the bucket, no second copy.
-        buffers = grads * ((0 if s.gradient_as_bucket_view else 1) + (2 if s.compression in SPARSIFIED else 0))
+        copies = (0 if s.gradient_as_bucket_view else 1) + (2 if s.compression in SPARSIFIED else 0)
+        buffers = psi * grad_bytes * copies
     elif engine.grad_buffer == "deepspeed_reduce_bucket":
         buffers = _ds_sizes(cell)["reduce_bucket_size"] * grad_bytes
     return {

@@ -56,7 +56,7 @@ def names() -> tuple[str, ...]:
 
 # StrategySpec's overlap knobs and the values that leave each engine at its default.
 OVERLAP_DEFAULTS: dict[str, object] = {"bucket_cap_mb": None, "gradient_as_bucket_view": False, "prefetch": None,
-                                       "overlap_comm": None}
+                                       "overlap_comm": None, "optimizer_in_backward": False}
 
 
 def declarations() -> tuple[Strategy, ...]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.features import compression, local_sgd, optimizers
+from harness.features import compression, local_sgd, optimizer_in_backward, optimizers
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ def engine_report(ddp_model: DistributedDataParallel) -> dict[str, Any]:
 
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
+    if cell.strategy.optimizer_in_backward:
+        return _prepare_in_backward(model, cell, env)
     ddp_model = wrap(model, cell, env)
     optimizer = optimizers.make(ddp_model.parameters(), cell.strategy.optimizer, cell.lr)
     local = cell.strategy.local_sgd_period is not None
@@ -79,6 +82,25 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     )
 
 
+def _prepare_in_backward(model: nn.Module, cell: CellSpec, env: DistEnv) -> Prepared:
+    """torch's optimizer in backward for DDP: a per-parameter optimizer on each parameter, set
+    before DDP wraps the model, which then steps each bucket's parameters after its all-reduce
+    (features/optimizer_in_backward.py). The loop's optimizer has nothing left to do; the
+    per-parameter optimizers' state is held outside it (``memory_held``)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(cell.strategy.optimizer, cell.lr)
+    model = model.to(env.device)
+    _apply_optimizer_in_backward(optimizer_class, model.parameters(), kwargs)
+    ddp_model = wrap(model, cell, env)
+    per_parameter = [o for p in model.parameters() for o in getattr(p, "_in_backward_optimizers", [])]
+    loop = optimizer_in_backward.StepsInBackward(optimizer_class(model.parameters(), **kwargs))
+    return Prepared(model=ddp_model, optimizer=loop, no_sync=ddp_model.no_sync,
+                    memory_held=lambda: [t for o in per_parameter for s in o.state.values() for t in s.values()
+                                         if isinstance(t, torch.Tensor)],
+                    engine_report=lambda: engine_report(ddp_model))
+
+
 def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
     if cell.strategy.compression == "bf16" and device_type != "cuda":
         return "bf16_compress_hook requires CUDA 11+ and NCCL 2.10+ (gloo has no bf16 all-reduce path)"
@@ -86,6 +108,8 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
             and compression.needs_single_bucket(cell.strategy.compression, "gloo")):
         return ("PowerSGD on gloo takes one bucket of the model's size (several abort intermittently:"
                 " features/compression.py), so bucket_cap_mb cannot apply")
+    if cell.strategy.optimizer_in_backward and device_type != "cuda":
+        return optimizer_in_backward.ON_CPU
     if cell.strategy.compression in ("int8_tensor", "int8_channel") and device_type != "cuda":
         return compression.INT8_ON_GLOO
     if cell.strategy.sync_batch_norm and device_type == "cpu":
@@ -100,7 +124,8 @@ STRATEGIES = (
         engine="torch",
         families=("ddp",),
         capabilities=Capabilities(compression=frozenset(compression.NAMES), optimizers=frozenset(optimizers.NAMES),
-                                  sync_batch_norm=True, local_sgd=True, overlap_options=BUCKET_OPTIONS),
+                                  sync_batch_norm=True, local_sgd=True,
+                                  overlap_options=BUCKET_OPTIONS | {"optimizer_in_backward"}),
         unsupported_reason=unsupported_reason,
         engine_model=EngineModel(grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,

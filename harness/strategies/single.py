@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.features import optimizers
+from harness.features import optimizer_in_backward, optimizers
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     model = model.to(env.device)
+    if cell.strategy.optimizer_in_backward:
+        loop, real = optimizer_in_backward.in_backward(
+            model.parameters(), lambda params: optimizers.make(params, cell.strategy.optimizer, cell.lr))
+        return Prepared(model=model, optimizer=loop, memory_optimizer=real)
     return Prepared(model=model, optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr))
 
 
@@ -25,7 +29,8 @@ STRATEGIES = (
         summary="the single-process reference run",
         engine="torch",
         families=("reference",),
-        capabilities=Capabilities(min_world_size=1, max_world_size=1, optimizers=frozenset(optimizers.NAMES)),
+        capabilities=Capabilities(min_world_size=1, max_world_size=1, optimizers=frozenset(optimizers.NAMES),
+                                  overlap_options=frozenset({"optimizer_in_backward"})),
         engine_model=EngineModel(),
         prepare=prepare,
     ),

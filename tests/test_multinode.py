@@ -7,6 +7,7 @@ a follower refusing node 0's plan when their harness code differs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -112,6 +113,12 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
     assert list((tmp_path / "n1" / "node-launches").glob("node1-*/ws2/launch-001/log.txt"))
     assert "2 ok, 0 not ok" in logs["n1"], logs["n1"]
     assert '"nnodes": 2' in (n0_run / "run.json").read_text()
+    # Both nodes swept together first: one rank a node, so every point-to-point pair crosses.
+    across = json.loads((n0_run / "run.json").read_text())["environment"]["bandwidth_across_nodes"]
+    assert "error" not in across, across.get("error")
+    assert across["scope"] == "2 rank(s) on 2 nodes" and across["nnodes"] == 2
+    assert {row.get("scope") for row in across["rows"] if row["op"] == "send_recv"} == {"inter_node"}
+    assert "bandwidth sweep across the nodes: done" in logs["n1"], logs["n1"]
 
     # A run that lost a cell (as if killed before it was recorded): both nodes resume it, and
     # only that cell runs again, on both nodes.

@@ -24,8 +24,11 @@ process group, not a network.
 The same launch then measures the ranks' compute rates (harness/measure/compute_rate.py),
 kept beside the sweep as ``compute_rates``: one launch calibrates the step-time predictor.
 
-Run as ``python -m torch.distributed.run ... -m harness.measure.bandwidth --out FILE``:
-rank 0 writes the JSON.
+Run as ``python -m torch.distributed.run ... -m harness.measure.bandwidth --out FILE``: each
+node's local rank 0 writes the JSON (every rank holds the same rows, the slowest rank's times;
+over several nodes global rank 0 may be on another node). ``--collectives-only`` leaves out the
+compute rates: the sweep across nodes (runner/session.py) runs after node 0's own, which
+measured them.
 """
 
 from __future__ import annotations
@@ -151,24 +154,28 @@ def sweep(env: DistEnv, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file each node's local rank 0 writes")
+    parser.add_argument("--collectives-only", action="store_true", help="no compute rates")
     args = parser.parse_args()
     env = init_from_torchrun()
     rows = sweep(env, message_sizes(env.device.type))
-    # As the worker does before each cell (runner/worker.release_memory): what the imports
-    # left goes to gc's permanent generation, so no collection of it falls in a timing.
-    gc.collect()
-    gc.freeze()
-    rates = compute_rate.measure(env)
-    if env.rank == 0:
+    rates = None
+    if not args.collectives_only:
+        # As the worker does before each cell (runner/worker.release_memory): what the imports
+        # left goes to gc's permanent generation, so no collection of it falls in a timing.
+        gc.collect()
+        gc.freeze()
+        rates = compute_rate.measure(env)
+    if int(os.environ["LOCAL_RANK"]) == 0:
         args.out.write_text(json.dumps({
             "world_size": env.world_size,
             "backend": dist.get_backend(),
             "device_type": env.device.type,
             "warmup_iters": WARMUP_ITERS,
             "iters": ITERS,
+            "nnodes": env.nnodes,
             "rows": rows,
-            "compute_rates": rates,
+            **({"compute_rates": rates} if rates is not None else {}),
         }))
     dist.destroy_process_group()
     # As the worker does (runner/worker.py): a library's destructor can abort at interpreter

@@ -236,6 +236,7 @@ def _environment(info: dict) -> dict:
         "git_dirty": git.get("dirty"),
         "env": env.get("env") or {},
         "bandwidth": env.get("bandwidth"),
+        "bandwidth_across_nodes": env.get("bandwidth_across_nodes"),  # runs on several nodes
         "interconnect": env.get("interconnect"),  # null in runs from before it was recorded
     }
 

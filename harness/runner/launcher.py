@@ -291,17 +291,25 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     return left
 
 
-def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float) -> dict:
-    """The collective bandwidth sweep (harness/measure/bandwidth.py) over ``world_size`` ranks
-    of this node: its JSON, or {"error": why} when it could not run (one rank has nothing to
-    communicate with; a launch that failed or outlived ``timeout_s``, with its log's tail).
-    A sweep that fails costs the run its bandwidth table, never its cells."""
+# How long a bandwidth sweep may take (its launch, imports and calibration included).
+BANDWIDTH_TIMEOUT_S = 300.0
+
+
+def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float, nodes: NodeSpec = SINGLE_NODE,
+                        rdzv_id: str = "shardbench-bandwidth") -> dict:
+    """The collective bandwidth sweep (harness/measure/bandwidth.py) over ``world_size`` ranks:
+    this node's (with the compute rates), or, given ``nodes`` of several, this node's share of
+    a sweep across them, which every node launches alike (``rdzv_id``; collectives only). Its
+    JSON, or {"error": why} when it could not run (one rank has nothing to communicate with; a
+    launch that failed or outlived ``timeout_s``, with its log's tail). A sweep that fails
+    costs the run its bandwidth table, never its cells."""
     if world_size < 2:
         return {"error": f"a bandwidth sweep needs at least 2 ranks; this run has {world_size}"}
     workdir.mkdir(parents=True, exist_ok=True)
     out, log_file = workdir / "bandwidth.json", workdir / "log.txt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(world_size),
-           "-m", "harness.measure.bandwidth", "--out", str(out)]
+    across = nodes_of(world_size, nodes) > 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(world_size, nodes, rdzv_id, timeout_s),
+           "-m", "harness.measure.bandwidth", "--out", str(out), *(["--collectives-only"] if across else [])]
     launch = _Launch(cmd, log_file, {"OMP_NUM_THREADS": "1", **os.environ})
     try:
         launch.proc.wait(timeout=timeout_s)

@@ -122,6 +122,9 @@ class Plan:
     rounds: list[list]
     cell_timeout_s: float | None
     mem_cap_bytes: int | None
+    # The ranks of the bandwidth sweep across the nodes every node joins before the cells;
+    # None: no sweep (--no-bandwidth, a resumed run).
+    sweep_world_size: int | None = None
 
 
 def _plan_host(nodes: NodeSpec) -> str:
@@ -150,7 +153,8 @@ class PlanServer:
             raise RuntimeError("the plan server is closed")
         self._store.set(PLAN_KEY, json.dumps({
             "code_hash": code_hash, "run_id": plan.run_id, "cell_timeout_s": plan.cell_timeout_s,
-            "mem_cap_bytes": plan.mem_cap_bytes, "rounds": [[c.to_dict() for c in cells] for cells in plan.rounds]}))
+            "mem_cap_bytes": plan.mem_cap_bytes, "sweep_world_size": plan.sweep_world_size,
+            "rounds": [[c.to_dict() for c in cells] for cells in plan.rounds]}))
 
     def refusal(self) -> str | None:
         """Why a follower refused the plan (the first to), or None while none has."""
@@ -183,8 +187,13 @@ def fetch_plan(nodes: NodeSpec, code_hash: str, wait_s: float) -> Plan:
         raise ValueError(f"node 0 runs harness code {served['code_hash']}, this node {code_hash}: check out the"
                          " same shardbench commit on every node")
     return Plan(run_id=served["run_id"], cell_timeout_s=served["cell_timeout_s"],
-                mem_cap_bytes=served["mem_cap_bytes"],
+                mem_cap_bytes=served["mem_cap_bytes"], sweep_world_size=served["sweep_world_size"],
                 rounds=[[CellSpec.from_dict(d) for d in cells] for cells in served["rounds"]])
+
+
+def sweep_rdzv_id(run_id: str | None) -> str:
+    """The rendezvous of a run's bandwidth sweep across the nodes, the same on every node."""
+    return f"shardbench-bandwidth-{run_id}"
 
 
 def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str], None] = print) -> int:
@@ -194,6 +203,7 @@ def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str]
     ended ok, else 1."""
     # Imported here, not at the top: the CLI imports this module to check its arguments
     # (resolve), and the matrix brings in the strategies and transformers (seconds).
+    from harness.runner.launcher import BANDWIDTH_TIMEOUT_S, run_bandwidth_sweep
     from harness.runner.matrix import human_duration, launch_round
 
     rounds = plan.rounds
@@ -203,6 +213,11 @@ def run_follower(plan: Plan, options, launch_dir: Path, progress: Callable[[str]
              f" in {launch_dir}")
     statuses: list[str] = []
     started = time.monotonic()
+    if plan.sweep_world_size is not None:
+        swept = run_bandwidth_sweep(plan.sweep_world_size, launch_dir / "bandwidth", BANDWIDTH_TIMEOUT_S,
+                                    options.nodes, sweep_rdzv_id(plan.run_id))
+        progress(f"shardbench: node {options.nodes.node_rank}: bandwidth sweep across the nodes: "
+                 + (swept["error"].splitlines()[0] if "error" in swept else "done (node 0 records it)"))
 
     def on_outcome(outcome) -> None:
         statuses.append(outcome.status)

@@ -18,15 +18,14 @@ from harness.report import history, html
 from harness.results import provenance
 from harness.results.store import RunStore, load_run_info, new_run_id
 from harness.runner import nodes, resume
-from harness.runner.launcher import LaunchOptions, nodes_of, run_bandwidth_sweep
+from harness.runner.launcher import BANDWIDTH_TIMEOUT_S, LaunchOptions, nodes_of, run_bandwidth_sweep
 from harness.runner.matrix import MatrixRun, human_bytes
 from harness.runner.node_spec import NodeSpec
-from harness.runner.nodes import Plan, PlanServer
+from harness.runner.nodes import Plan, PlanServer, sweep_rdzv_id
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SELECTED = pytest.StashKey[list]()
 # The bandwidth sweep is seconds on either device; a launch that takes longer is stuck.
-BANDWIDTH_TIMEOUT_S = 300.0
 # --memory-snapshot: the run folder's sub-folder of memory timelines (runner/worker.py).
 MEMORY_SNAPSHOT_DIR = "memory"
 _RUN = pytest.StashKey["MatrixRun"]()
@@ -142,8 +141,18 @@ def start(config: pytest.Config) -> MatrixRun:
     config.stash[_RUN] = run
     if launch.nodes.multi:
         spanning = [[c for c in cells if nodes_of(c.world_size, launch.nodes) > 1] for cells in run.launch_rounds()]
+        # Every node's ranks sweep together before the cells (not on a resume: its run has one).
+        sweep_ranks = None if options.no_bandwidth or recorded is not None else world_size(options.gpus,
+                                                                                           launch.nodes.nnodes)
         publish_plan(config, Plan(run_id=store.run_id, rounds=spanning, cell_timeout_s=options.cell_timeout_s,
-                                  mem_cap_bytes=options.mem_cap_bytes))
+                                  mem_cap_bytes=options.mem_cap_bytes, sweep_world_size=sweep_ranks))
+        if sweep_ranks is not None:
+            progress(f"shardbench: bandwidth sweep across {launch.nodes.nnodes} nodes ({sweep_ranks} ranks)")
+            run_info["environment"]["bandwidth_across_nodes"] = {
+                "scope": f"{sweep_ranks} rank(s) on {launch.nodes.nnodes} nodes",
+                **run_bandwidth_sweep(sweep_ranks, store.path / "launches" / "bandwidth-across-nodes",
+                                      BANDWIDTH_TIMEOUT_S, launch.nodes, sweep_rdzv_id(store.run_id))}
+            store.write_run_info(run_info)
     run.run()
     return run
 

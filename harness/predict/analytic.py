@@ -150,6 +150,9 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
       head's backward is done), plus what the block recomputes.
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries.
+    - FSDP's last block reducing its gradients, first in backward: the root unit gathered, the
+      other blocks' activations, the loss's gradients and the block's gradient copies
+      (``transient["block_reduce"]``).
     - FSDP's root unit reducing its gradients, last in backward: the root unit gathered (in
       the compute dtype), every other unit's gradient shard, no activations, and the root's
       gradient copies (``transient["root_reduce"]``).
@@ -185,6 +188,14 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
             "other": buffers}
     moments = [backward, recomputing, step]
+    if transient.get("block_reduce"):
+        # The last block's gradients reduce-scattering as its backward ends: the root unit
+        # gathered, the other blocks' activations still held (the head's and the logits' done).
+        low = PRECISION_BYTES[cell.strategy.precision]
+        layers = acts["layers"] * (1 - 1 / spec_layers) if (spec_layers := cell.model_spec.n_layers) else 0.0
+        moments.append({"params": on_device["params"] + low * layout.root_numel, "grads": 0.0,
+                        "optimizer": on_device["optimizer"], "activations": layers,
+                        "other": in_backward + transient["block_reduce"] + transient.get("loss", 0.0)})
     if transient.get("root_reduce"):
         low = PRECISION_BYTES[cell.strategy.precision]
         moments.append({"params": on_device["params"] + low * layout.root_numel,

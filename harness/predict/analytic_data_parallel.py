@@ -402,6 +402,9 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       copies on the CPU (measured: the real suite's FSDP2 and FSDP1 cells), two on CUDA (as
       FSDP2's foreach_reduce reads; not yet measured on a GPU). A large vocabulary makes this
       the step's peak (gpt2-124m: the root unit is 32 % of the parameters);
+    - ``block_reduce``: the same copies of the last block's gradients, reduce-scattered as its
+      backward ends while every earlier block's activations are still held: the peak where
+      blocks are large beside the root and the logits (vit-tiny under FSDP2);
     - ``buffers_after_backward``: buffer bytes counted at the optimizer step but not at the
       start of backward: under top-k and random-k the hook's averaged result, made at the end
       of backward and held by DDP's reducer through the step (its working copy, the
@@ -427,6 +430,7 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
             "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
             "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0,
+            "block_reduce": copies * 4.0 * layout.block_numel if reduces_root_last else 0.0,
             "buffers_after_backward": _buffers_after_backward(cell, layout, device_type)}
 
 

@@ -536,6 +536,10 @@ class RunOptions:
         False, name="--memory-snapshot", type=bool,
         help="write each cell's memory-over-time by category (and on CUDA the allocator's snapshot for"
              " pytorch.org/memory_viz) to the run folder's memory/; charted in the cell's page")
+    profile: bool = _option(
+        False, name="--profile", type=bool,
+        help="trace each cell's timed steps with torch.profiler (Chrome trace JSON per rank in the run folder's"
+             " profiles/, for Perfetto or TensorBoard; linked from the cell's page); slows the steps it traces")
     nnodes: int | None = _option(
         None, name="--nnodes", type=int,
         help="nodes in the job, one launcher per node (default 1, or SLURM_NNODES); README Several nodes",

@@ -54,7 +54,7 @@ from harness import data, faults, models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.features import checkpointing, clipping, precision
-from harness.measure import batch_norm, comm, memory, numerics, timing
+from harness.measure import batch_norm, comm, memory, numerics, profiling, timing
 from harness.strategies.base import Prepared
 
 
@@ -270,14 +270,15 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
 
 
 def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
-             snapshot_dir: Path | None = None) -> dict[str, Any]:
-    """Train one cell and return this rank's measurements."""
+             snapshot_dir: Path | None = None, profile_dir: Path | None = None) -> dict[str, Any]:
+    """Train one cell and return this rank's measurements (with ``profile_dir``, its timed
+    steps under torch.profiler: measure/profiling.py)."""
     with expandable_segments(cell.expandable_segments and env.is_cuda, env.device):
-        return _train_and_measure(cell, env, mem_cap_bytes, snapshot_dir)
+        return _train_and_measure(cell, env, mem_cap_bytes, snapshot_dir, profile_dir)
 
 
 def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
-                       snapshot_dir: Path | None) -> dict[str, Any]:
+                       snapshot_dir: Path | None, profile_dir: Path | None) -> dict[str, Any]:
     warmup = cell.warmup_steps
     faults.inject(cell.cell_id, env)  # nothing unless SHARDBENCH_FAULT names this cell
     if env.is_cuda:
@@ -343,15 +344,17 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     step_times: list[float] = []
     live_after: list[int] = []
     first_timed = warmup + cell.probe_steps
-    for i in range(first_timed, cell.steps):
-        with timing.timed(env.device, step_times):
-            losses[i] = session.step(i)
-        if leak_bytes:
-            leaked.append(torch.empty(leak_bytes, dtype=torch.uint8, device=env.device))
-        if i in (first_timed, cell.steps - 1):
-            gc.collect()  # what waits in reference cycles is not a leak
-            live_after.append(memory.live_bytes(env.device))
-        after_step(i)
+    with profiling.profiled(cell_folder(profile_dir, cell.cell_id) if profile_dir else None, env.rank,
+                            env.is_cuda) as profile:
+        for i in range(first_timed, cell.steps):
+            with timing.timed(env.device, step_times):
+                losses[i] = session.step(i)
+            if leak_bytes:
+                leaked.append(torch.empty(leak_bytes, dtype=torch.uint8, device=env.device))
+            if i in (first_timed, cell.steps - 1):
+                gc.collect()  # what waits in reference cycles is not a leak
+                live_after.append(memory.live_bytes(env.device))
+            after_step(i)
 
     # The mean over the loss-holding ranks of their mean losses is the global mean loss
     # (equal-sized micro-batches, equal tokens per sample): the number the reference computes.
@@ -379,6 +382,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         # fp32 matmuls on TF32 tensor cores ("high", "medium") have another peak (flops.py).
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "step_times_s": step_times,
+        **profile,
         "comm_by_op": {op: stats.to_record() for op, stats in comm_step.by_op.items()},
         "comm_exposure": comm_step.exposure.to_record(),
         "engine": prep.engine_report(),
@@ -426,9 +430,14 @@ def enforce_cpu_memory_cap(peak_bytes: int, cap_bytes: int | None, env: DistEnv)
             peak_reached_bytes=max(peaks))
 
 
+def cell_folder(root: Path, cell_id: str) -> Path:
+    """A cell's folder under ``root`` (memory snapshots, profiler traces): its id, file-safe."""
+    return root / (re.sub(r"[^A-Za-z0-9._-]+", "_", cell_id).strip("._") or "cell")
+
+
 def snapshot_files(snapshot_dir: Path, cell_id: str, rank: int) -> tuple[Path, Path]:
     """Where a rank writes a cell's timeline JSON and CUDA snapshot pickle."""
-    folder = snapshot_dir / (re.sub(r"[^A-Za-z0-9._-]+", "_", cell_id).strip("._") or "cell")
+    folder = cell_folder(snapshot_dir, cell_id)
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"rank{rank}.json", folder / f"rank{rank}.pickle"
 

@@ -207,7 +207,8 @@ def untraced(monkeypatch):
 def _run(cells, tmp_path, snapshot=True):
     store = RunStore(tmp_path / "results", "run")
     lines = []
-    options = LaunchOptions(memory_snapshot_dir=store.path / "memory" if snapshot else None)
+    options = LaunchOptions(memory_snapshot_dir=store.path / "memory" if snapshot else None,
+                            profile_dir=store.path / "profiles" if snapshot else None)
     records = MatrixRun(cells, store, options, device_type="cpu", device_name=None, progress=lines.append).run()
     return store.path, records, lines
 
@@ -228,10 +229,16 @@ def test_memory_snapshot_timeline_leak_check_and_report_on_gloo(tmp_path, untrac
         assert timeline["rank"] == p["rank"] and timeline["cell_id"] == cell.cell_id
         totals = figures.timeline_series(timeline["events"])[list(figures.MEM_CATEGORIES)].sum(axis=1)
         assert totals.max() >= p["peak_mem_bytes"] > 0
+        # --profile: the timed steps' profiler trace, Chrome trace JSON with the step's ops.
+        trace = json.loads((run_dir / p["profile_trace"]).read_text())
+        assert p["profile_trace"].startswith("profiles/gpt2-tiny_ddp")
+        assert p["profile_trace"].endswith(f"/rank{p['rank']}.trace.json")
+        assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
     page = html.write_run_report(run_dir, tmp_path / "report")
     cell_pages = list((page.parent / "cells").glob("gpt2-tiny_ddp*.html"))
     text = cell_pages[0].read_text()
     assert "memory over the memory-tracked step" in text and "Held memory grew" not in text
+    assert 'id="profile"' in text and "profiles/" in text and ">rank 1</a>" in text and "nsys profile" not in text
     assert list((page.parent / "figures" / "cells").glob("memory-gpt2-tiny_ddp*.svg"))
 
 

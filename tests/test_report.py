@@ -275,3 +275,14 @@ def test_the_same_results_give_the_same_bytes(tmp_path):
     assert len([f for f in files if f.suffix == ".svg"]) > 10
     for name in files:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def test_a_cuda_cells_page_gives_the_nsight_systems_command_for_the_same_cell():
+    record = {"cell_id": "gpt2-tiny/ddp/bf16/ckpt_none/mb2/ws2/seed0", "world_size": 2,
+              "per_rank": [{"rank": 0, "profile_trace": "profiles/gpt2-tiny_ddp/rank0.trace.json"}]}
+    info = {"suite": "default", "world_size": 2, "device": {"type": "cuda"}}
+    profile = html._profile(record, info, "r1")
+    assert profile["traces"] == [(0, "../../../results/r1/profiles/gpt2-tiny_ddp/rank0.trace.json")]
+    assert profile["nsys"].startswith("nsys profile -o nsys-gpt2_tiny_ddp_bf16_ckpt_none_mb2_ws2_seed0 --trace=cuda")
+    assert profile["nsys"].endswith(html.reproduce_command(record, info))
+    assert html._profile(record, {**info, "device": {"type": "cpu"}}, "r1")["nsys"] is None

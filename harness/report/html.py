@@ -374,7 +374,7 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
             engine_json=[(p.get("rank"), json.dumps(p.get("engine"), indent=2, sort_keys=True))
                          for p in record.get("per_rank") or [] if p.get("engine")],
             env=environment, analytic_activations=_analytic_activations(record),
-            numerics_rows=numerics_rows(record)))
+            numerics_rows=numerics_rows(record), profile=_profile(record, info, run_id)))
 
     claim_rows = _claim_rows(run_dir)
     claim_counts = {v: sum(1 for c in claim_rows if c["verdict"] == v) for v in _CLAIM_VERDICT_CLASS}
@@ -393,6 +393,19 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
         max_trials=max((r["trials"]["n"] for r in records), default=1),
         device=info.get("device") or {}))
     return page
+
+
+def _profile(record: dict, info: dict, run_id: str) -> dict:
+    """The cell page's profile section: each rank's trace of the timed steps (--profile),
+    linked from the report to the results folder beside it, and on CUDA the Nsight Systems
+    command for the same cell (measure/profiling.py)."""
+    traces = [(p.get("rank"), f"../../../results/{run_id}/{p['profile_trace']}")
+              for p in record.get("per_rank") or [] if p.get("profile_trace")]
+    on_cuda = (info.get("device") or {}).get("type") == "cuda"
+    output = "nsys-" + "".join(c if c.isalnum() else "_" for c in record["cell_id"]).strip("_")
+    return {"traces": traces,
+            "nsys": (f"nsys profile -o {output} --trace=cuda,nvtx,osrt --cuda-memory-usage=true "
+                     + reproduce_command(record, info)) if on_cuda else None}
 
 
 def numerics_rows(record: dict) -> list[tuple[str, str]]:

@@ -49,6 +49,8 @@ class LaunchOptions:
     device_name: str | None = None
     # --memory-snapshot: the run's folder for every cell's memory timeline (worker.py).
     memory_snapshot_dir: Path | None = None
+    # --profile: where the workers write each cell's profiler traces (measure/profiling.py).
+    profile_dir: Path | None = None
     # Node 0 of several: why a follower refused the run, once one has (PlanServer.refusal).
     follower_refusal: Callable[[], str | None] = lambda: None
 
@@ -223,6 +225,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
         "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
         "--expect-nnodes", str(nodes_of(world_size, options.nodes)), *options.run.to_args("worker"),
         *(["--memory-snapshot-dir", str(options.memory_snapshot_dir)] if options.memory_snapshot_dir else []),
+        *(["--profile-dir", str(options.profile_dir)] if options.profile_dir else []),
     ]
     # One OpenMP thread per rank unless the user chose otherwise: torchrun does this only
     # for several ranks, which would give the one-process reference more cores than each

@@ -28,6 +28,7 @@ SELECTED = pytest.StashKey[list]()
 # The bandwidth sweep is seconds on either device; a launch that takes longer is stuck.
 # --memory-snapshot: the run folder's sub-folder of memory timelines (runner/worker.py).
 MEMORY_SNAPSHOT_DIR = "memory"
+PROFILE_DIR = "profiles"
 _RUN = pytest.StashKey["MatrixRun"]()
 _PLAN_SERVER = pytest.StashKey[PlanServer]()
 
@@ -133,6 +134,7 @@ def start(config: pytest.Config) -> MatrixRun:
              + f"; results in {store.path}")
     launch = LaunchOptions(run=options, nodes=node_spec(config), device_type=device_type, device_name=device_name,
                            memory_snapshot_dir=store.path / MEMORY_SNAPSHOT_DIR if options.memory_snapshot else None,
+                           profile_dir=store.path / PROFILE_DIR if options.profile else None,
                            follower_refusal=follower_refusal(config))
     run = MatrixRun(cells, store, launch,
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,

@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--expect-nnodes", type=int, default=1, help="nodes the process group must span")
     parser.add_argument("--memory-snapshot-dir", type=Path, default=None,
                         help="write each cell's memory timeline (and CUDA snapshot) here (module docstring)")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="write each cell's profiler trace of its timed steps here (measure/profiling.py)")
     add_run_options(parser.add_argument, "worker")  # the run's options every rank reads: the memory cap
     args = parser.parse_args()
     options = RunOptions.from_args(args, "worker")
@@ -179,7 +181,7 @@ def main() -> None:
         stream.write({"event": "start", "cell_id": cell.cell_id})
         try:
             result = {"status": "ok", "reason": "",
-                      **run_cell(cell, env, options.mem_cap_bytes, args.memory_snapshot_dir)}
+                      **run_cell(cell, env, options.mem_cap_bytes, args.memory_snapshot_dir, args.profile_dir)}
         except Exception as error:  # a failing cell is a result; the batch goes on
             # Also into the launch log: if the other ranks are stuck in a collective, the
             # gather below never completes and the log is where the launcher's timeout looks.

@@ -239,7 +239,8 @@ class PreparedCell:
         prep = self.prep
         with memory.track_step_memory(prep.memory_module or prep.model, prep.memory_optimizer or prep.optimizer,
                                       fsdp2=prep.fsdp2, device=self.env.device,
-                                      held=prep.memory_held(), timeline=timeline) as probe:
+                                      held=prep.memory_held(), timeline=timeline,
+                                      block_type=self.built.block_type) as probe:
             loss = self.step(i, probe.micro_step_boundary, probe.before_optimizer_step)
         return loss, probe.result()
 
@@ -382,6 +383,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         # fp32 matmuls on TF32 tensor cores ("high", "medium") have another peak (flops.py).
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "step_times_s": step_times,
+        "module_memory": mem.modules,
         **profile,
         "comm_by_op": {op: stats.to_record() for op, stats in comm_step.by_op.items()},
         "comm_exposure": comm_step.exposure.to_record(),

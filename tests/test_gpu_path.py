@@ -234,11 +234,21 @@ def test_memory_snapshot_timeline_leak_check_and_report_on_gloo(tmp_path, untrac
         assert p["profile_trace"].startswith("profiles/gpt2-tiny_ddp")
         assert p["profile_trace"].endswith(f"/rank{p['rank']}.trace.json")
         assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+        # Per module: DDP's wrapped GPT-2, embeddings, each block, the head; every peak sums
+        # within the step's and the blocks hold the same parameters.
+        modules = {m["module"]: m for m in p["module_memory"]}
+        assert list(modules) == ["module.transformer.wte", "module.transformer.wpe", "module.transformer.drop",
+                                 "module.transformer.h.0", "module.transformer.h.1", "module.transformer.ln_f",
+                                 "module.lm_head"]
+        blocks = [modules[f"module.transformer.h.{i}"] for i in (0, 1)]
+        assert blocks[0]["params_bytes"] == blocks[1]["params_bytes"] > 0
+        assert all(0 < sum(m["peak_backward_bytes"].values()) <= p["peak_mem_bytes"] for m in blocks)
     page = html.write_run_report(run_dir, tmp_path / "report")
     cell_pages = list((page.parent / "cells").glob("gpt2-tiny_ddp*.html"))
     text = cell_pages[0].read_text()
     assert "memory over the memory-tracked step" in text and "Held memory grew" not in text
     assert 'id="profile"' in text and "profiles/" in text and ">rank 1</a>" in text and "nsys profile" not in text
+    assert 'id="module-memory"' in text and "module.transformer.h.1" in text and 'class="seg activations"' in text
     assert list((page.parent / "figures" / "cells").glob("memory-gpt2-tiny_ddp*.svg"))
 
 

@@ -45,6 +45,13 @@ Where the numbers come from
   breakdown still sums to ``peak_bytes``. The two peaks can fall at slightly different
   moments; the tracker's snapshot is the one reported.
 
+Per module (``StepMemory.modules``): for each top-level module of the model (every repeated
+block, and the modules beside the blocks' containers: embeddings, final norm, head), what was
+held, by category, at the highest point while it ran forward and while it ran backward (the
+trackers' per-module peak snapshots, pytorch_memlab's view), and its parameters' bytes. With
+accumulation or a pipeline the last micro-batch's (the trackers start a module's statistics
+again when it is forwarded again).
+
 Category mapping (tracker category -> breakdown key)
 - MemTracker: Parameter -> params; Gradient -> grads; Optstate -> optimizer (includes the
   optimizer's step counters and, if the peak falls inside ``optimizer.step``, its temporaries:
@@ -110,7 +117,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -182,6 +189,8 @@ class StepMemory:
     # The step's tracker events (module docstring, "Timeline"); None unless asked for.
     timeline: list[TimelineEvent] | None = None
     timeline_truncated: bool = False
+    # Each top-level module's peaks (module docstring, "Per module"); empty without blocks.
+    modules: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _reset_rss_peak() -> bool:
@@ -439,10 +448,52 @@ class MemoryProbe:
         return self._result
 
 
+def top_level_modules(root: nn.Module, block_type: type[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every repeated block and of each module beside the blocks'
+    containers (a child of the root or of a container holding blocks, itself holding none)."""
+    names = dict(root.named_modules())
+    holds_blocks = {name for name, m in names.items()
+                    if any(isinstance(sub, block_type) for sub in m.modules()) and not isinstance(m, block_type)}
+    chosen = []
+    for name, m in names.items():
+        parent = name.rpartition(".")[0] if name else None
+        if isinstance(m, block_type) or (name and name not in holds_blocks and parent in holds_blocks
+                                         and not any(isinstance(a, block_type) for a in _ancestors(names, name))):
+            chosen.append((name, m))
+    return chosen
+
+
+def _ancestors(names: dict[str, nn.Module], name: str) -> list[nn.Module]:
+    parts = name.split(".")
+    return [names[".".join(parts[:i])] for i in range(1, len(parts))]
+
+
+def _module_peaks(tracker: Any, root: nn.Module, block_type: type[nn.Module],
+                  device: torch.device) -> list[dict[str, Any]]:
+    """The per-module peaks (module docstring, "Per module")."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    key = torch.device("cpu") if device.type != "cuda" else device
+    out = []
+    for name, module in top_level_modules(root, block_type):
+        stats = tracker.memory_tracking.get(module)
+        if stats is None:  # not run in this step (a pipeline stage's other layers)
+            continue
+        entry: dict[str, Any] = {"module": name, "params_bytes": sum(p.numel() * p.element_size()
+                                                                     for p in module.parameters())}
+        for label, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW)):
+            snaps = stats.snapshots.get(state) or []
+            snap = snaps[-1].get(key) if snaps else None
+            entry[f"peak_{label}_bytes"] = _breakdown(snap) if snap else None
+        out.append(entry)
+    return out
+
+
 @contextmanager
 def track_step_memory(
     module: nn.Module, optimizer: torch.optim.Optimizer | None, *, fsdp2: bool,
     device: torch.device, held: Sequence[torch.Tensor] = (), timeline: bool = False,
+    block_type: type[nn.Module] | None = None,
 ) -> Iterator[MemoryProbe]:
     """Track one training step computed on `device`; ``probe.result()`` gives its StepMemory.
 
@@ -454,6 +505,8 @@ def track_step_memory(
     current CUDA device (the trackers key their snapshots by an indexed device).
 
     ``timeline``: also record the step's events (module docstring, "Timeline").
+    ``block_type``: the model's repeated block, which decides its top-level modules (module
+    docstring, "Per module").
     """
     device = torch.device(device)
     on_cuda = device.type == "cuda"
@@ -478,6 +531,7 @@ def track_step_memory(
     rss = _rss_peak() if rss_ok else None
     peaks = tracker.get_tracker_snapshot("peak")
     at_optimizer_step = probe._at_optimizer_step
+    modules = _module_peaks(tracker, module, block_type, device) if block_type is not None else []
     # The tracker sits in reference cycles (its weakref callbacks point back at it) that
     # keep the model's parameters alive until a collection after the model is dropped;
     # collecting here, while the model is still alive, lets the caller free it by refcount.
@@ -497,10 +551,10 @@ def track_step_memory(
         probe._result = StepMemory(peak_bytes=cuda["max_allocated"], breakdown_bytes=breakdown,
                                    rss_peak_bytes=rss, cuda=cuda, tracker="cuda",
                                    at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes,
-                                   timeline=timeline_events, timeline_truncated=timeline_truncated)
+                                   timeline=timeline_events, timeline_truncated=timeline_truncated, modules=modules)
     else:
         breakdown = _breakdown(peaks.get(torch.device("cpu"), {"Total": 0}))
         probe._result = StepMemory(peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
                                    rss_peak_bytes=rss, cuda=None, tracker=name,
                                    at_optimizer_step_bytes=at_optimizer_step, async_freed_bytes=async_frees.bytes,
-                                   timeline=timeline_events, timeline_truncated=timeline_truncated)
+                                   timeline=timeline_events, timeline_truncated=timeline_truncated, modules=modules)

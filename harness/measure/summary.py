@@ -112,6 +112,7 @@ def per_rank_view(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "memory_snapshot": r.get("memory_snapshot"),
             "memory_snapshot_reason": r.get("memory_snapshot_reason"),
             "profile_trace": r.get("profile_trace"),
+            "module_memory": r.get("module_memory"),
             "expandable_segments": r.get("expandable_segments"),
             "float32_matmul_precision": r.get("float32_matmul_precision"),
             "step_time_s": median,

@@ -374,7 +374,8 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
             engine_json=[(p.get("rank"), json.dumps(p.get("engine"), indent=2, sort_keys=True))
                          for p in record.get("per_rank") or [] if p.get("engine")],
             env=environment, analytic_activations=_analytic_activations(record),
-            numerics_rows=numerics_rows(record), profile=_profile(record, info, run_id)))
+            numerics_rows=numerics_rows(record), profile=_profile(record, info, run_id),
+            modules=module_memory_rows(record)))
 
     claim_rows = _claim_rows(run_dir)
     claim_counts = {v: sum(1 for c in claim_rows if c["verdict"] == v) for v in _CLAIM_VERDICT_CLASS}
@@ -393,6 +394,26 @@ def write_run_report(run_dir: Path, report_dir: Path, skipped: list[str] | None 
         max_trials=max((r["trials"]["n"] for r in records), default=1),
         device=info.get("device") or {}))
     return page
+
+
+def module_memory_rows(record: dict) -> dict:
+    """The cell page's per-module memory (measure/memory.py, "Per module"), from the rank with
+    the peak: each module's peaks, the backward peak by category and its bar's segments (% of
+    the largest backward peak of the table)."""
+    ranks = [p for p in record.get("per_rank") or [] if p.get("module_memory")]
+    if not ranks:
+        return {"rows": []}
+    peak_rank = max(ranks, key=lambda p: p.get("peak_mem_bytes") or 0)
+    rows = []
+    for entry in peak_rank["module_memory"]:
+        forward, backward = entry.get("peak_forward_bytes") or {}, entry.get("peak_backward_bytes") or {}
+        rows.append({"module": entry["module"], "params_bytes": entry.get("params_bytes"),
+                     "forward": sum(forward.values()) if forward else None,
+                     "backward": sum(backward.values()) if backward else None, "backward_by": backward})
+    widest = max((row["backward"] or 0 for row in rows), default=0) or 1
+    for row in rows:
+        row["widths"] = {cat: round(100 * row["backward_by"].get(cat, 0) / widest, 1) for cat in figures.MEM_CATEGORIES}
+    return {"rank": peak_rank.get("rank"), "categories": figures.MEM_CATEGORIES, "rows": rows}
 
 
 def _profile(record: dict, info: dict, run_id: str) -> dict:

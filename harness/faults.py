@@ -19,6 +19,11 @@ Off unless ``SHARDBENCH_FAULT`` is set, as ``CELL_ID=FAULT[,CELL_ID=FAULT...]`` 
   Honoured by harness/strategies/fairscale.py; ignored by other strategies.
 - ``leak``: every rank keeps a 1 MiB tensor (LEAK_BYTES_PER_STEP) from each timed step,
   as a leaking loop would; the record's memory_growth_bytes must show it (tests/test_gpu_path.py).
+- ``hook_reference``: a forward hook on the model keeps every timed step's output (the
+  logits and loss a hook holding a reference leaks); ``retained_graph``: every timed step's
+  loss is kept with its graph retained (``backward(retain_graph=True)``), so each step's
+  saved activations stay. Both must show in memory_growth_bytes, the second through the
+  saved tensors of the graphs the live tensors hold (measure/memory.py) (tests/test_gpu_path.py).
 - ``clip_before_unscale``: a wrong computation: an fp16 cell that clips its gradients while
   they are still multiplied by the loss scale, then unscales them (the order torch's AMP
   recipe warns against); the equivalence gate must fail the cell (tests/test_numerics.py).
@@ -41,7 +46,10 @@ GRADS_SET_TO_NONE = "grads_set_to_none"
 LEAK = "leak"
 HOST_MEMORY_LOW = "host_memory_low"
 CLIP_BEFORE_UNSCALE = "clip_before_unscale"
-FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE, LEAK, HOST_MEMORY_LOW, CLIP_BEFORE_UNSCALE)
+HOOK_REFERENCE = "hook_reference"
+RETAINED_GRAPH = "retained_graph"
+FAULTS = ("raise", "crash", "segfault", "hang", GRADS_SET_TO_NONE, LEAK, HOST_MEMORY_LOW, CLIP_BEFORE_UNSCALE,
+          HOOK_REFERENCE, RETAINED_GRAPH)
 # What the "leak" fault keeps from every timed step.
 LEAK_BYTES_PER_STEP = 2**20
 

@@ -99,15 +99,17 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
                micro_batches: list[dict[str, torch.Tensor]], scaler: torch.amp.GradScaler,
                between_micro_steps: Callable[[], None] = _no_op,
                before_optimizer_step: Callable[[], None] = _no_op,
-               grad_norm_into: torch.Tensor | None = None, unscale_before_clip: bool = True) -> torch.Tensor:
+               grad_norm_into: torch.Tensor | None = None, unscale_before_clip: bool = True,
+               kept_graphs: list[torch.Tensor] | None = None) -> torch.Tensor:
     """One optimizer step. Returns this rank's mean loss over its micro-batches (detached).
 
     ``before_optimizer_step`` runs after the last backward, before the gradients are
     unscaled and clipped and the optimizer (or the engine that owns it) steps. The gradients'
     global norm before clipping is copied into ``grad_norm_into`` where given (it is computed
     anyway where the cell clips). ``unscale_before_clip=False`` is the ``clip_before_unscale``
-    fault (features/clipping.py). A rank that computes no loss (a pipeline's first stages)
-    returns zero."""
+    fault (features/clipping.py). ``kept_graphs`` is the ``retained_graph`` fault: each
+    loss kept, its graph retained (harness/faults.py). A rank that computes no loss (a
+    pipeline's first stages) returns zero."""
     n_micro = len(micro_batches)
     total = torch.zeros((), device=env.device)
     for k, batch in enumerate(micro_batches):
@@ -125,7 +127,9 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
                 if prep.backward is not None:  # prep.owns_optimizer_step
                     prep.backward(loss)
                 else:
-                    scaler.scale(loss).backward()
+                    scaler.scale(loss).backward(retain_graph=kept_graphs is not None)
+                    if kept_graphs is not None:
+                        kept_graphs.append(loss)
         if last:
             before_optimizer_step()
         prep.after_micro_step()
@@ -162,6 +166,7 @@ class PreparedCell:
     # The held-out set's batches (real data only: harness/data.py), on the device.
     held_out: list[dict[str, torch.Tensor]]
     unscale_before_clip: bool = True
+    kept_graphs: list[torch.Tensor] | None = None  # the retained_graph fault (harness/faults.py)
 
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
              before_optimizer_step: Callable[[], None] = _no_op, measure_grad_norm: bool = False) -> torch.Tensor:
@@ -176,7 +181,7 @@ class PreparedCell:
         return train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
                           between_micro_steps, before_optimizer_step,
                           grad_norm_into=self.grad_norms[i] if keep_norm else None,
-                          unscale_before_clip=self.unscale_before_clip)
+                          unscale_before_clip=self.unscale_before_clip, kept_graphs=self.kept_graphs)
 
     def evaluates_after(self, steps_done: int) -> bool:
         """Whether the held-out loss is taken after ``steps_done`` steps: before the first, every
@@ -270,6 +275,18 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
                         unscale_before_clip=faults.planned().get(cell.cell_id) != faults.CLIP_BEFORE_UNSCALE)
 
 
+def leak_faults(session: PreparedCell) -> list[Any]:
+    """What the leak faults (harness/faults.py) keep from the timed steps on: a list the
+    caller holds (``leak``'s tensors, ``hook_reference``'s outputs) while they run; a hook
+    kept by a reference to the model, or the retained graphs in the session."""
+    fault, kept = faults.planned().get(session.cell.cell_id), []
+    if fault == faults.HOOK_REFERENCE:
+        session.built.module.register_forward_hook(lambda module, inputs, output: kept.append(output))
+    elif fault == faults.RETAINED_GRAPH:
+        session.kept_graphs = []
+    return kept
+
+
 def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
              snapshot_dir: Path | None = None, profile_dir: Path | None = None) -> dict[str, Any]:
     """Train one cell and return this rank's measurements (with ``profile_dir``, its timed
@@ -288,7 +305,6 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     built, prep = session.built, session.prep
     # The "leak" fault (harness/faults.py) keeps a tensor from every timed step, as a leaking
     # loop would; without it nothing is kept.
-    leaked: list[torch.Tensor] = []
     leak_bytes = faults.LEAK_BYTES_PER_STEP if faults.planned().get(cell.cell_id) == faults.LEAK else 0
     # Filled in place: a list of per-step losses would grow the memory the leak check watches.
     losses = torch.zeros(cell.steps, device=env.device)
@@ -345,6 +361,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     step_times: list[float] = []
     live_after: list[int] = []
     first_timed = warmup + cell.probe_steps
+    leaked = leak_faults(session)  # empty unless a leak fault names this cell
     with profiling.profiled(cell_folder(profile_dir, cell.cell_id) if profile_dir else None, env.rank,
                             env.is_cuda) as profile:
         for i in range(first_timed, cell.steps):

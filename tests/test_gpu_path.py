@@ -253,14 +253,25 @@ def test_memory_snapshot_timeline_leak_check_and_report_on_gloo(tmp_path, untrac
 
 
 @pytest.mark.skipif("leak" not in faults.FAULTS, reason="harness/faults.py has no 'leak' fault yet")
-def test_an_injected_leak_is_flagged(tmp_path, monkeypatch):
+def test_injected_leaks_are_flagged(tmp_path, monkeypatch):
+    """A kept tensor, a hook holding a reference to each output, and graphs kept with
+    retain_graph (whose saved activations live in C++): each shows as memory growth."""
     leaking, clean = _gpt2(), _gpt2("zero1")
-    monkeypatch.setenv(faults.ENV_VAR, f"{leaking.cell_id}=leak")
+    hooked = CellSpec(model="llama-tiny", strategy=StrategySpec(name="ddp"))
+    retained = CellSpec(model="bert-tiny", strategy=StrategySpec(name="ddp"))
+    monkeypatch.setenv(faults.ENV_VAR, f"{leaking.cell_id}=leak,{hooked.cell_id}={faults.HOOK_REFERENCE},"
+                                       f"{retained.cell_id}={faults.RETAINED_GRAPH}")
     outcomes = {}
-    run_batch([leaking, clean], LaunchOptions(), tmp_path, lambda o: outcomes.update({o.cell.cell_id: o}))
+    run_batch([leaking, clean, hooked, retained], LaunchOptions(), tmp_path,
+              lambda o: outcomes.update({o.cell.cell_id: o}))
     kept = faults.LEAK_BYTES_PER_STEP * (leaking.timed_steps - 1)
     assert summary.memory_growth(outcomes[leaking.cell_id].per_rank) == kept  # exactly what was kept
     assert summary.memory_growth(outcomes[clean.cell_id].per_rank) <= 0  # same launch, no fault
+    # The hook keeps each step's logits (b × s × vocab fp32) at least.
+    logits = hooked.micro_batch * hooked.model_spec.seq_len * hooked.model_spec.vocab_size * 4
+    assert summary.memory_growth(outcomes[hooked.cell_id].per_rank) >= logits * (hooked.timed_steps - 1)
+    # A retained graph keeps far more than its loss: every activation its backward saved.
+    assert summary.memory_growth(outcomes[retained.cell_id].per_rank) > 100_000 * (retained.timed_steps - 1)
 
 
 def test_a_host_without_nvml_records_no_driver_and_why():

@@ -304,23 +304,60 @@ def cuda_memory_history(pickle_path: Path) -> Iterator[None]:
 
 def _python_tensor_bytes() -> int:
     """Bytes of the distinct storages of every CPU tensor the garbage collector tracks (not
-    those in its permanent generation: ``gc.freeze``)."""
+    those in its permanent generation: ``gc.freeze``), and of the tensors the autograd graphs
+    behind them still save: a graph kept alive (a loss held with ``retain_graph``, an output
+    a hook keeps) holds its activations in C++, where the collector does not look."""
     seen: set[int] = set()
+    graphs: list[Any] = []
     total = 0
+
+    def count(tensor: torch.Tensor) -> int:
+        try:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor) own no storage;
+            return 0  # FSDP2 frees an unsharded parameter's by resizing it away
+        if address in seen:
+            return 0
+        seen.add(address)
+        return storage.nbytes()
+
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which some module proxies
         # answer with a deprecation warning.
         if not issubclass(type(obj), torch.Tensor) or obj.device.type != "cpu":
             continue
-        try:
-            storage = obj.untyped_storage()
-            address = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor) own no storage;
-            continue  # FSDP2 frees an unsharded parameter's by resizing it away
-        if address not in seen:
-            seen.add(address)
-            total += storage.nbytes()
+        total += count(obj)
+        if obj.grad_fn is not None:
+            graphs.append(obj.grad_fn)
+    for saved in _saved_tensors(graphs):
+        if saved.device.type == "cpu":
+            total += count(saved)
     return total
+
+
+def _saved_tensors(roots: list[Any]) -> Iterator[torch.Tensor]:
+    """The tensors the autograd nodes reachable from ``roots`` still save (a node's
+    ``_saved_*`` attributes; a graph whose backward ran without retain_graph has freed them,
+    and reading one raises)."""
+    visited: set[int] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed by a backward
+                continue
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.Tensor):
+                    yield item
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def live_bytes(device: torch.device) -> int:

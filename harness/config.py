@@ -25,7 +25,7 @@ from harness.strategies.base import LayoutOption
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
 Offload = Literal["none", "params", "optimizer", "optimizer_params"]
-Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"]
+Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd", "lamb", "lamb8bit"]
 Compression = Literal["none", "fp16", "bf16", "powersgd", "int8_tensor", "int8_channel", "topk", "randomk"]
 LossScaling = Literal["dynamic", "none"]
 HsdpMesh = Literal["explicit", "fsdp_default"]

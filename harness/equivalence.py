@@ -58,7 +58,7 @@ TOLERANCE_FP32 = 1e-5
 TOLERANCE_LOW_PRECISION = 5e-4
 TOLERANCE_LOSSY_COMPRESSION = 5e-3
 TOLERANCE_QUANTIZED_OPTIMIZER = 1e-4
-QUANTIZED_OPTIMIZERS = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit"})
+QUANTIZED_OPTIMIZERS = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit", "lamb8bit"})
 
 
 def tolerance(cell: CellSpec) -> float:

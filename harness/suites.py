@@ -169,6 +169,10 @@ def default(world_size: int) -> list[CellSpec]:
     cells += [_cell("gpt2-tiny", "fairscale_sdp", world_size, optimizer=o) for o in ("adamw8bit", "adafactor")]
     cells += [_cell("gpt2-tiny", s, world_size, optimizer="adamw8bit") for s in ("fsdp1_full", "deepspeed_zero2")]
     cells += [_cell("llama-tiny", s, world_size, optimizer="adam8bit") for s in ("single", "ddp")]
+    # LAMB (bitsandbytes, 32-bit and 8-bit) where the optimizer steps whole tensors: DDP and
+    # torch's ZeRO-1 (its per-tensor trust ratio refuses flat and DTensor shards).
+    cells += [_cell("gpt2-tiny", s, world_size, optimizer=o) for o in ("lamb", "lamb8bit") for s in ("single", "ddp")]
+    cells.append(_cell("gpt2-tiny", "zero1", world_size, optimizer="lamb8bit"))
     # SGD with momentum (half AdamW's state) under DDP and FSDP2's DTensor shards.
     cells += [_cell("gpt2-tiny", s, world_size, optimizer="sgd") for s in ("single", "ddp", "fsdp_full")]
     # The other model families, and a model of one's own: a Mistral config.json.

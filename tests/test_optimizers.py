@@ -163,3 +163,29 @@ def test_ddps_optimizer_in_backward_needs_an_accelerator_as_the_unsupported_reas
     with pytest.raises(RuntimeError) as raised:
         torch.accelerator.current_stream()
     assert str(raised.value).rstrip(".") in optimizer_in_backward.ON_CPU
+
+
+@pytest.mark.parametrize("name", ["lamb", "lamb8bit"])
+def test_lamb_state_is_its_formula_and_sharding_engines_refuse_it(name):
+    """bitsandbytes' LAMB state after a step against formulas.lamb_state_bytes (the moments,
+    8-bit block-wise for the large tensors under lamb8bit, and a norm per tensor); the engines
+    that hand the optimizer shards refuse it, naming the trust ratio."""
+    from harness import strategies
+    from harness.config import CellSpec, StrategySpec
+    from harness.features import optimizers
+    from harness.predict.formulas import lamb_state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    optimizer = optimizers.make(model.parameters(), name, 1e-3)
+    model(torch.randn(4, 128)).sum().backward()
+    optimizer.step()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)}
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert sum(storages.values()) == lamb_state_bytes(shapes, eight_bit=name == "lamb8bit")
+    for strategy in ("fsdp_full", "fsdp1_full", "deepspeed_zero2"):
+        cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, optimizer=name))
+        why = strategies.incompatibility(cell)
+        assert why is not None and "optimizer" in why, (strategy, why)
+    assert "trust ratio" in strategies.incompatibility(
+        CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="deepspeed_zero2", optimizer=name)))

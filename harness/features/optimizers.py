@@ -12,6 +12,11 @@
   ``unsupported_reason`` refuses it there instead.
 - ``adafactor``: torch.optim.Adafactor (factored second moment: row and column statistics
   for matrices, no first moment) with its defaults and the cell's lr.
+- ``lamb`` / ``lamb8bit``: bitsandbytes' LAMB (You et al. 2020: Adam's moments with a
+  layer-wise trust ratio, the norm of each tensor's weights over its update's) with 32-bit and
+  block-wise 8-bit state, and one fp32 update norm per tensor. The trust ratio is a per-tensor
+  norm, so an engine that hands the optimizer flat shards (FSDP1, DeepSpeed ZeRO) or DTensor
+  shards (FSDP2) computes another update: only the strategies that step whole tensors take it.
 - ``sgd``: torch.optim.SGD with heavy-ball momentum ``SGD_MOMENTUM`` (0.9, the value of the
   ResNet and transformer recipes that use SGD) and the cell's lr: one fp32 momentum buffer per
   parameter, 4 B per parameter of state where AdamW holds 8.
@@ -29,9 +34,14 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import ParamsT  # parameters, or parameter groups (tensor parallel's)
 
-NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
+NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd", "lamb", "lamb8bit")
 SGD_MOMENTUM = 0.9
-BITSANDBYTES = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit"})
+BITSANDBYTES = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit", "lamb", "lamb8bit"})
+# Optimizers whose update uses each tensor's norm (LAMB's trust ratio): refused where the
+# optimizer sees shards instead of whole tensors.
+PER_TENSOR_NORM = frozenset({"lamb", "lamb8bit"})
+PER_TENSOR_NORM_NOTE = ("LAMB's trust ratio is each tensor's weight norm over its update's: on the shards this engine"
+                        " hands the optimizer it would be the shard's, a different update than the reference's")
 
 PAGED_ON_CPU = (
     "bitsandbytes paged optimizers need CUDA unified memory: on CPU PagedAdamW8bit falls back"
@@ -52,7 +62,8 @@ def optimizer_class_and_kwargs(name: str, lr: float) -> tuple[type[torch.optim.O
         import bitsandbytes.optim as bnb_optim
 
         cls = {"adam8bit": bnb_optim.Adam8bit, "adamw8bit": bnb_optim.AdamW8bit,
-               "paged_adamw8bit": bnb_optim.PagedAdamW8bit}[name]
+               "paged_adamw8bit": bnb_optim.PagedAdamW8bit, "lamb": bnb_optim.LAMB,
+               "lamb8bit": bnb_optim.LAMB8bit}[name]
         return cls, {"lr": lr}
     raise ValueError(f"optimizer={name!r}: choose one of {', '.join(NAMES)}")
 

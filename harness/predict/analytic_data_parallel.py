@@ -23,6 +23,7 @@ from harness.predict.formulas import (
     adafactor_state_bytes,
     adamw_state_bytes,
     blockwise_8bit_state_bytes,
+    lamb_state_bytes,
     norm_keeps,
     powersgd_elements,
     sgd_momentum_state_bytes,
@@ -83,6 +84,8 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...],
     optimizer (harness/features/optimizers.py), by its paper's formula."""
     if optimizer == "adamw":
         return adamw_state_bytes(shapes)
+    if optimizer in ("lamb", "lamb8bit"):
+        return lamb_state_bytes(shapes, eight_bit=optimizer == "lamb8bit")
     if optimizer in BITSANDBYTES:
         return blockwise_8bit_state_bytes(shapes)
     if optimizer == "adafactor":

@@ -78,7 +78,8 @@ STAGE3_ONLY_NOTE = "offload_param is a ZeRO-3 feature in DeepSpeed: use deepspee
 # (2.4e-4 off its reference in fp32, every stage).
 _ADAFACTOR_NOTE = ("DeepSpeed ZeRO hands the optimizer flat 1-D partitions: Adafactor falls back to its"
                    " unfactored second moment, a different update rule than the reference's factored one")
-_OPTIMIZERS = frozenset(optimizers.NAMES) - {"adafactor"}
+_OPTIMIZERS = frozenset(optimizers.NAMES) - {"adafactor"} - optimizers.PER_TENSOR_NORM
+_LAMB_NOTES = dict.fromkeys(optimizers.PER_TENSOR_NORM, optimizers.PER_TENSOR_NORM_NOTE)
 
 _STAGE3_CAPABILITIES = Capabilities(
     precisions=ALL_PRECISIONS,
@@ -86,14 +87,15 @@ _STAGE3_CAPABILITIES = Capabilities(
     offload=frozenset({"none", "optimizer", "params", "optimizer_params"}),
     min_world_size=1,  # ZeRO-3 with its offload fits one large model on one GPU
     optimizers=_OPTIMIZERS,
-    notes={"adafactor": _ADAFACTOR_NOTE},
+    notes={"adafactor": _ADAFACTOR_NOTE, **_LAMB_NOTES},
 )
 _STAGE12_CAPABILITIES = Capabilities(
     precisions=ALL_PRECISIONS,
     overlap_options=frozenset({"overlap_comm"}),
     offload=frozenset({"none", "optimizer"}),
     optimizers=_OPTIMIZERS,
-    notes={"params": STAGE3_ONLY_NOTE, "optimizer_params": STAGE3_ONLY_NOTE, "adafactor": _ADAFACTOR_NOTE},
+    notes={"params": STAGE3_ONLY_NOTE, "optimizer_params": STAGE3_ONLY_NOTE, "adafactor": _ADAFACTOR_NOTE,
+           **_LAMB_NOTES},
 )
 
 

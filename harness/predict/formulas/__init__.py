@@ -18,7 +18,13 @@ from .expert_parallel import (
 )
 from .flops import model_flops_per_step
 from .megatron import megatron_model_states, megatron_optimizer_comm_bytes, megatron_tp_all_reduce_bytes
-from .optimizers import adafactor_state_bytes, adamw_state_bytes, blockwise_8bit_state_bytes, sgd_momentum_state_bytes
+from .optimizers import (
+    adafactor_state_bytes,
+    adamw_state_bytes,
+    blockwise_8bit_state_bytes,
+    lamb_state_bytes,
+    sgd_momentum_state_bytes,
+)
 from .pipeline import (
     PIPELINE_SCHEDULES,
     pipeline_bubble_fraction,
@@ -30,11 +36,34 @@ from .tensor_parallel import tp_all_reduce_bytes, tp_model_states
 from .zero import FP32_ADAM, ModelStates, comm_volume, zero_comm_elements, zero_model_states
 
 __all__ = [
-    "FP32_ADAM", "PIPELINE_SCHEDULES", "POWERSGD_MIN_COMPRESSION_RATE", "ModelStates", "activation_bytes_per_layer",
-    "adafactor_state_bytes", "adamw_state_bytes", "blockwise_8bit_state_bytes", "comm_volume",
-    "context_parallel_kv_bytes", "expert_parallel_all_to_all_bytes", "expert_parallel_local_params",
-    "expert_parallel_most_received_rows", "megatron_model_states", "megatron_optimizer_comm_bytes",
-    "megatron_tp_all_reduce_bytes", "model_flops_per_step", "moe_params", "norm_keeps", "pipeline_bubble_fraction",
-    "pipeline_first_stage_layer_activations", "pipeline_p2p_bytes", "pipeline_peak_in_flight", "powersgd_elements",
-    "sgd_momentum_state_bytes", "tp_all_reduce_bytes", "tp_model_states", "zero_comm_elements", "zero_model_states",
+    "FP32_ADAM",
+    "PIPELINE_SCHEDULES",
+    "POWERSGD_MIN_COMPRESSION_RATE",
+    "ModelStates",
+    "activation_bytes_per_layer",
+    "adafactor_state_bytes",
+    "adamw_state_bytes",
+    "blockwise_8bit_state_bytes",
+    "comm_volume",
+    "context_parallel_kv_bytes",
+    "expert_parallel_all_to_all_bytes",
+    "expert_parallel_local_params",
+    "expert_parallel_most_received_rows",
+    "lamb_state_bytes",
+    "megatron_model_states",
+    "megatron_optimizer_comm_bytes",
+    "megatron_tp_all_reduce_bytes",
+    "model_flops_per_step",
+    "moe_params",
+    "norm_keeps",
+    "pipeline_bubble_fraction",
+    "pipeline_first_stage_layer_activations",
+    "pipeline_p2p_bytes",
+    "pipeline_peak_in_flight",
+    "powersgd_elements",
+    "sgd_momentum_state_bytes",
+    "tp_all_reduce_bytes",
+    "tp_model_states",
+    "zero_comm_elements",
+    "zero_model_states",
 ]

@@ -1,5 +1,5 @@
-"""Optimizer state per parameter tensor: Adam(W), block-wise 8-bit Adam, Adafactor, SGD with
-momentum."""
+"""Optimizer state per parameter tensor: Adam(W), block-wise 8-bit Adam, LAMB, Adafactor, SGD
+with momentum."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def blockwise_8bit_state_bytes(shapes: Shapes) -> float:
             any_8bit = True
             total += 2 * n + 2 * 4 * math.ceil(n / _BNB_BLOCK)
     return total + (_BNB_QMAP_BYTES if any_8bit else 0)
+
+
+def lamb_state_bytes(shapes: Shapes, eight_bit: bool) -> float:
+    """LAMB's state (You et al. 2020, Algorithm 2: Adam's two moments, and a per-tensor trust
+    ratio computed each step) as bitsandbytes keeps it: the two moments in fp32 (8 B per
+    parameter) or block-wise 8-bit (``blockwise_8bit_state_bytes``), and one fp32 update norm
+    per tensor (``unorm_vec``)."""
+    moments = blockwise_8bit_state_bytes(shapes) if eight_bit else sum((8 * math.prod(s) for s in shapes), 0.0)
+    return moments + 4 * len(shapes)
 
 
 def adafactor_state_bytes(shapes: Shapes) -> float:

@@ -72,6 +72,8 @@ class StrategySpec:
     name: str
     precision: Precision = "fp32"
     checkpointing: Checkpointing = "none"
+    # Checkpoint every this-many-th block only (0, k, 2k, …); None: every block.
+    checkpoint_every: int | None = None
     # What lives in host memory: parameters, optimizer state, or both.
     offload: Offload = "none"
     optimizer: Optimizer = "adamw"
@@ -149,6 +151,14 @@ class StrategySpec:
                 raise ValueError(f"{flag}={value!r}: must be true or false")
         if self.prefetch is not None:
             _check_positive("prefetch", self.prefetch)
+        if self.checkpoint_every is not None:
+            if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                    or self.checkpoint_every < 2:
+                raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: must be an integer of 2 or more"
+                                 " (every block is the default)")
+            if self.checkpointing == "none":
+                raise ValueError(f"checkpoint_every={self.checkpoint_every}: applies with checkpointing full or"
+                                 " selective")
         if self.optimizer_in_backward:
             clash = ("accumulation" if self.accumulation > 1 else "clip_grad_norm" if self.clip_grad_norm is not None
                      else "precision=fp16" if self.precision == "fp16"
@@ -366,7 +376,8 @@ class CellSpec:
     @property
     def cell_id(self) -> str:
         s = self.strategy
-        parts = [self.model_name, s.name, s.precision, f"ckpt_{s.checkpointing}"]
+        parts = [self.model_name, s.name, s.precision,
+                 f"ckpt_{s.checkpointing}" + (f"-every{s.checkpoint_every}" if s.checkpoint_every else "")]
         if s.offload != "none":
             parts.append(f"offload_{s.offload}")
         if s.optimizer != "adamw":

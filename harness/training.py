@@ -261,7 +261,8 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     """The cell's model built, checkpointed and wrapped by its strategy, and this rank's
     batches (a strategy that splits the batch its own way names this rank's data rank)."""
     built = models.build(cell.model_spec, seed=cell.seed, attention=cell.attention)
-    checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing)
+    checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing,
+                                      cell.strategy.checkpoint_every)
     prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
     data_rank = env.rank if prep.data_rank is None else prep.data_rank
     held_out = ([{name: t.to(env.device) for name, t in batch.items()}

@@ -142,6 +142,8 @@ def test_options_that_apply_resolve_to_their_defaults_and_round_trip():
     ({"prefetch": 0}, "prefetch=0: must be a positive integer"),
     ({"local_sgd_period": 1}, "local_sgd_period=1: must be an integer of 2 or more"),
     ({"local_sgd_period": 4, "compression": "topk"}, "both are DDP communication hooks, and DDP takes one"),
+    ({"checkpoint_every": 2}, "checkpoint_every=2: applies with checkpointing full or selective"),
+    ({"checkpointing": "full", "checkpoint_every": 1}, "checkpoint_every=1: must be an integer of 2 or more"),
 ])
 def test_overlap_and_local_sgd_options_are_checked(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -147,6 +147,30 @@ def activations_full(r: Readings) -> Outcome:
         "no_checkpointing_bytes": _activations_at_peak(r, r.cell("ddp"))})
 
 
+def _forward_activations(r: Readings, c: CellSpec) -> float:
+    """The activations held as the last top-level module (the head) ran its forward: every
+    block's saved activations at once (the record's per-module memory, rank 0)."""
+    modules = r.record(c)["per_rank"][0].get("module_memory") or []
+    if not modules or not modules[-1].get("peak_forward_bytes"):
+        raise NotMeasurable(f"{c.cell_id}: no per-module memory in the record", failed=True)
+    return float(modules[-1]["peak_forward_bytes"]["activations"])
+
+
+def activations_checkpoint_every(r: Readings) -> Outcome:
+    """Checkpointing every k-th block: the activations a forward leaves fall linearly with the
+    blocks checkpointed, from none to all."""
+    from harness.features.checkpointing import checkpointed_blocks
+
+    partial = r.cell("ddp", checkpointing="full", checkpoint_every=2)
+    none, full = _forward_activations(r, r.cell("ddp")), _forward_activations(r, r.cell("ddp", checkpointing="full"))
+    layers = _layers(partial)
+    share = checkpointed_blocks(layers, 2) / layers
+    predicted = none - share * (none - full)
+    return compare(_forward_activations(r, partial), predicted, ACTIVATIONS_TOL, details={
+        "checkpointed_blocks": checkpointed_blocks(layers, 2), "blocks": layers, "none_bytes": none,
+        "every_block_bytes": full})
+
+
 def activations_selective(r: Readings) -> Outcome:
     c = r.cell("ddp", checkpointing="selective")
     measured = _activations_at_peak(r, c)

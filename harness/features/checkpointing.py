@@ -1,4 +1,6 @@
-"""Activation checkpointing of every transformer block: full or selective recompute.
+"""Activation checkpointing of the transformer blocks: full or selective recompute, of every
+block or of every k-th (``checkpoint_every``: blocks 0, k, 2k, …, the per-layer trade of
+keeping some blocks' activations to recompute less).
 
 Always non-reentrant: reentrant checkpointing (use_reentrant=True, fairscale's and
 deepspeed's wrappers) silently drops or changes gradients on transformers-5 decoder layers
@@ -43,15 +45,23 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str) -> None:
-    """Wrap each ``block_type`` submodule in place. Must run before data-parallel wrapping."""
+def checkpointed_blocks(n_blocks: int, every: int | None) -> int:
+    """How many of ``n_blocks`` blocks are checkpointed when every ``every``-th is (all: None)."""
+    return n_blocks if every is None else -(-n_blocks // every)
+
+
+def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str, every: int | None = None) -> None:
+    """Wrap each ``block_type`` submodule in place (with ``every``, the blocks 0, every, 2·every,
+    … in the model's order). Must run before data-parallel wrapping."""
     if mode == "none":
         return
     kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
+    blocks = [m for m in model.modules() if isinstance(m, block_type)]
+    chosen = {id(block) for index, block in enumerate(blocks) if every is None or index % every == 0}
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, **kwargs),
-        check_fn=lambda module: isinstance(module, block_type),
+        check_fn=lambda module: id(module) in chosen,
     )

@@ -15,7 +15,7 @@ import torch
 from harness import models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
-from harness.features import compression, sparsification
+from harness.features import checkpointing, compression, sparsification
 from harness.features.optimizers import BITSANDBYTES
 from harness.models import ModelSpec, ParamLayout
 from harness.predict.formulas import (
@@ -187,10 +187,10 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     residual_bytes = 4 if cell.strategy.precision == "fp32" or autocast else value_bytes
     norm = norm_keeps("rmsnorm" if spec.layout in ("llama", "mixtral") else "layernorm", residual_bytes)
     separate_projections = autocast and spec.layout == "llama"
-    checkpointing = cell.strategy.checkpointing
-    if checkpointing == "full":  # the block's input alone, from the residual stream
+    mode = cell.strategy.checkpointing
+    if mode == "full":  # the block's input alone, from the residual stream
         per_layer = float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
-    elif checkpointing == "selective":
+    elif mode == "selective":
         per_layer = _selective_per_layer(cell, spec, value_bytes, residual_bytes)
     else:
         per_layer = activation_bytes_per_layer(
@@ -201,7 +201,13 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
             router_experts=spec.required("n_experts") if moe else 0)
     tokens = spec.tokens_per_sample * cell.micro_batch
     head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
-    return {"per_layer": per_layer, "layers": per_layer * spec.n_layers, "logits": _logits_bytes(cell, spec) + head}
+    layers = per_layer * spec.n_layers
+    if cell.strategy.checkpoint_every:  # the blocks not checkpointed keep everything
+        checked = checkpointing.checkpointed_blocks(spec.n_layers, cell.strategy.checkpoint_every)
+        unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none",
+                                                                           checkpoint_every=None))
+        layers = per_layer * checked + activation_bytes(unchecked, spec)["per_layer"] * (spec.n_layers - checked)
+    return {"per_layer": per_layer, "layers": layers, "logits": _logits_bytes(cell, spec) + head}
 
 
 def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, residual_bytes: int) -> float:
@@ -453,6 +459,7 @@ def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     (selective)."""
     if cell.strategy.checkpointing == "none":
         return 0.0
-    unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none"))
+    unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none",
+                                                                       checkpoint_every=None))
     kept = activation_bytes(cell, spec)["per_layer"]
     return max(0.0, activation_bytes(unchecked, spec)["per_layer"] - kept)

@@ -387,26 +387,19 @@ class CellSpec:
         if s.compression != "none":
             rank = f"-r{s.powersgd_rank}" if s.compression == "powersgd" else ""
             parts.append(f"compress_{s.compression}{rank}")
-        if s.clip_grad_norm is not None:
-            parts.append(f"clip{s.clip_grad_norm:g}")
-        if s.loss_scaling != "dynamic":
-            parts.append(f"scale_{s.loss_scaling}")
-        if s.sync_batch_norm:
-            parts.append("syncbn")
-        if s.local_sgd_period is not None:
-            parts.append(f"localsgd{s.local_sgd_period}")
-        if s.bucket_cap_mb is not None:
-            parts.append(f"bucket{s.bucket_cap_mb:g}")
-        if s.gradient_as_bucket_view:
-            parts.append("gabv")
-        if s.prefetch is not None:
-            parts.append(f"prefetch{s.prefetch}")
-        if s.overlap_comm is not None:
-            parts.append(f"overlap_comm_{'on' if s.overlap_comm else 'off'}")
-        if s.optimizer_in_backward:
-            parts.append("opt_in_backward")
-        if s.hsdp_mesh != "explicit":
-            parts.append(f"mesh_{s.hsdp_mesh}")
+        # Each option named only where it is not the default, so adding one keeps every id.
+        parts += [tag for tag in (
+            f"clip{s.clip_grad_norm:g}" if s.clip_grad_norm is not None else "",
+            f"scale_{s.loss_scaling}" if s.loss_scaling != "dynamic" else "",
+            "syncbn" if s.sync_batch_norm else "",
+            f"localsgd{s.local_sgd_period}" if s.local_sgd_period is not None else "",
+            f"bucket{s.bucket_cap_mb:g}" if s.bucket_cap_mb is not None else "",
+            "gabv" if s.gradient_as_bucket_view else "",
+            f"prefetch{s.prefetch}" if s.prefetch is not None else "",
+            f"overlap_comm_{'on' if s.overlap_comm else 'off'}" if s.overlap_comm is not None else "",
+            "opt_in_backward" if s.optimizer_in_backward else "",
+            f"mesh_{s.hsdp_mesh}" if s.hsdp_mesh != "explicit" else "",
+        ) if tag]
         # The layout options are None wherever they do not apply (StrategySpec._resolve).
         parts += [f"{tag}{value}" for tag, value in (("tp", s.tp_degree), ("pp", s.pp_degree),
                                                      ("pmb", s.pp_microbatches)) if value is not None]

@@ -328,8 +328,12 @@ def _python_tensor_bytes() -> int:
         if not issubclass(type(obj), torch.Tensor) or obj.device.type != "cpu":
             continue
         total += count(obj)
-        if obj.grad_fn is not None:
-            graphs.append(obj.grad_fn)
+        try:
+            grad_fn = obj.grad_fn
+        except RuntimeError:  # a view whose base was modified in place (FSDP1's flat parameter's views)
+            continue
+        if grad_fn is not None:
+            graphs.append(grad_fn)
     for saved in _saved_tensors(graphs):
         if saved.device.type == "cpu":
             total += count(saved)

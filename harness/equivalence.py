@@ -10,9 +10,6 @@ lr 1e-3; reproduce with ``./run_all.sh`` and read ``equivalence.max_rel_loss_dif
   accumulation, offload): only the order of floating-point sums differs.
 - bf16 / fp16, and fp16/bf16 gradient compression: 5e-4. Seen: at most 3.2e-5 (FSDP's
   parameter casting against the reference's autocast), 2.7e-6 for fp16 + GradScaler.
-- PowerSGD: 5e-3. Seen: 9.6e-4 at rank 1, 6.3e-4 at rank 4 (rank-r gradient approximation
-  with error feedback). At this tolerance the gate checks that training stays on the
-  reference's trajectory, not that it is the same computation.
 - bitsandbytes 8-bit optimizers (adam8bit, adamw8bit, paged_adamw8bit): 1e-4. Where the
   optimizer steps whole tensors (DDP, ZeRO-1, FairScale OSS/SDP) the 8-bit cell matches its
   8-bit reference to 2.3e-7 like fp32; where it steps FSDP1's 1-D flat shards the block-wise
@@ -24,8 +21,8 @@ lr 1e-3; reproduce with ``./run_all.sh`` and read ``equivalence.max_rel_loss_dif
   torch Adafactor is not quantized: it stays at the fp32 tolerance (seen 1.5e-7).
 What the gate must catch: FSDP1 HYBRID_SHARD without an explicit mesh (ranks that never
 synchronise) differs by 2.0e-3 in fp32 and bf16 alike: 200× the fp32 tolerance, 4× the
-low-precision one (tests/test_runs.py). A PowerSGD cell with the same fault would pass:
-compression that lossy is indistinguishable from it in ten steps of loss.
+low-precision one (tests/test_runs.py). Lossy compression is indistinguishable from such a
+fault in ten steps of loss, which is why it is not gated (below).
 FairScale ShardedDataParallel zeroing gradients with set_to_none differs by 1.7e-3 in fp32:
 17× the 8-bit tolerance too (tests/test_fairscale.py).
 
@@ -35,8 +32,10 @@ to train the reference's model. Also where the model has BatchNorm and the cell 
 over fewer samples than the reference's whole batch (per rank without SyncBatchNorm, per
 micro-step under accumulation: measure/batch_norm.py): a different function by design, judged
 by its held-out accuracy and running statistics instead (the report's BatchNorm table). And
-where the cell's gradient compression changes the update by design (int8 quantization, top-k
-and random-k sparsification: features/compression.py UNGATED): its losses leave the
+where the cell's gradient compression changes the update by design (PowerSGD, int8
+quantization, top-k and random-k sparsification: features/compression.py UNGATED; PowerSGD
+was gated at 5e-3 until it left a real-data reference's first 10 steps by 3.6e-2 on the
+byte-level GPT-2, against 9.6e-4 on the synthetic tiny models): its losses leave the
 reference's by construction, so it is judged by where training ends, its final held-out loss
 in the convergence suite against the fp32 band (harness/convergence.py). The same for local
 SGD (features/local_sgd.py), whose ranks train apart between averagings.
@@ -56,14 +55,11 @@ from harness.measure import batch_norm
 GATE_STEPS = 10
 TOLERANCE_FP32 = 1e-5
 TOLERANCE_LOW_PRECISION = 5e-4
-TOLERANCE_LOSSY_COMPRESSION = 5e-3
 TOLERANCE_QUANTIZED_OPTIMIZER = 1e-4
 QUANTIZED_OPTIMIZERS = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit", "lamb8bit"})
 
 
 def tolerance(cell: CellSpec) -> float:
-    if cell.strategy.compression == "powersgd":
-        return TOLERANCE_LOSSY_COMPRESSION
     if cell.strategy.precision != "fp32" or cell.strategy.compression in ("fp16", "bf16"):
         return TOLERANCE_LOW_PRECISION
     if cell.strategy.optimizer in QUANTIZED_OPTIMIZERS:

@@ -8,7 +8,7 @@ and all-gathers them; every rank dequantizes and averages); topk and randomk kee
 entries with error feedback (features/sparsification.py, the project's own hook).
 
 Every hook but fp16 and bf16 changes the update by design: such cells are not held to the
-same-loss gate but judged by the convergence suite's final held-out loss (LOSSY,
+same-loss gate but judged by the convergence suite's final held-out loss (UNGATED,
 harness/equivalence.py). On gloo, PowerSGD is only reliable with a single gradient bucket
 (several buckets abort intermittently with "op.preamble.length <= op.nbytes"), so on gloo the
 DDP strategy sizes its bucket to the whole model when this hook is on. NCCL keeps DDP's
@@ -23,9 +23,8 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
 NAMES = ("none", "fp16", "bf16", "powersgd", "int8_tensor", "int8_channel", "topk", "randomk")
-# Compressions that change what is applied rather than how it travels (PowerSGD is gated at a
-# wider tolerance instead: equivalence.TOLERANCE_LOSSY_COMPRESSION).
-UNGATED = frozenset({"int8_tensor", "int8_channel", "topk", "randomk"})
+# Compressions that change what is applied rather than how it travels.
+UNGATED = frozenset({"powersgd", "int8_tensor", "int8_channel", "topk", "randomk"})
 # quantization_perchannel_hook's channel: its default bucket_size.
 INT8_CHANNEL = 512
 # Measured with torch 2.13 on 2 gloo ranks (tests/test_measure_comm.py checks it still holds).

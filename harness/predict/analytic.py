@@ -192,7 +192,7 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
         # The last block's gradients reduce-scattering as its backward ends: the root unit
         # gathered, the other blocks' activations still held (the head's and the logits' done).
         low = PRECISION_BYTES[cell.strategy.precision]
-        layers = acts["layers"] * (1 - 1 / spec_layers) if (spec_layers := cell.model_spec.n_layers) else 0.0
+        layers = acts["layers"] * (1 - 1 / cell.model_spec.n_layers)
         moments.append({"params": on_device["params"] + low * layout.root_numel, "grads": 0.0,
                         "optimizer": on_device["optimizer"], "activations": layers,
                         "other": in_backward + transient["block_reduce"] + transient.get("loss", 0.0)})

@@ -94,7 +94,7 @@ LAYERS = (
     ("harness.suites", "harness.suite_files"),
     ("harness.claims",),
     ("harness.predict",),
-    ("harness.training",),
+    ("harness.training", "harness.calibration"),
     ("harness.results", "harness.measure", "harness.markers", "harness.equivalence", "harness.convergence",
      "harness.suite_cell", "harness.data"),
     ("harness.config",),

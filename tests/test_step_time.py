@@ -1,4 +1,4 @@
-"""The step-time predictor: what a traced step dispatches (harness/predict/dispatched_work.py),
+"""The step-time predictor: what a traced step dispatches (harness/measure/dispatched_work.py),
 how it is priced (harness/predict/step_time.py), and its ratio beside the measurement."""
 
 import math
@@ -7,6 +7,7 @@ import pytest
 
 from harness import models
 from harness.config import CellSpec, StrategySpec
+from harness.measure import compute_rate
 from harness.predict import accuracy, analytic, step_time, traced
 
 MS = 1e-3
@@ -47,6 +48,14 @@ def test_a_step_is_its_ops_flops_bytes_and_collectives_at_the_measured_rates():
     assert (p["work"], p["rates"], p["bubble"]) == ("traced", "concurrent", 1.0)
 
 
+def test_the_size_factor_scales_the_sized_work_and_not_the_ops():
+    cell, work = _cell(), _work()
+    calibration = _calibration()
+    calibration["compute_rates"]["concurrent"]["size_factor"] = {"fp32": 2.0, "bf16": 1.0, "fp16": 1.0}
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": work}, calibration, "cpu")
+    assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 2.0 * (1e9 / 100e9 + 1e8 / 10e9))
+
+
 def test_sizes_between_measured_points_are_interpolated_log_log():
     # Halfway between 1 KiB and 1 MiB in log size: the geometric mean of the two times.
     seconds = step_time._call_seconds("all_gather", 2**15, 2, _calibration()["rows"], 2)
@@ -55,7 +64,7 @@ def test_sizes_between_measured_points_are_interpolated_log_log():
     assert step_time._call_seconds("all_reduce", 2**22, 2, _calibration()["rows"], 2) == pytest.approx(2**22 / 1e9)
     assert step_time._call_seconds("all_reduce", 2**22, 4, _calibration()["rows"], 2) == pytest.approx(
         2**22 / 1e9 * 1.5)
-    rate = step_time._at_size([[1e3, 100e9], [1e5, 1e9]], 1e4)
+    rate = compute_rate.rate_at_size([[1e3, 100e9], [1e5, 1e9]], 1e4)
     assert rate == pytest.approx(10e9)
 
 

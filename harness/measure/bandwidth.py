@@ -2,9 +2,13 @@
 nccl-tests measures it, once per run (its own short torchrun launch before the cells,
 harness/runner/launcher.py ``run_bandwidth_sweep``); stored with the run's environment.
 
-For each collective and size: ``WARMUP_ITERS`` untimed calls, then ``ITERS`` calls back to
-back between two device synchronisations (nccl-tests' -w 5 -n 20); the time of one call is
-that span ÷ ITERS, and the slowest rank's time is the one reported (the job waits for it).
+For each collective and size: ``WARMUP_ITERS`` untimed calls, then ``REPEATS`` spans of
+``ITERS`` calls back to back between two device synchronisations (nccl-tests' -w 5 -n 20,
+over three spans of 10); the time of one call is the median span ÷ ITERS, and the slowest
+rank's time is the one reported (the job waits for it). The median, not one span: on a host
+whose cores the ranks share, one span that the scheduler stalled read 2.5-3.3 ms a call for
+send/recv of 1-16 KiB in one run's sweep, 0.17 ms in the run before, and every small
+collective of a step is priced by these rows.
 The size S is nccl-tests' too: the all-reduce and broadcast buffer; all-gather's whole output
 (each rank sends S/n); reduce-scatter's whole input (each rank keeps S/n); all-to-all's whole
 input (each rank sends S/n to every rank); send/recv's buffer, which every rank sends to one
@@ -21,37 +25,26 @@ network. A sweep over one node has intra-node rows only.
 On gloo the ranks share the host's memory bus and cores: the numbers describe that
 process group, not a network.
 
-The same launch then measures the ranks' compute rates (harness/measure/compute_rate.py),
-kept beside the sweep as ``compute_rates``: one launch calibrates the step-time predictor.
-
-Run as ``python -m torch.distributed.run ... -m harness.measure.bandwidth --out FILE``: each
-node's local rank 0 writes the JSON (every rank holds the same rows, the slowest rank's times;
-over several nodes global rank 0 may be on another node). ``--collectives-only`` leaves out the
-compute rates: the sweep across nodes (runner/session.py) runs after node 0's own, which
-measured them.
+The run's calibration launch (harness/calibration.py) runs the sweep, then measures the
+ranks' compute rates and its engines' steps: one launch calibrates the step-time predictor.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
+import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from harness.distributed import DistEnv, init_from_torchrun
-from harness.measure import compute_rate
+from harness.distributed import DistEnv
 from harness.measure.comm import busbw_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 WARMUP_ITERS = 5
-ITERS = 20
+ITERS, REPEATS = 10, 3
 # 1 KiB .. 64 MiB on CUDA (×4 steps); 1 KiB .. 16 MiB on CPU, where gloo at 64 MiB takes
 # seconds per call and the sweep would cost more than the cells it describes.
 CUDA_SIZES = tuple(2**k for k in range(10, 27, 2))
@@ -123,13 +116,16 @@ def time_per_call(call: Callable[[], None], env: DistEnv) -> float:
     """Seconds per call on the slowest rank, after the warm-up (module docstring)."""
     for _ in range(WARMUP_ITERS):
         call()
-    _sync(env.device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(ITERS):
-        call()
-    _sync(env.device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / ITERS], dtype=torch.float64, device=env.device)
+    spans = []
+    for _ in range(REPEATS):
+        _sync(env.device)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(ITERS):
+            call()
+        _sync(env.device)
+        spans.append((time.perf_counter() - start) / ITERS)
+    elapsed = torch.tensor([statistics.median(spans)], dtype=torch.float64, device=env.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed.item())
 
@@ -150,39 +146,3 @@ def sweep(env: DistEnv, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
                 rows.append({"op": op, **({"scope": scope} if scope else {}), "bytes": size, "time_s": seconds,
                              "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
     return rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON file each node's local rank 0 writes")
-    parser.add_argument("--collectives-only", action="store_true", help="no compute rates")
-    args = parser.parse_args()
-    env = init_from_torchrun()
-    rows = sweep(env, message_sizes(env.device.type))
-    rates = None
-    if not args.collectives_only:
-        # As the worker does before each cell (runner/worker.release_memory): what the imports
-        # left goes to gc's permanent generation, so no collection of it falls in a timing.
-        gc.collect()
-        gc.freeze()
-        rates = compute_rate.measure(env)
-    if int(os.environ["LOCAL_RANK"]) == 0:
-        args.out.write_text(json.dumps({
-            "world_size": env.world_size,
-            "backend": dist.get_backend(),
-            "device_type": env.device.type,
-            "warmup_iters": WARMUP_ITERS,
-            "iters": ITERS,
-            "nnodes": env.nnodes,
-            "rows": rows,
-            **({"compute_rates": rates} if rates is not None else {}),
-        }))
-    dist.destroy_process_group()
-    # As the worker does (runner/worker.py): a library's destructor can abort at interpreter
-    # exit ("terminate called without an active exception", seen once in a fresh clone after
-    # the calibration built its transformers model), failing a launch whose result is written.
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 (harness/measure/bandwidth.py ``main``): the rates the step-time predictor
 (harness/predict/step_time.py) prices a step's dispatched work at.
 
-Three rates, each timed on every rank at once (the ranks share the host's cores and memory
+The rates, each timed on every rank at once (the ranks share the host's cores and memory
 bus as a cell's ranks do; the slowest rank's time is kept) and again on rank 0 alone while
 the others wait (as the single-process reference runs):
 
@@ -14,24 +14,29 @@ the others wait (as the single-process reference runs):
   ``STREAM_ELEMENTS``, from a first-level cache's size to beyond any last-level cache's: an
   op's bandwidth depends on where its tensors fit. The time of the same add on one element
   (the call's fixed cost, which ``op_s`` prices) is taken off each timing first.
-- ``op_s``, per precision: one dispatched op's cost, whatever its size: a training step of
-  a transformers decoder at the tiny preset's sizes (``OP_COST_MODEL``: 2 layers of width 64,
-  32 tokens; forward, backward and AdamW; bf16 and fp16 under autocast, as the cells run
-  them), its matmuls' time (their FLOPs, counted by torch's formulas, at the matmul rate just
-  measured: a few percent of the step in fp32, most of it in fp16 on a CPU without fp16
-  units) taken off, divided by the aten ops it dispatches (both counted once, by a dispatch
-  mode over one step). What is left is dispatch, autocast's and autograd's bookkeeping and
-  the Python of transformers' modules around each op: 11-14 µs an op in fp32 on this
-  project's hosts, where a plain Sequential of Linear, LayerNorm and GELU modules (an op per
-  module call) costs 5-6 µs, under half of what the models' steps take. The engines' own
-  hooks are not in it.
+- ``op_s`` and ``size_factor``, per precision, from a training step of a transformers decoder
+  at the tiny preset's sizes (``OP_COST_MODEL``: 2 layers of width 64, 32 tokens; forward,
+  backward and AdamW; bf16 and fp16 under autocast, as the cells run them) timed at two
+  batch sizes (``OP_COST_SAMPLES``), each step's work counted once by a dispatch mode
+  (measure/dispatched_work.py: its ops, its matmuls' FLOPs by torch's formulas, its other ops'
+  bytes by size). What grows with the batch is the work that has a size, priced at the two
+  micro-benchmarks above (``sized_seconds``); the measured growth over the priced one is
+  ``size_factor`` (1.8-2.2 in fp32 on this project's hosts: a 512² matmul and a STREAM add
+  are the fastest these ops run, where the model's matmuls are thin, 64 wide, and its GELU,
+  softmax and norms do math on every byte). What is left of the smaller step once its sized
+  work is taken off at that factor, divided by its ops, is ``op_s``: dispatch, autocast's and
+  autograd's bookkeeping and the Python of transformers' modules around each op, 5-12 µs an
+  op in fp32 here (a plain Sequential of Linear, LayerNorm and GELU modules, an op per module
+  call, costs 5-6 µs). The engines' own hooks are not in it.
 
 Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` untimed ones.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -39,17 +44,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from harness import models
 from harness.distributed import DistEnv
+from harness.measure.dispatched_work import Counting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATMUL_SIZE = {"cpu": 512, "cuda": 8192}
 STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2**k for k in range(16, 29, 3))}
 WARMUP, ITERS, REPEATS = 2, 5, 5
 OP_COST_MODEL = "llama-tiny"
+OP_COST_SAMPLES = (2, 16)  # the calibration step's batch: the fewest samples, then eight times as many
 SLOW_CALL_S = 0.05
 
 
@@ -58,7 +63,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEnv, alone: bool,
+def seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEnv, alone: bool,
                       iters: int = ITERS) -> float:
     """The median over REPEATS of (``iters`` calls' span ÷ ``iters``); the slowest rank's, or
     with ``alone`` rank 0's while the other ranks wait at a barrier. A call that takes longer
@@ -91,38 +96,35 @@ def _seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEn
     return float(seconds.item())
 
 
-def dispatches_a_kernel(func: torch._ops.OpOverload) -> bool:
-    """Whether an op reaching a dispatch mode is work: ``prim`` ops are metadata queries
-    (every ``t.device`` in Python), which dispatch no kernel."""
-    return func.namespace != "prim"
+def rate_at_size(points: list[list[float]], size: float) -> float:
+    """The rate measured for a working set of ``size``: log-log between measured sizes, the
+    nearest one's outside them."""
+    sizes = [p[0] for p in points]
+    if size <= sizes[0]:
+        return points[0][1]
+    if size >= sizes[-1]:
+        return points[-1][1]
+    i = bisect.bisect_left(sizes, size)
+    (s0, r0), (s1, r1) = points[i - 1], points[i]
+    weight = math.log(size / s0) / math.log(s1 / s0)
+    return math.exp(math.log(r0) + weight * (math.log(r1) - math.log(r0)))
 
 
-def op_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float | None:
-    """The op's FLOPs by torch's own formulas (matmuls, convolutions, attention kernels), or
-    None for an op they do not cover."""
-    formula = flop_registry.get(func.overloadpacket)
-    return None if formula is None else float(formula(*args, **kwargs, out_val=out))
+def sized_seconds(work: dict[str, Any], matmul_flops_per_s: float, memory_bytes_per_s: list[list[float]]) -> float:
+    """The time of a step's work that has a size (DispatchedWork.to_dict's ``matmul_flops``
+    and ``memory_bytes``) at the micro-benchmarks' rates: the matmul rate, each op size's
+    bytes at the bandwidth measured for that working set."""
+    memory: float = sum(nbytes / rate_at_size(memory_bytes_per_s, size) for size, nbytes in work["memory_bytes"])
+    return float(work["matmul_flops"]) / matmul_flops_per_s + memory
 
 
-class _OpCount(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
-        self.ops = 0
-        self.matmul_flops = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.ops += dispatches_a_kernel(func)
-        self.matmul_flops += op_flops(func, args, kwargs or {}, out) or 0.0
-        return out
-
-
-def _tiny_step(device: torch.device, precision: str) -> tuple[Callable[[], None], _OpCount]:
-    """A training step of ``OP_COST_MODEL`` at ``precision``, and what one step dispatches."""
+def _tiny_step(device: torch.device, precision: str, samples: int) -> tuple[Callable[[], None], dict[str, Any]]:
+    """A training step of ``OP_COST_MODEL`` at ``precision`` on ``samples`` samples, and what
+    one step dispatches (DispatchedWork.to_dict)."""
     built = models.build(models.PRESETS[OP_COST_MODEL])
     model = built.module.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = {name: t.to(device) for name, t in built.make_batch(torch.Generator().manual_seed(0), 2).items()}
+    batch = {name: t.to(device) for name, t in built.make_batch(torch.Generator().manual_seed(0), samples).items()}
     dtype = PRECISIONS[precision]
 
     def step() -> None:
@@ -133,9 +135,9 @@ def _tiny_step(device: torch.device, precision: str) -> tuple[Callable[[], None]
         optimizer.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists before the counted step, as in a timed one
-    with _OpCount() as counter:
+    with Counting() as counter:
         step()
-    return step, counter
+    return step, counter.work.to_dict()
 
 
 def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: DistEnv,
@@ -144,7 +146,7 @@ def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: D
         a, b, out = vectors[size]
         # Small adds are microseconds: enough of them that a timing spans about a millisecond.
         iters = max(ITERS, min(1000, 2**18 // size))
-        return _seconds_per_call(lambda: torch.add(a, b, out=out), device, env, alone, iters)
+        return seconds_per_call(lambda: torch.add(a, b, out=out), device, env, alone, iters)
 
     fixed = add(1)
     # A net time under a tenth of the call's is noise: such a size is cache-fast either way.
@@ -152,30 +154,45 @@ def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: D
             for size in vectors if size > 1 for gross in [add(size)]]
 
 
+def _op_and_size_costs(steps: dict[int, tuple[Callable[[], None], dict[str, Any]]], matmul_flops_per_s: float,
+                       memory_bytes_per_s: list[list[float]], device: torch.device, env: DistEnv,
+                       alone: bool) -> tuple[float, float]:
+    """(``op_s``, ``size_factor``) of one precision from its steps at OP_COST_SAMPLES (module
+    docstring)."""
+    small, large = OP_COST_SAMPLES
+    # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate.
+    seconds = {n: seconds_per_call(steps[n][0], device, env, alone, iters=10) for n in (small, large)}
+    sized = {n: sized_seconds(steps[n][1], matmul_flops_per_s, memory_bytes_per_s) for n in (small, large)}
+    # Never below 1: the micro-benchmarks are the fastest the host runs such work, and a
+    # noisy pair of timings must not price it faster still.
+    factor = max(1.0, (seconds[large] - seconds[small]) / (sized[large] - sized[small]))
+    # Never below a tenth of the step, so noise cannot zero the op cost.
+    op_s = max(seconds[small] - factor * sized[small], seconds[small] / 10) / steps[small][1]["ops"]
+    return op_s, factor
+
+
 def measure(env: DistEnv) -> dict[str, Any]:
     """The rates, {"concurrent": {...}, "alone": {...}}, each {"matmul_flops_per_s":
-    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}}, and what was timed."""
+    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "size_factor"
+    {precision: ×}}, and what was timed."""
     device, kind = env.device, env.device.type
     n = MATMUL_SIZE[kind]
     vectors = {size: [torch.ones(size, device=device) for _ in range(3)] for size in (1, *STREAM_ELEMENTS[kind])}
-    steps = {name: _tiny_step(device, name) for name in PRECISIONS}
+    steps = {name: {samples: _tiny_step(device, name, samples) for samples in OP_COST_SAMPLES} for name in PRECISIONS}
     matrices = {name: (torch.ones(n, n, dtype=dtype, device=device), torch.ones(n, n, dtype=dtype, device=device))
                 for name, dtype in PRECISIONS.items()}
     rates: dict[str, Any] = {}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"
-        matmul = {name: 2 * n**3 / _seconds_per_call(functools.partial(torch.mm, x, y), device, env, alone)
+        matmul = {name: 2 * n**3 / seconds_per_call(functools.partial(torch.mm, x, y), device, env, alone)
                   for name, (x, y) in matrices.items()}
-        op_s = {}
-        for name, (step, counted) in steps.items():
-            # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate.
-            seconds = _seconds_per_call(step, device, env, alone, iters=10)
-            # Less the step's matmuls at the rate just measured (fp16's are slow on CPUs
-            # without fp16 units); never below a tenth of the step, so noise cannot zero it.
-            op_s[name] = max(seconds - counted.matmul_flops / matmul[name], seconds / 10) / counted.ops
-        rates[scope] = {"matmul_flops_per_s": matmul, "memory_bytes_per_s": _stream(vectors, device, env, alone),
-                        "op_s": op_s}
-    return {**rates, "matmul_size": n, "op_cost_model": OP_COST_MODEL,
-            "tiny_step_ops": {name: counted.ops for name, (_, counted) in steps.items()},
-            "tiny_step_matmul_flops": {name: counted.matmul_flops for name, (_, counted) in steps.items()},
+        memory = _stream(vectors, device, env, alone)
+        costs = {name: _op_and_size_costs(steps[name], matmul[name], memory, device, env, alone) for name in PRECISIONS}
+        rates[scope] = {"matmul_flops_per_s": matmul, "memory_bytes_per_s": memory,
+                        "op_s": {name: op_s for name, (op_s, _) in costs.items()},
+                        "size_factor": {name: factor for name, (_, factor) in costs.items()}}
+    smaller = {name: by_samples[OP_COST_SAMPLES[0]][1] for name, by_samples in steps.items()}
+    return {**rates, "matmul_size": n, "op_cost_model": OP_COST_MODEL, "op_cost_samples": list(OP_COST_SAMPLES),
+            "tiny_step_ops": {name: work["ops"] for name, work in smaller.items()},
+            "tiny_step_matmul_flops": {name: work["matmul_flops"] for name, work in smaller.items()},
             "world_size": env.world_size}

@@ -2,7 +2,7 @@
 the record's ``predicted.step_time_s`` and its parts (``predicted.step_time``).
 
 The work (per rank, one optimizer step):
-- traced (harness/predict/dispatched_work.py), where the cell was traced: every aten op rank
+- traced (harness/measure/dispatched_work.py), where the cell was traced: every aten op rank
   0 dispatched, the FLOPs of its matmuls and attention kernels (recomputation included, as
   the checkpointed step really runs it), the bytes its other ops read and wrote, and every
   collective call with its size;
@@ -18,8 +18,16 @@ The work (per rank, one optimizer step):
 
 The rates (harness/measure/compute_rate.py and the bandwidth sweep, both measured in the
 run's own calibration launch; the record names which was used):
-- compute = ops × op_s + matmul FLOPs ÷ the matmul rate, both at the cell's precision, +
-  each op size's bytes ÷ the memory bandwidth measured for that working set. A
+- compute = ops × (op_s + the engine's overhead) + size_factor × (matmul FLOPs ÷ the matmul
+  rate + each op size's bytes ÷ the memory bandwidth measured for that working set), all at
+  the cell's precision: the micro-benchmarks' rates, scaled by how much slower a model step's
+  sized work ran than they price it (compute_rate's docstring). The engine's overhead per op
+  (``engine_overhead_per_op``, CPU runs): what the calibration's step of the cell's strategy
+  (harness/calibration.py) took beyond its own work priced this way, over its ops; that step
+  is llama-tiny's, so a cell of that model, strategy, fp32 and micro-batch 2 is predicted
+  from its own engine's step, and every other cell from its strategy's on another
+  configuration. On CUDA the engine's host work runs ahead of the GPU's kernels and is not
+  added. A
   single-process cell takes the rates rank 0 measured alone, a distributed one those
   measured with every rank busy; on the CPU a cell with more ranks than the calibration had
   (and so more ranks than cores) gets its share of them.
@@ -42,8 +50,9 @@ run's own calibration launch; the record names which was used):
   memory traffic at host bandwidth (the rate the CPU calibration would measure; none on a
   GPU run, so ``HOST_MEMORY_BYTES_PER_S``).
 
-Not modelled: Python between ops (the engines' hooks and bookkeeping), waiting on a slower
-rank, the allocator, and the dispatcher's cost of ops the trace does not see.
+Not modelled: Python between ops (the engines' hooks and bookkeeping) beyond what the
+engine's overhead per op spreads over its ops, waiting on a slower rank, the allocator, and the
+dispatcher's cost of ops the trace does not see.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import math
 
 from harness import models, strategies
 from harness.config import CellSpec
+from harness.measure import compute_rate
 from harness.measure.comm import busbw_factor
 from harness.strategies import pipeline
 
@@ -69,25 +79,24 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     if not calibration or "error" in calibration or "skipped" in calibration:
         why = (calibration or {}).get("skipped") or (calibration or {}).get("error") or "no calibration in this run"
         return {"unavailable": f"no measured rates to price the step at: {why}"}
+    engine = cell.strategy.name  # whose calibration step prices what the engine does around its ops
     if "work" in traced:
         work, source = traced["work"], "traced"
     elif "stand_in" in traced and "unavailable" not in analytic:
         work = _with_analytic_collectives(traced["stand_in"]["work"], analytic)
         source = f"traced stand-in {traced['stand_in']['cell_id']} ({traced['unavailable']})"
+        engine = traced["stand_in"].get("strategy", engine)  # the work is the stand-in's step
     elif "unavailable" not in analytic:
         work, source = analytic_work(cell, analytic), f"analytic ({traced.get('unavailable', 'not traced')})"
     else:
         return {"unavailable": f"no work to price: not traced ({traced.get('unavailable')}) and no analytic"
                                f" prediction ({analytic['unavailable']})"}
     rates, share = _rates(cell, calibration, device_type)
-    precision = cell.strategy.precision
-    flops_rate = rates["matmul_flops_per_s"][precision]
-    memory = sum(nbytes / _at_size(rates["memory_bytes_per_s"], size) for size, nbytes in work["memory_bytes"])
-    compute = (work["ops"] * rates["op_s"][precision] + work["matmul_flops"] / flops_rate + memory) / share
-    comm_by_op = {kind: sum(calls * _call_seconds(kind, nbytes, cell.world_size, calibration["rows"],
-                                                   calibration["world_size"]) / share
-                            for nbytes, calls in sizes)
-                  for kind, sizes in work["collectives"].items()}
+    overhead = (engine_overhead_per_op(engine, calibration)
+                if device_type == "cpu" and cell.world_size > 1 else 0.0)
+    compute = _compute_seconds(work, rates, cell.strategy.precision, overhead) / share
+    comm_by_op = {kind: seconds / share
+                  for kind, seconds in _comm_seconds_by_op(work, cell.world_size, calibration).items()}
     comm = sum(comm_by_op.values())
     exposed = comm if device_type != "cuda" else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration)
     bubble = _bubble(cell)
@@ -96,7 +105,37 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     return {"step_time_s": step, "compute_s": compute, "comm_s": comm, "comm_s_by_op": comm_by_op,
             "exposed_comm_s": exposed, "bubble": bubble, "offload_s": offload, "work": source,
             "rates": "alone" if cell.world_size == 1 else "concurrent",
+            **({"engine_overhead_per_op_s": overhead} if overhead else {}),
             **({"rank_share": share} if share != 1 else {})}
+
+
+def engine_overhead_per_op(name: str, calibration: dict) -> float:
+    """What an op of strategy ``name``'s engine costs beyond a plain step's op: its
+    calibration step's time (harness/calibration.py) less that step's ops at the plain op
+    cost, its sized work and its collectives at the sweep's times, over its ops (never below
+    0); 0 where the calibration timed no such step (a run from before engines were timed,
+    a pipeline, a strategy the launch could not run)."""
+    engine = calibration["compute_rates"].get("engines", {}).get(name, {})
+    if "step_s" not in engine:
+        return 0.0
+    work, world_size = engine["work"], calibration["world_size"]
+    priced = (_compute_seconds(work, calibration["compute_rates"]["concurrent"], "fp32", 0.0)
+              + sum(_comm_seconds_by_op(work, world_size, calibration).values()))
+    return max(0.0, (engine["step_s"] - priced) / work["ops"])
+
+
+def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: float) -> float:
+    """ops × (op_s + the engine's overhead) + size_factor × the sized work (module docstring)."""
+    sized = compute_rate.sized_seconds(work, rates["matmul_flops_per_s"][precision], rates["memory_bytes_per_s"])
+    # A calibration from before size_factor was measured priced sized work at the micro-benchmarks.
+    size_factor = rates.get("size_factor", {}).get(precision, 1.0)
+    return work["ops"] * (rates["op_s"][precision] + overhead_per_op) + size_factor * sized
+
+
+def _comm_seconds_by_op(work: dict, world_size: int, calibration: dict) -> dict[str, float]:
+    return {kind: sum(calls * _call_seconds(kind, nbytes, world_size, calibration["rows"], calibration["world_size"])
+                      for nbytes, calls in sizes)
+            for kind, sizes in work["collectives"].items()}
 
 
 def analytic_work(cell: CellSpec, analytic: dict) -> dict:
@@ -124,20 +163,6 @@ def _with_analytic_collectives(work: dict, analytic: dict) -> dict:
     missing = {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items()
                if nbytes and kind not in work["collectives"]}
     return {**work, "collectives": {**work["collectives"], **missing}}
-
-
-def _at_size(points: list[list[float]], size: float) -> float:
-    """The rate measured for a working set of ``size``: log-log between measured sizes, the
-    nearest one's outside them."""
-    sizes = [p[0] for p in points]
-    if size <= sizes[0]:
-        return points[0][1]
-    if size >= sizes[-1]:
-        return points[-1][1]
-    i = bisect.bisect_left(sizes, size)
-    (s0, r0), (s1, r1) = points[i - 1], points[i]
-    weight = math.log(size / s0) / math.log(s1 / s0)
-    return math.exp(math.log(r0) + weight * (math.log(r1) - math.log(r0)))
 
 
 def _model_split(cell: CellSpec) -> int:

@@ -39,8 +39,10 @@ real peers:
   so is the mesh FSDP2 joins from the dp and tp dimensions of a tensor-parallel model.
 - Data-dependent Python scalars (``.item()``, ``bool(t)``) that fake mode cannot know read as
   0: GradScaler's found-inf count (the step is taken), Adafactor's parameter RMS (a step-size
-  factor), the rejection loop of trunc_normal_ in ViT's init (one draw). Constants fake mode
-  made itself (an optimizer's step count) keep their value.
+  factor), the rejection loop of trunc_normal_ in ViT's init (one draw), bitsandbytes LAMB's
+  weight norm (a 0-d tensor it hands its update op where the op's schema takes a float: read
+  first, ``_WithPythonParamNorm``). Constants fake mode made itself (an optimizer's step
+  count) keep their value.
 - transformers reads position ids to detect packed sequences and, on fake tensors, assumes
   they may be packed and builds an explicit causal mask the real run never makes (16 KB per
   two gpt2-tiny samples). The harness never packs (every sample's positions are 0..T-1), so the answer
@@ -111,6 +113,7 @@ import unittest.mock
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,7 +125,7 @@ from harness import distributed, strategies, training
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.measure import memory
-from harness.predict.dispatched_work import DispatchedWork
+from harness.measure.dispatched_work import DispatchedWork
 from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -316,6 +319,23 @@ def _no_op(*args, **kwargs) -> None:
     pass
 
 
+class _WithPythonParamNorm:
+    """bitsandbytes' 32-bit update op with its ``param_norm`` (the 8th argument, LAMB's weight
+    norm) as a Python float: bitsandbytes passes a 0-d tensor where the op's schema takes a
+    float, which a real tensor converts to and a fake one refuses; read, it is data-dependent
+    (0 here, as every such scalar in the trace). Everything else is the op's own."""
+
+    def __init__(self, op: Any) -> None:
+        self._op = op
+
+    def __call__(self, *args: Any) -> Any:
+        norm = args[7]
+        return self._op(*args[:7], float(norm) if isinstance(norm, torch.Tensor) else norm, *args[8:])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._op, name)
+
+
 @contextmanager
 def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
     """Each patch stands for a step that needs real data or peers; see the module docstring."""
@@ -329,6 +349,10 @@ def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
     ]
     if cell.strategy.pipelined:
         patches += _pipeline_metadata_from_this_rank()
+    if cell.strategy.optimizer in ("lamb", "lamb8bit"):
+        import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+        patches.append(unittest.mock.patch.object(torch.ops.bitsandbytes, "optimizer_update_32bit",
+                                                  _WithPythonParamNorm(torch.ops.bitsandbytes.optimizer_update_32bit)))
     if cell.strategy.name.startswith("deepspeed"):
         patches += [
             # Debug names of parameters, kept in weakref.finalize maps: Module.to() on fake
@@ -450,7 +474,8 @@ def _with_stand_in(result: dict, stand_in: CellSpec, traced_stand_in: dict) -> d
     """A refused cell's result with its stand-in's work, where the stand-in traced."""
     if "work" not in traced_stand_in:
         return result
-    return {**result, "stand_in": {"cell_id": stand_in.cell_id, "work": traced_stand_in["work"]}}
+    return {**result, "stand_in": {"cell_id": stand_in.cell_id, "strategy": stand_in.strategy.name,
+                                   "work": traced_stand_in["work"]}}
 
 
 def trace(cell: CellSpec, stand_in: bool = True) -> dict:

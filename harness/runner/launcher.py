@@ -1,7 +1,7 @@
 """Run a batch of cells of one world size under torchrun and report each as it ends.
 
-Also the run's collective bandwidth sweep (``run_bandwidth_sweep``): one short torchrun of
-harness.measure.bandwidth before the cells.
+Also the run's calibration, its bandwidth sweep among it (``run_bandwidth_sweep``): one short
+torchrun of harness.calibration before the cells.
 
 One torchrun serves many cells (a launch costs ~5.5 s on the reference CPU host, a tiny cell
 ~1 s). If the workers die or stop making progress, the cell that was running is recorded as
@@ -299,10 +299,11 @@ BANDWIDTH_TIMEOUT_S = 300.0
 
 
 def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float, nodes: NodeSpec = SINGLE_NODE,
-                        rdzv_id: str = "shardbench-bandwidth") -> dict:
-    """The collective bandwidth sweep (harness/measure/bandwidth.py) over ``world_size`` ranks:
-    this node's (with the compute rates), or, given ``nodes`` of several, this node's share of
-    a sweep across them, which every node launches alike (``rdzv_id``; collectives only). Its
+                        rdzv_id: str = "shardbench-bandwidth", engines: tuple[str, ...] = ()) -> dict:
+    """The calibration launch (harness/calibration.py) over ``world_size`` ranks: this node's
+    bandwidth sweep with the compute rates and the steps of ``engines`` (strategies), or,
+    given ``nodes`` of several, this node's share of a sweep across them, which every node
+    launches alike (``rdzv_id``; collectives only). Its
     JSON, or {"error": why} when it could not run (one rank has nothing to communicate with; a
     launch that failed or outlived ``timeout_s``, with its log's tail). A sweep that fails
     costs the run its bandwidth table, never its cells."""
@@ -312,7 +313,8 @@ def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float, nodes:
     out, log_file = workdir / "bandwidth.json", workdir / "log.txt"
     across = nodes_of(world_size, nodes) > 1
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(world_size, nodes, rdzv_id, timeout_s),
-           "-m", "harness.measure.bandwidth", "--out", str(out), *(["--collectives-only"] if across else [])]
+           "-m", "harness.calibration", "--out", str(out),
+           *(["--collectives-only"] if across else ["--engines", ",".join(engines)])]
     launch = _Launch(cmd, log_file, {"OMP_NUM_THREADS": "1", **os.environ})
     try:
         launch.proc.wait(timeout=timeout_s)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import distributed, suite_files, suites_gpu
-from harness.config import RunOptions, gib_of
+from harness.config import CellSpec, RunOptions, gib_of
 from harness.measure import environment
 from harness.report import history, html
 from harness.results import provenance
@@ -76,6 +76,13 @@ def fit_memory_bytes(options: RunOptions) -> int | None:
     return min(gpu.memory_bytes, options.mem_cap_bytes or gpu.memory_bytes)
 
 
+def engines_to_calibrate(cells: list[CellSpec]) -> tuple[str, ...]:
+    """The strategies of the distributed cells, each of whose steps a CPU run's calibration
+    launch times (harness/calibration.py; the step-time predictor adds an engine's overhead on
+    the CPU only)."""
+    return tuple(sorted({c.strategy.name for c in cells if c.world_size > 1}))
+
+
 def start(config: pytest.Config) -> MatrixRun:
     cells = config.stash.get(SELECTED, [])
     options = run_options(config)
@@ -100,7 +107,8 @@ def start(config: pytest.Config) -> MatrixRun:
         # This node's ranks only: the one launch that needs no other node to take part.
         environment_info["bandwidth"] = {"skipped": "--no-bandwidth"} if options.no_bandwidth else {
             "scope": f"{ranks_per_node} rank(s) of one node",
-            **run_bandwidth_sweep(ranks_per_node, store.path / "launches" / "bandwidth", BANDWIDTH_TIMEOUT_S),
+            **run_bandwidth_sweep(ranks_per_node, store.path / "launches" / "bandwidth", BANDWIDTH_TIMEOUT_S,
+                                  engines=engines_to_calibrate(cells) if device_type == "cpu" else ()),
         }
         run_info = {
             "run_id": store.run_id,

@@ -1,5 +1,6 @@
-"""What a traced training step dispatches, counted op by op: the work the step-time predictor
-(harness/predict/step_time.py) prices.
+"""What a training step dispatches, counted op by op: the work the step-time predictor
+(harness/predict/step_time.py) prices, and what its calibration step did
+(measure/compute_rate.py).
 
 The traced step (harness/predict/traced.py) runs the cell's real code under FakeTensorMode,
 so every aten op the engines issue reaches the fake mode with its shapes: forward,
@@ -31,9 +32,24 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
-from harness.measure import comm, compute_rate
+from harness.measure import comm
+
+
+def dispatches_a_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether an op reaching a dispatch mode is work: ``prim`` ops are metadata queries
+    (every ``t.device`` in Python), which dispatch no kernel."""
+    return func.namespace != "prim"
+
+
+def op_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float | None:
+    """The op's FLOPs by torch's own formulas (matmuls, convolutions, attention kernels), or
+    None for an op they do not cover."""
+    formula = flop_registry.get(func.overloadpacket)
+    return None if formula is None else float(formula(*args, **kwargs, out_val=out))
 
 
 @dataclasses.dataclass
@@ -44,7 +60,7 @@ class DispatchedWork:
     collectives: defaultdict[str, Counter[int]] = dataclasses.field(default_factory=lambda: defaultdict(Counter))
 
     def add(self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if not compute_rate.dispatches_a_kernel(func):
+        if not dispatches_a_kernel(func):
             return
         self.ops += 1
         call = comm.collective_call(func, args, out)
@@ -52,7 +68,7 @@ class DispatchedWork:
             kind, nbytes, _ = call
             self.collectives[kind][nbytes] += 1
             return
-        flops = compute_rate.op_flops(func, args, kwargs, out)
+        flops = op_flops(func, args, kwargs, out)
         if flops is not None:
             self.matmul_flops += flops
         elif not func.is_view:
@@ -70,3 +86,17 @@ class DispatchedWork:
 
 def _pairs(counter: Counter[int]) -> list[list[int]]:
     return [[size, n] for size, n in sorted(counter.items())]
+
+
+class Counting(TorchDispatchMode):
+    """Runs every op as it is and counts it into ``work``: a real step's dispatched work (the
+    traced step counts inside its fake mode instead, one dispatch layer fewer)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
+        self.work = DispatchedWork()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.work.add(func, args, kwargs or {}, out)
+        return out

@@ -8,26 +8,33 @@ the others wait (as the single-process reference runs):
 
 - ``matmul_flops_per_s``, per precision: a square matmul of ``MATMUL_SIZE`` (CPU: 512, one
   thread's tile-friendly size; CUDA: 8192, large enough to reach the tensor cores' rate),
-  2·n³ FLOPs a call.
+  2·n³ FLOPs a call; and ``matmul_flops_per_s_by_size``, [[FLOPs a call, FLOP/s], ...], the
+  same for each square size of ``MATMUL_SIZES``: a 32² matmul runs at a few percent of a
+  512²'s rate, and a step's matmuls are priced by their own size (log-log between sizes in
+  FLOPs a call, the largest's rate above it).
 - ``memory_bytes_per_s``: [[working set, bytes/s], ...], an out-of-place add of two fp32
   vectors (STREAM's "add": three vectors' bytes a call, the working set) at each of
   ``STREAM_ELEMENTS``, from a first-level cache's size to beyond any last-level cache's: an
   op's bandwidth depends on where its tensors fit. The time of the same add on one element
   (the call's fixed cost, which ``op_s`` prices) is taken off each timing first.
-- ``op_s`` and ``size_factor``, per precision, from a training step of a transformers decoder
-  at the tiny preset's sizes (``OP_COST_MODEL``: 2 layers of width 64, 32 tokens; forward,
-  backward and AdamW; bf16 and fp16 under autocast, as the cells run them) timed at two
-  batch sizes (``OP_COST_SAMPLES``), each step's work counted once by a dispatch mode
-  (measure/dispatched_work.py: its ops, its matmuls' FLOPs by torch's formulas, its other ops'
-  bytes by size). What grows with the batch is the work that has a size, priced at the two
-  micro-benchmarks above (``sized_seconds``); the measured growth over the priced one is
-  ``size_factor`` (1.8-2.2 in fp32 on this project's hosts: a 512² matmul and a STREAM add
-  are the fastest these ops run, where the model's matmuls are thin, 64 wide, and its GELU,
-  softmax and norms do math on every byte). What is left of the smaller step once its sized
-  work is taken off at that factor, divided by its ops, is ``op_s``: dispatch, autocast's and
-  autograd's bookkeeping and the Python of transformers' modules around each op, 5-12 µs an
-  op in fp32 here (a plain Sequential of Linear, LayerNorm and GELU modules, an op per module
-  call, costs 5-6 µs). The engines' own hooks are not in it.
+- ``op_s`` and ``memory_factor``, per precision, from a training step of a transformers
+  decoder at the tiny preset's sizes (``OP_COST_MODEL``: 2 layers of width 64, 32 tokens;
+  forward, backward and AdamW; bf16 and fp16 under autocast, as the cells run them) timed at
+  two batch sizes (``OP_COST_SAMPLES``), each step's work counted once by a dispatch mode
+  (measure/dispatched_work.py: its ops, its matmuls' FLOPs by torch's formulas and by call
+  size, its other ops' bytes by size). What grows with the batch is the work that has a size:
+  the matmuls, priced at the rates above for their sizes (``matmul_seconds``), and the other
+  ops' bytes, priced at the STREAM add's bandwidth (``memory_seconds``). What the larger step
+  took beyond the smaller one and its matmuls' growth, over its bytes' priced growth, is
+  ``memory_factor``: a model's elementwise ops run several times slower per byte than an add
+  into a buffer that exists (each allocates its output, and GELU, softmax and the norms do
+  math on every byte; 5.6 in fp32 measured on this project's host, op by op: of the 7.4 ms
+  llama-tiny's step gains from 2 to 16 samples, the matmuls are 3.1 ms and the elementwise
+  ops most of the rest). What is left of the smaller step once its matmuls and its bytes (at
+  that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's and
+  autograd's bookkeeping and the Python of transformers' modules around each op (a plain
+  Sequential of Linear, LayerNorm and GELU modules, an op per module call, costs 5-6 µs).
+  The engines' own hooks are not in it.
 
 Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` untimed ones.
 """
@@ -51,6 +58,8 @@ from harness.measure.dispatched_work import Counting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATMUL_SIZE = {"cpu": 512, "cuda": 8192}
+# Larger CPU sizes are left out: a 1024² bf16 matmul on a CPU without bf16 units takes ~2 s.
+MATMUL_SIZES = {"cpu": (32, 64, 128, 256, 512), "cuda": (512, 1024, 2048, 4096, 8192)}
 STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2**k for k in range(16, 29, 3))}
 WARMUP, ITERS, REPEATS = 2, 5, 5
 OP_COST_MODEL = "llama-tiny"
@@ -77,7 +86,10 @@ def seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEnv
         start = time.perf_counter()
         call()
         _sync(device)
-        if time.perf_counter() - start > SLOW_CALL_S:
+        probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        if not alone:  # every rank makes as many calls: a distributed step's collectives pair up
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        if float(probe.item()) > SLOW_CALL_S:
             iters = 1
     warmup = min(WARMUP, iters)
     for _ in range(REPEATS):
@@ -110,12 +122,21 @@ def rate_at_size(points: list[list[float]], size: float) -> float:
     return math.exp(math.log(r0) + weight * (math.log(r1) - math.log(r0)))
 
 
-def sized_seconds(work: dict[str, Any], matmul_flops_per_s: float, memory_bytes_per_s: list[list[float]]) -> float:
-    """The time of a step's work that has a size (DispatchedWork.to_dict's ``matmul_flops``
-    and ``memory_bytes``) at the micro-benchmarks' rates: the matmul rate, each op size's
-    bytes at the bandwidth measured for that working set."""
-    memory: float = sum(nbytes / rate_at_size(memory_bytes_per_s, size) for size, nbytes in work["memory_bytes"])
-    return float(work["matmul_flops"]) / matmul_flops_per_s + memory
+def matmul_seconds(work: dict[str, Any], rates: dict[str, Any], precision: str) -> float:
+    """The time of a step's matmul FLOPs (DispatchedWork.to_dict's) at ``rates`` (one scope of
+    ``measure``'s): each call size's FLOPs at the rate measured for that size; work or rates
+    recorded before matmuls had sizes, every FLOP at the one matmul rate."""
+    by_size = rates.get("matmul_flops_per_s_by_size", {}).get(precision)
+    if by_size and "matmul_flops_by_size" in work:
+        return float(sum(flops / rate_at_size(by_size, size) for size, flops in work["matmul_flops_by_size"]))
+    return float(work["matmul_flops"]) / float(rates["matmul_flops_per_s"][precision])
+
+
+def memory_seconds(work: dict[str, Any], rates: dict[str, Any]) -> float:
+    """The time of a step's other ops' bytes at the STREAM add's bandwidth for each op size's
+    working set (before ``memory_factor``)."""
+    bandwidth = rates["memory_bytes_per_s"]
+    return float(sum(nbytes / rate_at_size(bandwidth, size) for size, nbytes in work["memory_bytes"]))
 
 
 def _tiny_step(device: torch.device, precision: str, samples: int) -> tuple[Callable[[], None], dict[str, Any]]:
@@ -140,6 +161,19 @@ def _tiny_step(device: torch.device, precision: str, samples: int) -> tuple[Call
     return step, counter.work.to_dict()
 
 
+def _matmul_rates(dtype: torch.dtype, kind: str, device: torch.device, env: DistEnv,
+                  alone: bool) -> list[list[float]]:
+    """[[FLOPs a call, FLOP/s], ...] of square matmuls at MATMUL_SIZES, the last MATMUL_SIZE."""
+    curve = []
+    for n in MATMUL_SIZES[kind]:
+        x, y = torch.ones(n, n, dtype=dtype, device=device), torch.ones(n, n, dtype=dtype, device=device)
+        # Small matmuls are microseconds: enough of them that a timing spans about a millisecond.
+        iters = max(ITERS, min(1000, (MATMUL_SIZE[kind] // n) ** 3))
+        seconds = seconds_per_call(functools.partial(torch.mm, x, y), device, env, alone, iters)
+        curve.append([2 * n**3, 2 * n**3 / seconds])
+    return curve
+
+
 def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: DistEnv,
             alone: bool) -> list[list[float]]:
     def add(size: int) -> float:
@@ -154,45 +188,45 @@ def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: D
             for size in vectors if size > 1 for gross in [add(size)]]
 
 
-def _op_and_size_costs(steps: dict[int, tuple[Callable[[], None], dict[str, Any]]], matmul_flops_per_s: float,
-                       memory_bytes_per_s: list[list[float]], device: torch.device, env: DistEnv,
-                       alone: bool) -> tuple[float, float]:
-    """(``op_s``, ``size_factor``) of one precision from its steps at OP_COST_SAMPLES (module
+def _op_and_memory_costs(steps: dict[int, tuple[Callable[[], None], dict[str, Any]]], rates: dict[str, Any],
+                         precision: str, device: torch.device, env: DistEnv, alone: bool) -> tuple[float, float]:
+    """(``op_s``, ``memory_factor``) of one precision from its steps at OP_COST_SAMPLES (module
     docstring)."""
     small, large = OP_COST_SAMPLES
     # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate.
     seconds = {n: seconds_per_call(steps[n][0], device, env, alone, iters=10) for n in (small, large)}
-    sized = {n: sized_seconds(steps[n][1], matmul_flops_per_s, memory_bytes_per_s) for n in (small, large)}
-    # Never below 1: the micro-benchmarks are the fastest the host runs such work, and a
-    # noisy pair of timings must not price it faster still.
-    factor = max(1.0, (seconds[large] - seconds[small]) / (sized[large] - sized[small]))
+    matmuls = {n: matmul_seconds(steps[n][1], rates, precision) for n in (small, large)}
+    memory = {n: memory_seconds(steps[n][1], rates) for n in (small, large)}
+    # Never below 1: the STREAM add is the fastest the host moves bytes, and a noisy pair of
+    # timings must not price them faster still.
+    factor = max(1.0, (seconds[large] - seconds[small] - (matmuls[large] - matmuls[small]))
+                 / (memory[large] - memory[small]))
     # Never below a tenth of the step, so noise cannot zero the op cost.
-    op_s = max(seconds[small] - factor * sized[small], seconds[small] / 10) / steps[small][1]["ops"]
-    return op_s, factor
+    rest = seconds[small] - matmuls[small] - factor * memory[small]
+    return max(rest, seconds[small] / 10) / steps[small][1]["ops"], factor
 
 
 def measure(env: DistEnv) -> dict[str, Any]:
     """The rates, {"concurrent": {...}, "alone": {...}}, each {"matmul_flops_per_s":
-    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "size_factor"
+    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "memory_factor"
     {precision: ×}}, and what was timed."""
     device, kind = env.device, env.device.type
-    n = MATMUL_SIZE[kind]
     vectors = {size: [torch.ones(size, device=device) for _ in range(3)] for size in (1, *STREAM_ELEMENTS[kind])}
     steps = {name: {samples: _tiny_step(device, name, samples) for samples in OP_COST_SAMPLES} for name in PRECISIONS}
-    matrices = {name: (torch.ones(n, n, dtype=dtype, device=device), torch.ones(n, n, dtype=dtype, device=device))
-                for name, dtype in PRECISIONS.items()}
     rates: dict[str, Any] = {}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"
-        matmul = {name: 2 * n**3 / seconds_per_call(functools.partial(torch.mm, x, y), device, env, alone)
-                  for name, (x, y) in matrices.items()}
-        memory = _stream(vectors, device, env, alone)
-        costs = {name: _op_and_size_costs(steps[name], matmul[name], memory, device, env, alone) for name in PRECISIONS}
-        rates[scope] = {"matmul_flops_per_s": matmul, "memory_bytes_per_s": memory,
-                        "op_s": {name: op_s for name, (op_s, _) in costs.items()},
-                        "size_factor": {name: factor for name, (_, factor) in costs.items()}}
+        by_size = {name: _matmul_rates(dtype, kind, device, env, alone) for name, dtype in PRECISIONS.items()}
+        rates[scope] = {"matmul_flops_per_s": {name: curve[-1][1] for name, curve in by_size.items()},
+                        "matmul_flops_per_s_by_size": by_size,
+                        "memory_bytes_per_s": _stream(vectors, device, env, alone)}
+        costs = {name: _op_and_memory_costs(steps[name], rates[scope], name, device, env, alone)
+                 for name in PRECISIONS}
+        rates[scope] |= {"op_s": {name: op_s for name, (op_s, _) in costs.items()},
+                         "memory_factor": {name: factor for name, (_, factor) in costs.items()}}
     smaller = {name: by_samples[OP_COST_SAMPLES[0]][1] for name, by_samples in steps.items()}
-    return {**rates, "matmul_size": n, "op_cost_model": OP_COST_MODEL, "op_cost_samples": list(OP_COST_SAMPLES),
+    return {**rates, "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
+            "op_cost_model": OP_COST_MODEL, "op_cost_samples": list(OP_COST_SAMPLES),
             "tiny_step_ops": {name: work["ops"] for name, work in smaller.items()},
             "tiny_step_matmul_flops": {name: work["matmul_flops"] for name, work in smaller.items()},
             "world_size": env.world_size}

@@ -9,7 +9,10 @@ collectives. Per op the counter adds:
 
 - one to ``ops`` (what each op costs to dispatch, whatever its size);
 - its FLOPs where torch's own FLOP formulas know the op (``torch.utils.flop_counter``:
-  the matmuls, convolutions and attention kernels, forward and backward) to ``matmul_flops``;
+  the matmuls, convolutions and attention kernels, forward and backward) to ``matmul_flops``,
+  and by the call's FLOPs rounded up to a power of two to ``matmul_flops_by_size`` (a small
+  matmul runs far below a large one's rate, so each size is priced at the rate measured for
+  it);
 - otherwise the bytes of its tensor inputs and outputs to ``memory_bytes``, by the op's
   size rounded up to a power of two (an elementwise op reads and writes memory at the
   bandwidth of the level of cache or memory its tensors fit in, so each size is priced at the
@@ -28,6 +31,7 @@ bookkeeping), waiting for other ranks, and ops on other threads.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -56,6 +60,7 @@ def op_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[st
 class DispatchedWork:
     ops: int = 0
     matmul_flops: float = 0.0
+    matmul_flops_by_size: Counter[int] = dataclasses.field(default_factory=Counter)  # call FLOPs (power of 2) -> FLOPs
     memory_bytes: Counter[int] = dataclasses.field(default_factory=Counter)  # op size (power of 2) -> bytes
     collectives: defaultdict[str, Counter[int]] = dataclasses.field(default_factory=lambda: defaultdict(Counter))
 
@@ -71,20 +76,28 @@ class DispatchedWork:
         flops = op_flops(func, args, kwargs, out)
         if flops is not None:
             self.matmul_flops += flops
+            if flops:
+                self.matmul_flops_by_size[_power_of_two_above(flops)] += int(flops)
         elif not func.is_view:
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             nbytes = sum(t.nbytes for t in tensors)
             if nbytes:
-                self.memory_bytes[1 << (nbytes - 1).bit_length()] += nbytes
+                self.memory_bytes[_power_of_two_above(nbytes)] += nbytes
 
     def to_dict(self) -> dict[str, Any]:
-        """The trace record's ``work``: ``memory_bytes`` as [[op size, bytes], ...] and
-        collectives as {kind: [[bytes per call, calls], ...]}, each sorted by size."""
-        return {"ops": self.ops, "matmul_flops": self.matmul_flops, "memory_bytes": _pairs(self.memory_bytes),
+        """The trace record's ``work``: ``matmul_flops_by_size`` as [[call FLOPs, FLOPs], ...],
+        ``memory_bytes`` as [[op size, bytes], ...] and collectives as {kind: [[bytes per
+        call, calls], ...]}, each sorted by size."""
+        return {"ops": self.ops, "matmul_flops": self.matmul_flops,
+                "matmul_flops_by_size": _pairs(self.matmul_flops_by_size), "memory_bytes": _pairs(self.memory_bytes),
                 "collectives": {kind: _pairs(sizes) for kind, sizes in self.collectives.items()}}
 
 
-def _pairs(counter: Counter[int]) -> list[list[int]]:
+def _power_of_two_above(amount: float) -> int:
+    return 1 << (math.ceil(amount) - 1).bit_length()
+
+
+def _pairs(counter: Counter[int]) -> list[list[Any]]:
     return [[size, n] for size, n in sorted(counter.items())]
 
 

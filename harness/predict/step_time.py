@@ -18,19 +18,19 @@ The work (per rank, one optimizer step):
 
 The rates (harness/measure/compute_rate.py and the bandwidth sweep, both measured in the
 run's own calibration launch; the record names which was used):
-- compute = ops × (op_s + the engine's overhead) + size_factor × (matmul FLOPs ÷ the matmul
-  rate + each op size's bytes ÷ the memory bandwidth measured for that working set), all at
-  the cell's precision: the micro-benchmarks' rates, scaled by how much slower a model step's
-  sized work ran than they price it (compute_rate's docstring). The engine's overhead per op
-  (``engine_overhead_per_op``, CPU runs): what the calibration's step of the cell's strategy
-  (harness/calibration.py) took beyond its own work priced this way, over its ops; that step
-  is llama-tiny's, so a cell of that model, strategy, fp32 and micro-batch 2 is predicted
-  from its own engine's step, and every other cell from its strategy's on another
-  configuration. On CUDA the engine's host work runs ahead of the GPU's kernels and is not
-  added. A
-  single-process cell takes the rates rank 0 measured alone, a distributed one those
-  measured with every rank busy; on the CPU a cell with more ranks than the calibration had
-  (and so more ranks than cores) gets its share of them.
+- compute = ops × (op_s + the engine's overhead) + each matmul size's FLOPs ÷ the matmul rate
+  measured for that size + memory_factor × each op size's bytes ÷ the memory bandwidth
+  measured for that working set, all at the cell's precision; memory_factor is how much
+  slower per byte a model step's elementwise ops ran than the STREAM add (compute_rate's
+  docstring). The engine's overhead per op (``engine_overhead_per_op``, CPU runs): what the
+  calibration's step of the cell's strategy (harness/calibration.py) took beyond its own
+  work priced this way, over its ops; that step is llama-tiny's, so a cell of that model,
+  strategy, fp32 and micro-batch 2 is predicted from its own engine's step, and every other
+  cell from its strategy's on another configuration. On CUDA the engine's host work runs
+  ahead of the GPU's kernels and is not added. A single-process cell takes the rates rank 0
+  measured alone, a distributed one those measured with every rank busy; on the CPU a cell
+  with more ranks than the calibration had (and so more ranks than cores) gets its share of
+  them.
 - communication: each call at the time the sweep measured for its collective and size
   (log-log between measured sizes, the smallest size's latency below them, the largest's
   bandwidth above them; all-reduce's bus factor 2(n−1)/n and the others' (n−1)/n rescale a
@@ -112,7 +112,7 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
 def engine_overhead_per_op(name: str, calibration: dict) -> float:
     """What an op of strategy ``name``'s engine costs beyond a plain step's op: its
     calibration step's time (harness/calibration.py) less that step's ops at the plain op
-    cost, its sized work and its collectives at the sweep's times, over its ops (never below
+    cost, its matmuls and bytes and its collectives at the sweep's times, over its ops (never below
     0); 0 where the calibration timed no such step (a run from before engines were timed,
     a pipeline, a strategy the launch could not run)."""
     engine = calibration["compute_rates"].get("engines", {}).get(name, {})
@@ -125,11 +125,12 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
 
 
 def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: float) -> float:
-    """ops × (op_s + the engine's overhead) + size_factor × the sized work (module docstring)."""
-    sized = compute_rate.sized_seconds(work, rates["matmul_flops_per_s"][precision], rates["memory_bytes_per_s"])
-    # A calibration from before size_factor was measured priced sized work at the micro-benchmarks.
-    size_factor = rates.get("size_factor", {}).get(precision, 1.0)
-    return work["ops"] * (rates["op_s"][precision] + overhead_per_op) + size_factor * sized
+    """ops × (op_s + the engine's overhead) + matmuls + memory_factor × bytes (module docstring)."""
+    # A calibration from before memory_factor was measured priced bytes at the STREAM add's rate.
+    memory_factor = rates.get("memory_factor", {}).get(precision, 1.0)
+    return (work["ops"] * (rates["op_s"][precision] + overhead_per_op)
+            + compute_rate.matmul_seconds(work, rates, precision)
+            + memory_factor * compute_rate.memory_seconds(work, rates))
 
 
 def _comm_seconds_by_op(work: dict, world_size: int, calibration: dict) -> dict[str, float]:

@@ -52,7 +52,7 @@ def test_matmuls_are_priced_by_size_and_bytes_at_the_memory_factor():
     cell, work = _cell(), {**_work(), "matmul_flops_by_size": [[2**20, 1e8], [2**30, 9e8]]}
     calibration = _calibration()
     rates = calibration["compute_rates"]["concurrent"]
-    rates["memory_factor"] = {"fp32": 3.0, "bf16": 1.0, "fp16": 1.0}
+    rates["memory_factor"] = 3.0
     rates["matmul_flops_per_s_by_size"] = {"fp32": [[2**20, 10e9], [2**30, 100e9]]}
     p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": work}, calibration, "cpu")
     assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 1e8 / 10e9 + 9e8 / 100e9 + 3.0 * 1e8 / 10e9)

@@ -17,24 +17,27 @@ the others wait (as the single-process reference runs):
   ``STREAM_ELEMENTS``, from a first-level cache's size to beyond any last-level cache's: an
   op's bandwidth depends on where its tensors fit. The time of the same add on one element
   (the call's fixed cost, which ``op_s`` prices) is taken off each timing first.
-- ``op_s`` and ``memory_factor``, per precision, from a training step of a transformers
+- ``memory_factor`` and ``op_s`` (per precision), from a training step of a transformers
   decoder at the tiny preset's sizes (``OP_COST_MODEL``: 2 layers of width 64, 32 tokens;
-  forward, backward and AdamW; bf16 and fp16 under autocast, as the cells run them) timed at
-  two batch sizes (``OP_COST_SAMPLES``), each step's work counted once by a dispatch mode
-  (measure/dispatched_work.py: its ops, its matmuls' FLOPs by torch's formulas and by call
-  size, its other ops' bytes by size). What grows with the batch is the work that has a size:
-  the matmuls, priced at the rates above for their sizes (``matmul_seconds``), and the other
-  ops' bytes, priced at the STREAM add's bandwidth (``memory_seconds``). What the larger step
-  took beyond the smaller one and its matmuls' growth, over its bytes' priced growth, is
-  ``memory_factor``: a model's elementwise ops run several times slower per byte than an add
-  into a buffer that exists (each allocates its output, and GELU, softmax and the norms do
-  math on every byte; 5.6 in fp32 measured on this project's host, op by op: of the 7.4 ms
-  llama-tiny's step gains from 2 to 16 samples, the matmuls are 3.1 ms and the elementwise
-  ops most of the rest). What is left of the smaller step once its matmuls and its bytes (at
-  that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's and
-  autograd's bookkeeping and the Python of transformers' modules around each op (a plain
-  Sequential of Linear, LayerNorm and GELU modules, an op per module call, costs 5-6 µs).
-  The engines' own hooks are not in it.
+  forward, backward and AdamW; bf16 and fp16 under autocast, as the cells run them), each
+  step's work counted once by a dispatch mode (measure/dispatched_work.py: its ops, its
+  matmuls' FLOPs by torch's formulas and by call size, its other ops' bytes by size). The fp32
+  step is timed at two batch sizes (``OP_COST_SAMPLES``): what grows with the batch is the
+  work that has a size, the matmuls, priced at the rates above for their sizes
+  (``matmul_seconds``), and the other ops' bytes, priced at the STREAM add's bandwidth
+  (``memory_seconds``). What the larger step took beyond the smaller one and its matmuls'
+  growth, over its bytes' priced growth, is ``memory_factor``: a model's elementwise ops run
+  several times slower per byte than an add into a buffer that exists (each allocates its
+  output, and GELU, softmax and the norms do math on every byte; profiled op by op, of the
+  7.4 ms llama-tiny's fp32 step gains from 2 to 16 samples the matmuls are 3.1 ms and the
+  elementwise ops most of the rest). It is fitted on fp32 alone and holds for every
+  precision: in bf16 the same growth is mostly CPU flash attention's backward (8 of 14.5 ms
+  on this project's AVX512-BF16 host), whose FLOPs the matmul rate prices, and a factor
+  fitted there (24) priced real-size bf16 steps 5-6 times too slow. What is left of each
+  precision's smaller step once its matmuls and its bytes (at that factor) are taken off,
+  divided by its ops, is ``op_s``: dispatch, autocast's and autograd's bookkeeping and the
+  Python of transformers' modules around each op (a plain Sequential of Linear, LayerNorm and
+  GELU modules, an op per module call, costs 5-6 µs). The engines' own hooks are not in it.
 
 Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` untimed ones.
 """
@@ -188,31 +191,41 @@ def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: D
             for size in vectors if size > 1 for gross in [add(size)]]
 
 
-def _op_and_memory_costs(steps: dict[int, tuple[Callable[[], None], dict[str, Any]]], rates: dict[str, Any],
-                         precision: str, device: torch.device, env: DistEnv, alone: bool) -> tuple[float, float]:
-    """(``op_s``, ``memory_factor``) of one precision from its steps at OP_COST_SAMPLES (module
-    docstring)."""
+def _memory_factor(steps: dict[int, tuple[Callable[[], None], dict[str, Any]]], rates: dict[str, Any],
+                   device: torch.device, env: DistEnv, alone: bool) -> float:
+    """``memory_factor`` from the fp32 steps at OP_COST_SAMPLES (module docstring)."""
     small, large = OP_COST_SAMPLES
-    # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate.
-    seconds = {n: seconds_per_call(steps[n][0], device, env, alone, iters=10) for n in (small, large)}
-    matmuls = {n: matmul_seconds(steps[n][1], rates, precision) for n in (small, large)}
+    seconds = {n: _step_seconds(steps[n][0], device, env, alone) for n in (small, large)}
+    matmuls = {n: matmul_seconds(steps[n][1], rates, "fp32") for n in (small, large)}
     memory = {n: memory_seconds(steps[n][1], rates) for n in (small, large)}
     # Never below 1: the STREAM add is the fastest the host moves bytes, and a noisy pair of
     # timings must not price them faster still.
-    factor = max(1.0, (seconds[large] - seconds[small] - (matmuls[large] - matmuls[small]))
-                 / (memory[large] - memory[small]))
+    return max(1.0, (seconds[large] - seconds[small] - (matmuls[large] - matmuls[small]))
+               / (memory[large] - memory[small]))
+
+
+def _op_cost(step: Callable[[], None], work: dict[str, Any], rates: dict[str, Any], precision: str,
+             device: torch.device, env: DistEnv, alone: bool) -> float:
+    """``op_s`` of one precision from its step at the fewer samples (module docstring)."""
+    seconds = _step_seconds(step, device, env, alone)
+    rest = seconds - matmul_seconds(work, rates, precision) - rates["memory_factor"] * memory_seconds(work, rates)
     # Never below a tenth of the step, so noise cannot zero the op cost.
-    rest = seconds[small] - matmuls[small] - factor * memory[small]
-    return max(rest, seconds[small] / 10) / steps[small][1]["ops"], factor
+    return float(max(rest, seconds / 10) / work["ops"])
+
+
+def _step_seconds(step: Callable[[], None], device: torch.device, env: DistEnv, alone: bool) -> float:
+    # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate.
+    return seconds_per_call(step, device, env, alone, iters=10)
 
 
 def measure(env: DistEnv) -> dict[str, Any]:
     """The rates, {"concurrent": {...}, "alone": {...}}, each {"matmul_flops_per_s":
-    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "memory_factor"
-    {precision: ×}}, and what was timed."""
+    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "memory_factor"},
+    and what was timed."""
     device, kind = env.device, env.device.type
     vectors = {size: [torch.ones(size, device=device) for _ in range(3)] for size in (1, *STREAM_ELEMENTS[kind])}
-    steps = {name: {samples: _tiny_step(device, name, samples) for samples in OP_COST_SAMPLES} for name in PRECISIONS}
+    steps = {name: _tiny_step(device, name, OP_COST_SAMPLES[0]) for name in PRECISIONS}
+    fp32_steps = {OP_COST_SAMPLES[0]: steps["fp32"], OP_COST_SAMPLES[1]: _tiny_step(device, "fp32", OP_COST_SAMPLES[1])}
     rates: dict[str, Any] = {}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"
@@ -220,11 +233,10 @@ def measure(env: DistEnv) -> dict[str, Any]:
         rates[scope] = {"matmul_flops_per_s": {name: curve[-1][1] for name, curve in by_size.items()},
                         "matmul_flops_per_s_by_size": by_size,
                         "memory_bytes_per_s": _stream(vectors, device, env, alone)}
-        costs = {name: _op_and_memory_costs(steps[name], rates[scope], name, device, env, alone)
-                 for name in PRECISIONS}
-        rates[scope] |= {"op_s": {name: op_s for name, (op_s, _) in costs.items()},
-                         "memory_factor": {name: factor for name, (_, factor) in costs.items()}}
-    smaller = {name: by_samples[OP_COST_SAMPLES[0]][1] for name, by_samples in steps.items()}
+        rates[scope]["memory_factor"] = _memory_factor(fp32_steps, rates[scope], device, env, alone)
+        rates[scope]["op_s"] = {name: _op_cost(*steps[name], rates[scope], name, device, env, alone)
+                                for name in PRECISIONS}
+    smaller = {name: work for name, (_, work) in steps.items()}
     return {**rates, "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
             "op_cost_model": OP_COST_MODEL, "op_cost_samples": list(OP_COST_SAMPLES),
             "tiny_step_ops": {name: work["ops"] for name, work in smaller.items()},

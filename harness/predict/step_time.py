@@ -127,7 +127,7 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
 def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: float) -> float:
     """ops × (op_s + the engine's overhead) + matmuls + memory_factor × bytes (module docstring)."""
     # A calibration from before memory_factor was measured priced bytes at the STREAM add's rate.
-    memory_factor = rates.get("memory_factor", {}).get(precision, 1.0)
+    memory_factor = rates.get("memory_factor", 1.0)
     return (work["ops"] * (rates["op_s"][precision] + overhead_per_op)
             + compute_rate.matmul_seconds(work, rates, precision)
             + memory_factor * compute_rate.memory_seconds(work, rates))

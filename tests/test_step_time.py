@@ -52,10 +52,11 @@ def test_matmuls_are_priced_by_size_and_bytes_at_the_memory_factor():
     cell, work = _cell(), {**_work(), "matmul_flops_by_size": [[2**20, 1e8], [2**30, 9e8]]}
     calibration = _calibration()
     rates = calibration["compute_rates"]["concurrent"]
-    rates["memory_factor"] = 3.0
+    rates["memory_factor"] = [[1e3, 3.0], [1e9, 1.0]]  # 3 at the work's 1e8-byte ops, in log size
     rates["matmul_flops_per_s_by_size"] = {"fp32": [[2**20, 10e9], [2**30, 100e9]]}
     p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": work}, calibration, "cpu")
-    assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 1e8 / 10e9 + 9e8 / 100e9 + 3.0 * 1e8 / 10e9)
+    factor = 3.0 ** (1 / 6)  # log-log between (1e3, 3) and (1e9, 1): 1e8 is five sixths of the way
+    assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 1e8 / 10e9 + 9e8 / 100e9 + factor * 1e8 / 10e9)
 
 
 def test_sizes_between_measured_points_are_interpolated_log_log():

@@ -45,6 +45,7 @@ Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` un
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 import statistics
@@ -67,6 +68,10 @@ STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2
 WARMUP, ITERS, REPEATS = 2, 5, 5
 OP_COST_MODEL = "llama-tiny"
 OP_COST_SAMPLES = (2, 16)  # the calibration step's batch: the fewest samples, then eight times as many
+# The same decoder 8 times as wide over 8 times the tokens (one sample, 6.6M parameters): ops of
+# megabytes, where a model's elementwise ops lose less to allocation and math per byte.
+OP_COST_WIDE = dataclasses.replace(models.PRESETS[OP_COST_MODEL], name=f"{OP_COST_MODEL}-wide",
+                                   hidden=512, n_heads=8, seq_len=256)
 SLOW_CALL_S = 0.05
 
 
@@ -136,16 +141,29 @@ def matmul_seconds(work: dict[str, Any], rates: dict[str, Any], precision: str) 
 
 
 def memory_seconds(work: dict[str, Any], rates: dict[str, Any]) -> float:
-    """The time of a step's other ops' bytes at the STREAM add's bandwidth for each op size's
-    working set (before ``memory_factor``)."""
+    """The time of a step's other ops' bytes: each op size's at the STREAM add's bandwidth for
+    that working set, times ``memory_factor`` at that size (1 where the rates have none)."""
+    factors = rates.get("memory_factor")
+    return float(sum(seconds * (rate_at_size(factors, size) if factors else 1.0)
+                     for size, seconds in _stream_seconds_by_size(work, rates)))
+
+
+def _stream_seconds_by_size(work: dict[str, Any], rates: dict[str, Any]) -> list[tuple[float, float]]:
     bandwidth = rates["memory_bytes_per_s"]
-    return float(sum(nbytes / rate_at_size(bandwidth, size) for size, nbytes in work["memory_bytes"]))
+    return [(size, nbytes / rate_at_size(bandwidth, size)) for size, nbytes in work["memory_bytes"]]
 
 
-def _tiny_step(device: torch.device, precision: str, samples: int) -> tuple[Callable[[], None], dict[str, Any]]:
-    """A training step of ``OP_COST_MODEL`` at ``precision`` on ``samples`` samples, and what
-    one step dispatches (DispatchedWork.to_dict)."""
-    built = models.build(models.PRESETS[OP_COST_MODEL])
+def _typical_op_size(work: dict[str, Any]) -> float:
+    """The op size a step's bytes are typical of: their byte-weighted geometric mean."""
+    total = sum(nbytes for _, nbytes in work["memory_bytes"])
+    return math.exp(sum(nbytes * math.log(size) for size, nbytes in work["memory_bytes"]) / total)
+
+
+def _model_step(spec: models.ModelSpec, device: torch.device, precision: str,
+                samples: int) -> tuple[Callable[[], None], dict[str, Any]]:
+    """A training step of ``spec`` at ``precision`` on ``samples`` samples, and what one step
+    dispatches (DispatchedWork.to_dict)."""
+    built = models.build(spec)
     model = built.module.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = {name: t.to(device) for name, t in built.make_batch(torch.Generator().manual_seed(0), samples).items()}
@@ -191,30 +209,40 @@ def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: D
             for size in vectors if size > 1 for gross in [add(size)]]
 
 
-def _memory_factor(steps: dict[int, tuple[Callable[[], None], dict[str, Any]]], rates: dict[str, Any],
-                   device: torch.device, env: DistEnv, alone: bool) -> float:
-    """``memory_factor`` from the fp32 steps at OP_COST_SAMPLES (module docstring)."""
-    small, large = OP_COST_SAMPLES
-    seconds = {n: _step_seconds(steps[n][0], device, env, alone) for n in (small, large)}
-    matmuls = {n: matmul_seconds(steps[n][1], rates, "fp32") for n in (small, large)}
-    memory = {n: memory_seconds(steps[n][1], rates) for n in (small, large)}
-    # Never below 1: the STREAM add is the fastest the host moves bytes, and a noisy pair of
-    # timings must not price them faster still.
-    return max(1.0, (seconds[large] - seconds[small] - (matmuls[large] - matmuls[small]))
-               / (memory[large] - memory[small]))
+def _memory_factor(steps: dict[str, tuple[Callable[[], None], dict[str, Any]]], rates: dict[str, Any],
+                   device: torch.device, env: DistEnv, alone: bool) -> list[list[float]]:
+    """``memory_factor``, [[op size, factor], ...], from the fp32 steps (module docstring):
+    the decoder's growth from OP_COST_SAMPLES' fewer to more samples, at the larger step's
+    typical op size; then the wide decoder's step less its ops (at the op cost the smaller
+    step leaves at that factor) and its matmuls, at its own."""
+    small, large, wide = (steps[key] for key in ("small", "large", "wide"))
+    seconds = {key: _step_seconds(steps[key][0], device, env, alone) for key in steps}
+    matmuls = {key: matmul_seconds(steps[key][1], rates, "fp32") for key in steps}
+    stream = {key: sum(t for _, t in _stream_seconds_by_size(steps[key][1], rates)) for key in steps}
+    # Never below 1: the STREAM add is the fastest the host moves bytes, and noisy timings
+    # must not price them faster still.
+    narrow = max(1.0, (seconds["large"] - seconds["small"] - (matmuls["large"] - matmuls["small"]))
+                 / (stream["large"] - stream["small"]))
+    op_s = _op_cost_at(seconds["small"], small[1], matmuls["small"], narrow * stream["small"])
+    broad = max(1.0, (seconds["wide"] - wide[1]["ops"] * op_s - matmuls["wide"]) / stream["wide"])
+    return sorted([[_typical_op_size(large[1]), narrow], [_typical_op_size(wide[1]), broad]])
 
 
 def _op_cost(step: Callable[[], None], work: dict[str, Any], rates: dict[str, Any], precision: str,
              device: torch.device, env: DistEnv, alone: bool) -> float:
     """``op_s`` of one precision from its step at the fewer samples (module docstring)."""
     seconds = _step_seconds(step, device, env, alone)
-    rest = seconds - matmul_seconds(work, rates, precision) - rates["memory_factor"] * memory_seconds(work, rates)
+    return _op_cost_at(seconds, work, matmul_seconds(work, rates, precision), memory_seconds(work, rates))
+
+
+def _op_cost_at(seconds: float, work: dict[str, Any], matmuls: float, memory: float) -> float:
     # Never below a tenth of the step, so noise cannot zero the op cost.
-    return float(max(rest, seconds / 10) / work["ops"])
+    return float(max(seconds - matmuls - memory, seconds / 10) / work["ops"])
 
 
 def _step_seconds(step: Callable[[], None], device: torch.device, env: DistEnv, alone: bool) -> float:
-    # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate.
+    # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate (the wide
+    # decoder's, over SLOW_CALL_S, are timed one a repeat).
     return seconds_per_call(step, device, env, alone, iters=10)
 
 
@@ -224,8 +252,10 @@ def measure(env: DistEnv) -> dict[str, Any]:
     and what was timed."""
     device, kind = env.device, env.device.type
     vectors = {size: [torch.ones(size, device=device) for _ in range(3)] for size in (1, *STREAM_ELEMENTS[kind])}
-    steps = {name: _tiny_step(device, name, OP_COST_SAMPLES[0]) for name in PRECISIONS}
-    fp32_steps = {OP_COST_SAMPLES[0]: steps["fp32"], OP_COST_SAMPLES[1]: _tiny_step(device, "fp32", OP_COST_SAMPLES[1])}
+    decoder = models.PRESETS[OP_COST_MODEL]
+    steps = {name: _model_step(decoder, device, name, OP_COST_SAMPLES[0]) for name in PRECISIONS}
+    fp32_steps = {"small": steps["fp32"], "large": _model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
+                  "wide": _model_step(OP_COST_WIDE, device, "fp32", 1)}
     rates: dict[str, Any] = {}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"

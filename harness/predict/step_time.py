@@ -19,9 +19,9 @@ The work (per rank, one optimizer step):
 The rates (harness/measure/compute_rate.py and the bandwidth sweep, both measured in the
 run's own calibration launch; the record names which was used):
 - compute = ops × (op_s + the engine's overhead) + each matmul size's FLOPs ÷ the matmul rate
-  measured for that size + memory_factor × each op size's bytes ÷ the memory bandwidth
-  measured for that working set, all at the cell's precision; memory_factor is how much
-  slower per byte a model step's elementwise ops ran than the STREAM add (compute_rate's
+  measured for that size + each op size's bytes ÷ the memory bandwidth measured for that
+  working set × memory_factor at that size, all at the cell's precision; memory_factor is how
+  much slower per byte a model step's elementwise ops ran than the STREAM add (compute_rate's
   docstring). The engine's overhead per op (``engine_overhead_per_op``, CPU runs): what the
   calibration's step of the cell's strategy (harness/calibration.py) took beyond its own
   work priced this way, over its ops; that step is llama-tiny's, so a cell of that model,
@@ -125,12 +125,9 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
 
 
 def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: float) -> float:
-    """ops × (op_s + the engine's overhead) + matmuls + memory_factor × bytes (module docstring)."""
-    # A calibration from before memory_factor was measured priced bytes at the STREAM add's rate.
-    memory_factor = rates.get("memory_factor", 1.0)
+    """ops × (op_s + the engine's overhead) + matmuls + bytes at memory_factor (module docstring)."""
     return (work["ops"] * (rates["op_s"][precision] + overhead_per_op)
-            + compute_rate.matmul_seconds(work, rates, precision)
-            + memory_factor * compute_rate.memory_seconds(work, rates))
+            + compute_rate.matmul_seconds(work, rates, precision) + compute_rate.memory_seconds(work, rates))
 
 
 def _comm_seconds_by_op(work: dict, world_size: int, calibration: dict) -> dict[str, float]:

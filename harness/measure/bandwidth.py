@@ -4,7 +4,7 @@ harness/runner/launcher.py ``run_bandwidth_sweep``); stored with the run's envir
 
 For each collective and size: ``WARMUP_ITERS`` untimed calls, then ``REPEATS`` spans of
 ``ITERS`` calls back to back between two device synchronisations (nccl-tests' -w 5 -n 20,
-over three spans of 10); the time of one call is the median span ÷ ITERS, and the slowest
+as three spans of 7: as many calls); the time of one call is the median span ÷ ITERS, and the slowest
 rank's time is the one reported (the job waits for it). The median, not one span: on a host
 whose cores the ranks share, one span that the scheduler stalled read 2.5-3.3 ms a call for
 send/recv of 1-16 KiB in one run's sweep, 0.17 ms in the run before, and every small
@@ -44,7 +44,7 @@ from harness.measure.comm import busbw_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 WARMUP_ITERS = 5
-ITERS, REPEATS = 10, 3
+ITERS, REPEATS = 7, 3
 # 1 KiB .. 64 MiB on CUDA (×4 steps); 1 KiB .. 16 MiB on CPU, where gloo at 64 MiB takes
 # seconds per call and the sweep would cost more than the cells it describes.
 CUDA_SIZES = tuple(2**k for k in range(10, 27, 2))

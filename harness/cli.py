@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import get_args
 
 from harness import suites
 from harness.cli_common import EXIT_USAGE, UsageError
@@ -20,7 +21,7 @@ from harness.cli_report import cmd_accuracy, cmd_compare, cmd_publish, cmd_repor
 from harness.cli_reproduce import cmd_reproduce
 from harness.cli_run import cmd_run
 from harness.cli_selection import SELECTION
-from harness.config import add_run_options
+from harness.config import Optimizer, add_run_options
 
 RUN_HELP = "run id under results/ (or 'latest'), or a run folder"
 
@@ -69,12 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--model", required=True,
                      help="a model preset (e.g. llama3-8b) or a transformers config.json (README: Models)")
     pln.add_argument("--gpus", type=int, required=True, help="GPUs in the job (all nodes)")
-    pln.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 80GiB or 40GB")
+    pln.add_argument("--gpu-mem", required=True, help="memory per GPU with its unit, e.g. 80GiB or 40GB")
     pln.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     pln.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     pln.add_argument("--micro-batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
     pln.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
-    pln.add_argument("--optimizer", default="adamw", help="adamw, adam8bit, adamw8bit, adafactor, sgd (default adamw)")
+    pln.add_argument("--optimizer", default="adamw", help=f"{', '.join(get_args(Optimizer))} (default adamw)")
     pln.add_argument("--traced", action="store_true",
                      help="also trace the fastest fitting configurations and --config's under FakeTensorMode"
                           " (exact; slower); a traced peak over the usable memory is not a fit")

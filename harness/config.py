@@ -449,20 +449,26 @@ class CellSpec:
         return cls(**d)
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# A GPU's memory, as --gpu-mem gives it: from a megabyte to far beyond any made (H200: 141 GB).
+GPU_MEM_RANGE = (2**20, 2**44)  # 1 MiB .. 16 TiB
+# A rank's host memory cap (--mem-cap-gib): at most a host far larger than any made.
+MAX_MEM_CAP_GIB = 2**16  # 64 TiB
 
 
 def parse_bytes(text: str) -> float:
-    """'80GiB', '80 GB', '81920MiB', '8e10' -> bytes. GB = 1e9, GiB = 2^30."""
+    """'80GiB', '80 GB', '81920MiB', '8e10B' -> bytes. GB = 1e9, GiB = 2^30. The unit is
+    required: a bare 80 is as likely meant as GiB as bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _BYTE_UNITS:
-        raise ValueError(f"--gpu-mem {text!r}: give a size such as 80GiB, 40GB or 81920MiB"
-                         f" (units: {', '.join(u for u in _BYTE_UNITS if u)})")
+        raise ValueError(f"--gpu-mem {text!r}: give a size with its unit, such as 80GiB, 40GB or 81920MiB"
+                         f" (units: {', '.join(_BYTE_UNITS)})")
     value = float(match.group(1)) * _BYTE_UNITS[unit]
-    if value <= 0:
-        raise ValueError(f"--gpu-mem {text!r}: must be positive")
+    low, high = GPU_MEM_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"--gpu-mem {text!r}: must be between 1 MiB and 16 TiB per GPU")
     return value
 
 
@@ -589,8 +595,8 @@ class RunOptions:
         self._check(self.gpus is None or self.gpus >= 1, "gpus", "must be a positive number of ranks per node")
         self._check(self.cell_timeout_s is None or self.cell_timeout_s > 0, "cell_timeout_s",
                     "must be positive seconds")
-        self._check(self.mem_cap_gib is None or self.mem_cap_gib > 0, "mem_cap_gib",
-                    "must be a positive number of GiB per rank")
+        self._check(self.mem_cap_gib is None or 0 < self.mem_cap_gib <= MAX_MEM_CAP_GIB, "mem_cap_gib",
+                    f"must be a positive number of GiB per rank, at most {MAX_MEM_CAP_GIB}")
         self._check(self.repeat is None or self.repeat >= 1, "repeat", "must be 1 or more trials per cell")
         if self.gpu_mem is not None:
             parse_bytes(self.gpu_mem)  # ValueError, one line, for a size it cannot read

@@ -64,6 +64,16 @@ SUITE_FILES = {
         (["reproduce", "no-such-run", "gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0"], "no run at"),
         (["run", "--gpus", "two"], "run: argument --gpus: invalid int value: 'two'"),
         (["run", "--mem-cap-gib", "0"], "--mem-cap-gib 0.0: must be a positive number of GiB per rank"),
+        (["run", "--mem-cap-gib", "inf"], "--mem-cap-gib inf: must be a positive number of GiB per rank, at most"),
+        (["run", "--mem-cap-gib", "nan"], "--mem-cap-gib nan: must be a positive number of GiB per rank"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "80"],
+         "--gpu-mem '80': give a size with its unit, such as 80GiB"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "1e30GiB"],
+         "--gpu-mem '1e30GiB': must be between 1 MiB and 16 TiB per GPU"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "512KiB"],
+         "--gpu-mem '512KiB': must be between 1 MiB and 16 TiB per GPU"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--optimizer", "adam9"],
+         "--optimizer adam9: choose one of adamw, adam8bit"),
         (["run", "--mem-cap-gib", "80GB"], "argument --mem-cap-gib: invalid float value: '80GB'"),
         (["run", "--repeat", "0"], "--repeat 0: must be 1 or more trials per cell"),
         (["run", "--suite", "{files}/missing.toml"], "missing.toml: cannot read it ([Errno 2] No such file"),
@@ -159,6 +169,13 @@ def test_plan_prints_every_candidate_and_a_recommendation():
     assert plan["recommended"] in configs and plan["recommendation"].startswith("Recommended:")
     best = next(row for row in plan["rows"] if row["config"] == plan["recommended"])
     assert best["fits"] and best["predicted"]["peak_bytes"] <= 40e9
+
+
+def test_plan_for_one_gpu_runs_the_model_whole(capsys):
+    assert cli.main(["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "80GiB", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {row["config"].split("/")[0] for row in plan["rows"]} == {"single"}
+    assert plan["recommended"].startswith("single/") and plan["recommendation"].startswith("Recommended:")
 
 
 @pytest.mark.parametrize("args, message", [

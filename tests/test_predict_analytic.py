@@ -267,12 +267,12 @@ def test_activations_are_compared_where_the_measured_peak_is_the_start_of_backwa
 
 # --- plan --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, value", [("80GiB", 80 * 2**30), ("40 GB", 40e9), ("512MiB", 2**29), ("1e9", 1e9)])
+@pytest.mark.parametrize("text, value", [("80GiB", 80 * 2**30), ("40 GB", 40e9), ("512MiB", 2**29), ("1e9B", 1e9)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["80XB", "", "GiB", "-5GB", "0GB"])
+@pytest.mark.parametrize("text", ["80XB", "", "GiB", "-5GB", "0GB", "80", "1e9", "inf", "infGiB", "1e30GiB"])
 def test_parse_bytes_refuses(text):
     with pytest.raises(ValueError, match="--gpu-mem"):
         parse_bytes(text)

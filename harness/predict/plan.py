@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from typing import get_args
 
 from harness import models, strategies
 from harness.config import CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
@@ -59,6 +60,8 @@ class PlanRequest:
                              " every node runs the same number of GPUs")
         if self.micro_batch < 1:
             raise ValueError(f"--micro-batch {self.micro_batch}: must be at least 1")
+        if self.optimizer not in get_args(Optimizer):
+            raise ValueError(f"--optimizer {self.optimizer}: choose one of {', '.join(get_args(Optimizer))}")
         if self.seq is not None and self.seq < 1:
             raise ValueError(f"--seq {self.seq}: must be at least 1")
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
@@ -74,7 +77,8 @@ class PlanRequest:
 def candidates(req: PlanRequest) -> list[CellSpec]:
     """Every planned strategy × checkpointing × offload the strategy composes with."""
     cells = []
-    for name in PLANNED_STRATEGIES:
+    # One GPU runs the model whole: the single-process step, with checkpointing and offload.
+    for name in PLANNED_STRATEGIES if req.gpus >= 2 else ("single",):
         if name == "fsdp_hybrid" and req.nodes < 2:
             continue  # on one node HSDP is full sharding with a trivial replicate dimension
         for ckpt in CHECKPOINTING_ORDER:
@@ -86,7 +90,7 @@ def candidates(req: PlanRequest) -> list[CellSpec]:
                                     world_size=req.gpus, seq_len=req.seq)
                 except ValueError:
                     continue
-                if req.gpus >= 2 and strategies.incompatibility(cell) is None:
+                if strategies.incompatibility(cell) is None:
                     cells.append(cell)
     return cells
 

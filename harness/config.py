@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,9 +62,49 @@ def min_warmup(strategy: StrategySpec) -> int:
     return POWERSGD_START_ITER + 1 if strategy.compression == "powersgd" else MIN_WARMUP
 
 
+MAX_LR = 1e3  # beyond any learning rate a model trains at (and refuses inf and nan)
+# The most of any count a cell takes (steps, ranks, samples, ...): beyond it a value is a typo.
+MAX_COUNT = 2**20
+
+
 def _check_positive(field_name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{field_name}={value!r}: must be a positive integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ValueError(f"{field_name}={value!r}: must be a positive integer, at most {MAX_COUNT:,}")
+
+
+def _check_field_types(spec: object) -> None:
+    """Every field of a frozen config holds a value of its declared type, before any other
+    check reads it: a suite file (TOML) or a record (JSON) can carry anything. Booleans are
+    not integers; an integer is a number; choices (Literal) and models are checked by their
+    own rules."""
+    hints = typing.get_type_hints(type(spec))
+    for f in dataclasses.fields(spec):  # type: ignore[arg-type]  # spec is a dataclass instance
+        if not f.init:
+            continue
+        value, allowed = getattr(spec, f.name), _plain_types(hints[f.name])
+        if allowed is not None and not _has_type(value, allowed):
+            kinds = " or ".join(_TYPE_WORDS[t] for t in allowed)
+            raise ValueError(f"{f.name}={value!r}: must be {kinds}")
+
+
+def _has_type(value: object, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # before int: True is an int to isinstance
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:
+        return True
+    return isinstance(value, tuple(t for t in allowed if t is not bool))
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "unset"}
+
+
+def _plain_types(hint: Any) -> tuple[type, ...] | None:
+    """The plain types a field's hint allows (int, float, str, bool, None), or None where it
+    names anything else (a choice of literals, a model, a strategy): checked elsewhere."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if any(option not in _TYPE_WORDS for option in options):
+        return None
+    return tuple(options)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +164,7 @@ class StrategySpec:
     pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         declared = strategies.get(self.name)  # an unknown name is refused, naming the choices
         _check_choice("precision", self.precision, get_args(Precision))
         _check_choice("checkpointing", self.checkpointing, get_args(Checkpointing))
@@ -134,26 +177,15 @@ class StrategySpec:
         _check_choice("loss_scaling", self.loss_scaling, get_args(LossScaling))
         if self.loss_scaling != "dynamic" and self.precision != "fp16":
             raise ValueError(f"loss_scaling={self.loss_scaling!r}: applies to precision=fp16 only")
-        if self.clip_grad_norm is not None and (
-                isinstance(self.clip_grad_norm, bool) or not isinstance(self.clip_grad_norm, int | float)
-                or not 0 < self.clip_grad_norm < float("inf")):
+        if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < float("inf"):
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r}: must be a positive, finite number (a global"
                              " gradient 2-norm, e.g. 1.0)")
-        if not isinstance(self.sync_batch_norm, bool):
-            raise ValueError(f"sync_batch_norm={self.sync_batch_norm!r}: must be true or false")
-        if self.bucket_cap_mb is not None and (
-                isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float)
-                or not 0 < self.bucket_cap_mb < float("inf")):
+        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < float("inf"):
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: must be a positive, finite number of MiB")
-        for flag in ("gradient_as_bucket_view", "overlap_comm", "optimizer_in_backward"):
-            value = getattr(self, flag)
-            if not isinstance(value, bool) and not (flag == "overlap_comm" and value is None):
-                raise ValueError(f"{flag}={value!r}: must be true or false")
         if self.prefetch is not None:
             _check_positive("prefetch", self.prefetch)
         if self.checkpoint_every is not None:
-            if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
-                    or self.checkpoint_every < 2:
+            if not 2 <= self.checkpoint_every <= MAX_COUNT:
                 raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: must be an integer of 2 or more"
                                  " (every block is the default)")
             if self.checkpointing == "none":
@@ -167,8 +199,7 @@ class StrategySpec:
                 raise ValueError(f"optimizer_in_backward with {clash}: each parameter is updated as its gradient"
                                  " is accumulated, before anything could accumulate, clip or unscale it")
         if self.local_sgd_period is not None:
-            if isinstance(self.local_sgd_period, bool) or not isinstance(self.local_sgd_period, int) \
-                    or self.local_sgd_period < 2:
+            if not 2 <= self.local_sgd_period <= MAX_COUNT:
                 raise ValueError(f"local_sgd_period={self.local_sgd_period!r}: must be an integer of 2 or more (steps"
                                  " between parameter averagings; every step is what DDP does)")
             if self.compression != "none":
@@ -254,6 +285,7 @@ class CellSpec:
     probe_steps: int = field(default=2, init=False)
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if not isinstance(self.model, ModelSpec):
             _check_choice("model", self.model, tuple(PRESETS))
         if self.seq_len is not None:
@@ -286,8 +318,10 @@ class CellSpec:
                 f"steps={self.steps}: need at least warmup + {self.probe_steps} probe steps"
                 f" + 2 timed steps = {self.min_steps}"
             )
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr!r}: must be positive")
+        if not 0 < self.lr <= MAX_LR:
+            raise ValueError(f"lr={self.lr!r}: must be a positive number, at most {MAX_LR:g}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed}: must be an integer from 0 to 2**63 - 1 (torch's seed range)")
         if self.strategy.name == REFERENCE and self.world_size != 1:
             raise ValueError(f"strategy={REFERENCE} is the one-process reference: world_size must be 1")
         _check_choice("attention", self.attention, get_args(Attention))
@@ -296,8 +330,6 @@ class CellSpec:
         if self.attention == "flash" and self.strategy.precision == "fp32":
             raise ValueError("attention='flash' with precision=fp32: flash-attn computes in fp16 or bf16 only;"
                              " choose precision bf16 or fp16")
-        if not isinstance(self.expandable_segments, bool):
-            raise ValueError(f"expandable_segments={self.expandable_segments!r}: must be true or false")
         self._check_data()
         s = self.strategy
         if s.sync_batch_norm and not self.model_spec.has_batch_norm:

@@ -115,6 +115,9 @@ def cells(path: Path, world_size: int, nnodes: int = 1) -> list[CellSpec]:
         for missing in ("model", "strategy"):
             if missing not in merged:
                 raise ValueError(f"{where}: no {missing} given (in the table or in [defaults])")
+        empty = [key for key, value in merged.items() if value == []]
+        if empty:
+            raise ValueError(f"{where}: {', '.join(empty)} = []: an empty axis gives no cells; give a value or drop it")
         for options in _expand(merged):
             try:
                 cell = _cell(options, world_size, path.parent)

@@ -26,6 +26,12 @@ SUITE_FILES = {
     "typo.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nprecison = 'bf16'\n",
     "zero_batch.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nmicro_batch = 0\n",
     "ws3.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nworld_size = 3\n",
+    "bool_batch.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nmicro_batch = true\n",
+    "text_seed.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nseed = 'abc'\n",
+    "float_seed.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nseed = 2.5\n",
+    "text_lr.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nlr = 'fast'\n",
+    "no_strategies.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = []\n",
+    "huge_steps.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nsteps = 100000000\n",
 }
 
 
@@ -84,6 +90,14 @@ SUITE_FILES = {
                                                            "powersgd-r1/mb2/ws2/seed0 is not a valid combination"),
         (["run", "--suite", "{files}/typo.toml"], "cells[0]: unknown option(s) precison: choose from strategy, model"),
         (["run", "--suite", "{files}/zero_batch.toml"], "cells[0]: micro_batch=0: must be a positive integer"),
+        (["list", "--suite", "{files}/bool_batch.toml"], "cells[0]: micro_batch=True: must be an integer"),
+        (["list", "--suite", "{files}/text_seed.toml"], "cells[0]: seed='abc': must be an integer"),
+        (["list", "--suite", "{files}/float_seed.toml"], "cells[0]: seed=2.5: must be an integer"),
+        (["list", "--suite", "{files}/text_lr.toml"], "cells[0]: lr='fast': must be a number"),
+        (["list", "--suite", "{files}/no_strategies.toml"], "cells[0]: strategy = []: an empty axis gives no cells"),
+        (["run", "--suite", "{files}/no_strategies.toml"], "cells[0]: strategy = []: an empty axis gives no cells"),
+        (["list", "--suite", "{files}/huge_steps.toml"], "cells[0]: steps=100000000: must be a positive integer,"
+                                                         " at most 1,048,576"),
         (["run", "--suite", "{files}/ws3.toml", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
          "world_size 3 does not split over 2 nodes (every node runs world_size / nnodes ranks)"),
     ],

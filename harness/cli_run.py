@@ -37,6 +37,11 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     if not node.is_leader:
         return _run_follower(options, node)
     code = int(pytest.main([*pytest_args(options), "-rfEs", *extra]))
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+        # A -k matching no cell's test id (-m was held against the cells before).
+        print(f"shardbench: -k {options.keyword_expression!r} selects none of the suite's cells: `python -m harness"
+              " list` shows their ids", file=sys.stderr)
+        return EXIT_USAGE
     # Ended by SIGTERM / SIGINT: the shell's 128 + N, never 0 (the finished cells are kept).
     return 128 + resume.Interrupted.signum if resume.Interrupted.signum else code
 

@@ -52,9 +52,11 @@ def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = Fal
             # pytest and a resumed run must find the file wherever they are started from.
             options = dataclasses.replace(options, suite=str(Path(options.suite).resolve()))
         gpu = suites_gpu.target(options.gpu_mem_bytes)
-        suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes, gpu)
+        cells = suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes, gpu)
         if options.marker_expression:
-            markers.check_marker_expression(options.marker_expression)
+            markers.check_marker_expression(options.marker_expression, cells)
+        if options.keyword_expression:
+            markers.check_keyword_expression(options.keyword_expression)
     except ValueError as error:
         raise UsageError(str(error)) from None
     return options

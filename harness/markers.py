@@ -7,7 +7,10 @@ family markers (``fsdp``, ``fsdp1``), so ``-m "fsdp and bf16"`` selects what a u
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import get_args
+
+from _pytest.mark.expression import Expression  # pytest's own -m / -k grammar
 
 from harness import strategies
 from harness.config import Attention, CellSpec, Checkpointing, Compression, DataSource, Optimizer, Precision
@@ -112,12 +115,15 @@ def _attention_heads(spec) -> str:
 _KEYWORDS = {"and", "or", "not"}
 
 
-def check_marker_expression(expr: str) -> None:
-    """Refuse a ``-m`` expression naming a marker that does not exist.
+def check_marker_expression(expr: str, cells: list[CellSpec] | None = None) -> None:
+    """Refuse a ``-m`` expression pytest cannot parse, naming a marker that does not exist, or
+    selecting none of ``cells`` (the suite's, where given).
 
-    pytest would silently select nothing for ``-m zero4``; a benchmark run that measures
-    nothing because of a typo wastes a cluster allocation.
+    pytest would silently select nothing for ``-m zero4``, or fail with its own output after
+    collecting for ``-m "fsdp and ("``; a benchmark run that measures nothing because of a
+    typo wastes a cluster allocation.
     """
+    compiled = _compiled("-m", expr)
     names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expr)) - _KEYWORDS
     known = CATALOGUE.keys() | TEST_MARKERS.keys()
     unknown = sorted(names - known)
@@ -126,3 +132,26 @@ def check_marker_expression(expr: str) -> None:
             f"unknown marker(s) {', '.join(unknown)} in -m {expr!r}: "
             f"choose from {', '.join(sorted(known))}"
         )
+    if cells is None or names & TEST_MARKERS.keys():
+        return  # no cells to hold it against, or it selects tests beside the cells (the claims)
+    if not any(compiled.evaluate(_among(set(markers_of(cell)))) for cell in cells):
+        raise ValueError(f"-m {expr!r} selects none of the suite's {len(cells)} cells: `python -m harness list"
+                         f" --suite ...` shows each cell's markers")
+
+
+def check_keyword_expression(expr: str) -> None:
+    """Refuse a ``-k`` expression pytest cannot parse (its names are substrings of the test
+    ids: any is allowed)."""
+    _compiled("-k", expr)
+
+
+def _compiled(flag: str, expr: str) -> Expression:
+    """pytest's own parse of a selection expression, its error as one line."""
+    try:
+        return Expression.compile(expr)
+    except SyntaxError as error:
+        raise ValueError(f"{flag} {expr!r}: not a valid expression at column {error.offset}: {error.msg}") from None
+
+
+def _among(names: set[str]) -> Callable[..., bool]:
+    return lambda name, **_: name in names

@@ -65,9 +65,17 @@ def test_unknown_suite_and_too_few_ranks():
 
 
 def test_marker_expressions_are_checked():
-    markers.check_marker_expression("fsdp and bf16 and not ckpt_full or (zero1)")
+    cells = suites.cells_of("default", 2)
+    markers.check_marker_expression("fsdp and bf16 and not ckpt_full or (zero1)", cells)
     with pytest.raises(ValueError, match=r"unknown marker.*zero4"):
         markers.check_marker_expression("zero4 and bf16")
+    with pytest.raises(ValueError, match=r"-m 'fsdp and \(': not a valid expression at column 11"):
+        markers.check_marker_expression("fsdp and (")
+    # Known markers, but no cell of the suite has both.
+    with pytest.raises(ValueError, match=r"-m 'tp and deepspeed' selects none of the suite's \d+ cells"):
+        markers.check_marker_expression("tp and deepspeed", cells)
+    with pytest.raises(ValueError, match=r"-k 'gpt2 or': not a valid expression"):
+        markers.check_keyword_expression("gpt2 or")
 
 
 def test_a_suite_file_is_the_product_of_its_tables(tmp_path):

@@ -44,21 +44,22 @@ def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = Fal
         if on_cuda and not what_if and options.gpus is not None and options.gpus > torch.cuda.device_count():
             raise UsageError(f"--gpus {options.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
                              " use fewer, or --device cpu for CPU ranks")
-        if not on_cuda and (options.gpus or 2) > (os.cpu_count() or 1):
-            # Allowed (memory and communication are still measured right), but said out loud.
-            print(f"shardbench: note: {options.gpus or 2} CPU ranks on {os.cpu_count()} cores: ranks share cores,"
-                  " so step times are not comparable to a run with a core per rank", file=sys.stderr)
         if suite_files.is_suite_file(options.suite):
             # pytest and a resumed run must find the file wherever they are started from.
             options = dataclasses.replace(options, suite=str(Path(options.suite).resolve()))
         gpu = suites_gpu.target(options.gpu_mem_bytes)
         cells = suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes, gpu)
+        markers.check_world_sizes(cells)
         if options.marker_expression:
             markers.check_marker_expression(options.marker_expression, cells)
         if options.keyword_expression:
             markers.check_keyword_expression(options.keyword_expression)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if not on_cuda and (options.gpus or 2) > (os.cpu_count() or 1):
+        # Allowed (memory and communication are still measured right), but said out loud.
+        print(f"shardbench: note: {options.gpus or 2} CPU ranks on {os.cpu_count()} cores: ranks share cores,"
+              " so step times are not comparable to a run with a core per rank", file=sys.stderr)
     return options
 
 

@@ -18,7 +18,8 @@ from harness.models.spec import Family
 
 MODEL_FAMILIES: tuple[str, ...] = get_args(Family)  # hf_config: a transformers config.json
 ACCUMULATION_MARKERS = (1, 2, 4, 8)
-WORLD_SIZE_MARKERS = (1, 2, 4, 8, 16)
+# The world sizes a run can form: powers of two, and whole nodes of 8 GPUs, up to 1,024 ranks.
+WORLD_SIZE_MARKERS = tuple(sorted({2**k for k in range(11)} | set(range(8, 1025, 8))))
 
 CATALOGUE: dict[str, str] = {
     **{name: f"strategy {name}" for name in strategies.names()},
@@ -137,6 +138,15 @@ def check_marker_expression(expr: str, cells: list[CellSpec] | None = None) -> N
     if not any(compiled.evaluate(_among(set(markers_of(cell)))) for cell in cells):
         raise ValueError(f"-m {expr!r} selects none of the suite's {len(cells)} cells: `python -m harness list"
                          f" --suite ...` shows each cell's markers")
+
+
+def check_world_sizes(cells: list[CellSpec]) -> None:
+    """Refuse a cell whose world size no marker names (pytest's --strict-markers would fail
+    the whole collection on it)."""
+    odd = sorted({c.world_size for c in cells} - set(WORLD_SIZE_MARKERS))
+    if odd:
+        raise ValueError(f"world_size {', '.join(map(str, odd))}: the suites form world sizes that are powers of"
+                         f" two or multiples of 8, up to {WORLD_SIZE_MARKERS[-1]} (ws markers)")
 
 
 def check_keyword_expression(expr: str) -> None:

@@ -103,6 +103,9 @@ SUITE_FILES = {
         (["run", "--suite", "{files}/no_strategies.toml"], "cells[0]: strategy = []: an empty axis gives no cells"),
         (["list", "--suite", "{files}/huge_steps.toml"], "cells[0]: steps=100000000: must be a positive integer,"
                                                          " at most 1,048,576"),
+        (["list", "--suite", "{files}/ws3.toml"], "world_size 3: the suites form world sizes that are powers of two"),
+        (["run", "--suite", "{files}/ws3.toml"], "world_size 3: the suites form world sizes that are powers of two"),
+        (["run", "--gpus", "3", "--device", "cpu"], "world_size 3: the suites form world sizes"),
         (["run", "--suite", "{files}/ws3.toml", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
          "world_size 3 does not split over 2 nodes (every node runs world_size / nnodes ranks)"),
     ],

@@ -6,7 +6,8 @@ from harness.config import CellSpec, StrategySpec
 # Markers the default suite leaves to other suites: world sizes other than its own, the
 # accumulation depths between 1 and 4, and tp_fsdp (a 2-D mesh: from 4 ranks on).
 # factory: a model of the user's own code; tests/test_model_sources.py builds and checks one.
-NOT_IN_DEFAULT = {"ws4", "ws8", "ws16", "accum2", "accum8", "tp_fsdp", "factory"}
+# The world sizes of larger runs, and axis values only other suites use.
+NOT_IN_DEFAULT = {*(f"ws{n}" for n in markers.WORLD_SIZE_MARKERS if n > 2), "accum2", "accum8", "tp_fsdp", "factory"}
 
 
 def test_default_suite_covers_every_axis_value():

@@ -9,6 +9,7 @@ naming the allowed values and exit status 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 from typing import get_args
@@ -37,6 +38,12 @@ class _OneLineParser(argparse.ArgumentParser):
 def _out_option(parser: argparse.ArgumentParser) -> None:
     """--out of the commands that read recorded runs."""
     parser.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
+
+
+def _flags_of(parser: argparse.ArgumentParser, command: str) -> list[str]:
+    """The long flags ``command``'s own parser takes."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [flag for flag in commands.choices[command]._option_string_actions if flag.startswith("--")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    flags = _flags_of(parser, args.command)
+    mistyped = [(arg, close[0]) for arg in extra if arg.startswith("--")
+                for close in [difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.75)] if close]
+    if mistyped:  # run's other arguments go to pytest, but not one that is a typo of its own
+        arg, close = mistyped[0]
+        parser.error(f"unrecognized argument {arg}: did you mean {close}?")
     if extra and args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

@@ -28,6 +28,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         options = check_selection(options, node.nnodes)
     else:
         use_device(options)
+    made_out = options.out is not None and not options.out.exists()
     if options.out is not None:
         if options.out.exists() and not options.out.is_dir():
             raise UsageError(f"--out {options.out}: exists and is not a folder")
@@ -38,7 +39,10 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         return _run_follower(options, node)
     code = int(pytest.main([*pytest_args(options), "-rfEs", *extra]))
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
-        # A -k matching no cell's test id (-m was held against the cells before).
+        # A -k matching no cell's test id (-m was held against the cells before): refused, so
+        # the --out folder made for it goes again (it is empty: nothing ran).
+        if made_out and options.out is not None and not any(options.out.iterdir()):
+            options.out.rmdir()
         print(f"shardbench: -k {options.keyword_expression!r} selects none of the suite's cells: `python -m harness"
               " list` shows their ids", file=sys.stderr)
         return EXIT_USAGE

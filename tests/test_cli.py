@@ -199,6 +199,12 @@ def test_plan_prints_every_candidate_and_a_recommendation():
     assert best["fits"] and best["predicted"]["peak_bytes"] <= 40e9
 
 
+def test_a_selection_of_no_cell_leaves_no_out_folder(tmp_path, capsys):
+    out = tmp_path / "new"
+    assert cli.main(["run", "--suite", "smoke", "-k", "nosuchcell", "--out", str(out)]) == 2
+    assert "selects none of the suite's cells" in capsys.readouterr().err and not out.exists()
+
+
 def test_plan_for_one_gpu_runs_the_model_whole(capsys):
     assert cli.main(["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "80GiB", "--format", "json"]) == 0
     plan = json.loads(capsys.readouterr().out)

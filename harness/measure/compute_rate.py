@@ -266,9 +266,8 @@ def measure(env: DistEnv) -> dict[str, Any]:
         rates[scope]["memory_factor"] = _memory_factor(fp32_steps, rates[scope], device, env, alone)
         rates[scope]["op_s"] = {name: _op_cost(*steps[name], rates[scope], name, device, env, alone)
                                 for name in PRECISIONS}
-    smaller = {name: work for name, (_, work) in steps.items()}
     return {**rates, "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
             "op_cost_model": OP_COST_MODEL, "op_cost_samples": list(OP_COST_SAMPLES),
-            "tiny_step_ops": {name: work["ops"] for name, work in smaller.items()},
-            "tiny_step_matmul_flops": {name: work["matmul_flops"] for name, work in smaller.items()},
+            "tiny_step_ops": {name: work["ops"] for name, (_, work) in steps.items()},
+            "tiny_step_matmul_flops": {name: work["matmul_flops"] for name, (_, work) in steps.items()},
             "world_size": env.world_size}

@@ -49,9 +49,32 @@ deepspeed_zero.build_ops(distributed.selected_device())"
     touch "$stamp"
 }
 
-if [ "${1:-}" = "--setup-only" ]; then
-    bootstrap
-    exit 0
-fi
+usage() {
+    cat <<'USAGE'
+usage: ./run_all.sh [--setup-only | --help | RUN OPTIONS...]
+
+  --setup-only   create or refresh .venv (torch, the engines, DeepSpeed's ops) and stop
+  --help, -h     this help, then `python -m harness run --help` where .venv exists
+  RUN OPTIONS    anything else goes to `python -m harness run` (its own flags, then pytest's)
+
+Before a run, the set-up runs again only when pyproject.toml has changed since the last one.
+USAGE
+}
+
+case "${1:-}" in
+    --setup-only)
+        bootstrap
+        exit 0
+        ;;
+    -h|--help)
+        usage
+        if [ -x "$VENV/bin/python" ]; then
+            echo
+            exec "$VENV/bin/python" -m harness run --help
+        fi
+        echo "(run ./run_all.sh --setup-only first to see the run options)"
+        exit 0
+        ;;
+esac
 bootstrap
 exec "$VENV/bin/python" -m harness run "$@"

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import get_args
 
 from harness import suites
+from harness.cli_catalogue import CATALOGUES
 from harness.cli_common import EXIT_USAGE, UsageError
 from harness.cli_list import cmd_list
 from harness.cli_plan import cmd_plan
@@ -48,11 +50,19 @@ def _flags_of(parser: argparse.ArgumentParser, command: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="shardbench", description="Distributed training strategies, side by side.")
+    parser.add_argument("--version", action="version", version=f"shardbench {metadata.version('shardbench')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a suite (extra arguments go to pytest)")
+    run = sub.add_parser("run", help="run a suite (extra arguments go to pytest)",
+                         description="Run a suite's cells and write results/ and reports/. Arguments shardbench does"
+                                     " not take go to pytest unchanged (e.g. -x, --maxfail 3, -v); a mistyped flag of"
+                                     " shardbench's own is refused, naming the closest one.")
     add_run_options(run.add_argument, "cli", suite_names=suites.SUITES)
     run.set_defaults(func=cmd_run)
-    lst = sub.add_parser("list", help="show the cells a selection runs, without running them")
+    lst = sub.add_parser("list", help="show the cells a selection runs, without running them; or what a cell"
+                                      " can be: models, strategies, options, markers")
+    # Checked by cmd_list, after a mistyped flag's "did you mean" (its value would land here).
+    lst.add_argument("what", nargs="?", default="cells",
+                     help=f"cells (default: the selection's), or what suites and -m accept: {', '.join(CATALOGUES)}")
     add_run_options(lst.add_argument, "cli", only=SELECTION, suite_names=suites.SUITES)
     lst.set_defaults(func=cmd_list)
     rep = sub.add_parser("report", help="rebuild a run's HTML report from its results")

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from harness import markers, suites, suites_gpu
-from harness.cli_common import run_options
+from harness import cli_catalogue, markers, suites, suites_gpu
+from harness.cli_common import UsageError, run_options
 from harness.cli_selection import SUITES_DIR, check_selection, pytest_args
 from harness.config import CellSpec
 from harness.predict import fit, rough_time
@@ -36,6 +36,11 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
     from harness.distributed import selected_device
     from harness.runner.matrix import with_references
 
+    if args.what not in ("cells", *cli_catalogue.CATALOGUES):
+        raise UsageError(f"list {args.what}: choose one of cells, {', '.join(cli_catalogue.CATALOGUES)}")
+    if args.what != "cells":
+        print(cli_catalogue.render(args.what))
+        return 0
     options = check_selection(run_options(args), listing=True)
     if options.suite in suites.BENCHMARK_SUITES:
         print(f"suite {options.suite} benchmarks the harness itself (suites/test_perf.py): run it with"

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,13 +30,12 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         options = check_selection(options, node.nnodes)
     else:
         use_device(options)
+    _check_mem_cap_fits(options)
     made_out = options.out is not None and not options.out.exists()
-    if options.out is not None:
-        if options.out.exists() and not options.out.is_dir():
-            raise UsageError(f"--out {options.out}: exists and is not a folder")
+    if options.out is not None:  # made last: no refused run leaves a folder behind
+        _check_out_writable(options.out)
         options.out.mkdir(parents=True, exist_ok=True)
         options = dataclasses.replace(options, out=options.out.resolve())
-    _check_mem_cap_fits(options)
     if not node.is_leader:
         return _run_follower(options, node)
     code = int(pytest.main([*pytest_args(options), "-rfEs", *extra]))
@@ -48,6 +49,15 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_USAGE
     # Ended by SIGTERM / SIGINT: the shell's 128 + N, never 0 (the finished cells are kept).
     return 128 + resume.Interrupted.signum if resume.Interrupted.signum else code
+
+
+def _check_out_writable(out: Path) -> None:
+    """--out, or the folder it would be made in, must take files: refused before anything runs."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a folder")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: {existing} is not writable (read-only, or not yours): choose another folder")
 
 
 def _resolve_nodes(options: RunOptions) -> tuple[RunOptions, nodes.NodeSpec]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from harness import markers, suite_files, suites, suites_gpu
@@ -14,7 +16,7 @@ from harness.config import RunOptions
 
 SUITES_DIR = REPO_ROOT / "suites"
 # The options that say which cells run (and where), all that `list` takes.
-SELECTION = ("suite", "device", "gpus", "gpu_mem", "marker_expression", "keyword_expression")
+SELECTION = ("suite", "device", "gpus", "gpu_mem", "marker_expression", "keyword_expression", "max_cells")
 
 
 def use_device(options: RunOptions) -> None:
@@ -44,11 +46,16 @@ def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = Fal
         if on_cuda and not what_if and options.gpus is not None and options.gpus > torch.cuda.device_count():
             raise UsageError(f"--gpus {options.gpus}: this host has {torch.cuda.device_count()} visible GPU(s);"
                              " use fewer, or --device cpu for CPU ranks")
+        progress = None
         if suite_files.is_suite_file(options.suite):
             # pytest and a resumed run must find the file wherever they are started from.
             options = dataclasses.replace(options, suite=str(Path(options.suite).resolve()))
+            listed = suite_files.size(Path(options.suite))
+            _check_cell_count(listed, options, f"--suite {options.suite} lists")
+            progress = _building_progress(listed)
         gpu = suites_gpu.target(options.gpu_mem_bytes)
-        cells = suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes, gpu)
+        cells = suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes, gpu, progress)
+        _check_cell_count(len(cells), options, f"suite {options.suite} has")
         markers.check_world_sizes(cells)
         if options.marker_expression:
             markers.check_marker_expression(options.marker_expression, cells)
@@ -56,11 +63,49 @@ def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = Fal
             markers.check_keyword_expression(options.keyword_expression)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if not on_cuda and (options.gpus or 2) > (os.cpu_count() or 1):
-        # Allowed (memory and communication are still measured right), but said out loud.
-        print(f"shardbench: note: {options.gpus or 2} CPU ranks on {os.cpu_count()} cores: ranks share cores,"
-              " so step times are not comparable to a run with a core per rank", file=sys.stderr)
+    if not on_cuda:
+        _check_cpu_ranks(max([options.gpus or 2, *(-(-c.world_size // nnodes) for c in cells)]))
     return options
+
+
+def _check_cell_count(count: int, options: RunOptions, what: str) -> None:
+    if count > options.max_cells:
+        raise UsageError(f"{what} {count:,} cells, more than --max-cells {options.max_cells:,}: narrow it (a suite"
+                         f" file's axes multiply), or pass --max-cells {count} if you mean it")
+
+
+# Suites this large get a progress line per tenth while their cells are built and checked.
+PROGRESS_FROM_CELLS = 1000
+
+
+def _building_progress(total: int) -> Callable[[int], None] | None:
+    if total < PROGRESS_FROM_CELLS:
+        return None
+    started = time.monotonic()
+
+    def built(count: int) -> None:
+        if count * 10 // total != (count - 1) * 10 // total:
+            print(f"shardbench: building cells: {count:,} of {total:,} ({time.monotonic() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+    return built
+
+
+# CPU ranks per core beyond which a run is refused: each rank is a process with its own model,
+# optimizer and gloo threads, and past a few per core the ranks spend the run waiting on each other.
+CPU_RANKS_PER_CORE = 4
+
+
+def _check_cpu_ranks(ranks: int) -> None:
+    """Refuse more CPU ranks on this node than CPU_RANKS_PER_CORE per core; note more than one."""
+    cores = os.cpu_count() or 1
+    if ranks > CPU_RANKS_PER_CORE * cores:
+        raise UsageError(f"{ranks} CPU ranks on this node: more than {CPU_RANKS_PER_CORE} per core on its {cores}"
+                         f" cores ({CPU_RANKS_PER_CORE * cores}), where the ranks would spend the run waiting on"
+                         " each other; use fewer (--gpus, or world_size in the suite file), or GPUs")
+    if ranks > cores:
+        # Allowed (memory and communication are still measured right), but said out loud.
+        print(f"shardbench: note: {ranks} CPU ranks on {cores} cores: ranks share cores,"
+              " so step times are not comparable to a run with a core per rank", file=sys.stderr)
 
 
 def pytest_args(options: RunOptions) -> list[str]:

@@ -83,7 +83,7 @@ def _check_field_types(spec: object) -> None:
             continue
         value, allowed = getattr(spec, f.name), _plain_types(hints[f.name])
         if allowed is not None and not _has_type(value, allowed):
-            kinds = " or ".join(_TYPE_WORDS[t] for t in allowed)
+            kinds = " or ".join(TYPE_WORDS[t] for t in allowed)
             raise ValueError(f"{f.name}={value!r}: must be {kinds}")
 
 
@@ -95,14 +95,14 @@ def _has_type(value: object, allowed: tuple[type, ...]) -> bool:
     return isinstance(value, tuple(t for t in allowed if t is not bool))
 
 
-_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "unset"}
+TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "unset"}
 
 
 def _plain_types(hint: Any) -> tuple[type, ...] | None:
     """The plain types a field's hint allows (int, float, str, bool, None), or None where it
     names anything else (a choice of literals, a model, a strategy): checked elsewhere."""
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if any(option not in _TYPE_WORDS for option in options):
+    if any(option not in TYPE_WORDS for option in options):
         return None
     return tuple(options)
 
@@ -180,8 +180,9 @@ class StrategySpec:
         if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < float("inf"):
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r}: must be a positive, finite number (a global"
                              " gradient 2-norm, e.g. 1.0)")
-        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < float("inf"):
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: must be a positive, finite number of MiB")
+        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb <= MAX_COUNT:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: must be a positive number of MiB, at most"
+                             f" {MAX_COUNT:,}")
         if self.prefetch is not None:
             _check_positive("prefetch", self.prefetch)
         if self.checkpoint_every is not None:
@@ -510,6 +511,9 @@ def parse_bytes(text: str) -> float:
 Device = Literal["cpu", "cuda"]
 Surface = Literal["cli", "pytest", "worker"]
 GIB = 2**30
+# The most cells a run selects unless told otherwise (--max-cells): 7× the full suite, hours of
+# CPU cells; 10⁴ cells take tens of seconds to build and check before the first one runs.
+DEFAULT_MAX_CELLS = 2000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -613,6 +617,10 @@ class RunOptions:
              " (default: the GPU's own); with --device cuda and --gpus, `list` shows a GPU node's matrix anywhere")
     launch_anyway: bool = _option(False, name="--launch-anyway", type=bool,
                                   help="launch cells predicted not to fit the GPU (recorded does_not_fit otherwise)")
+    max_cells: int = _option(
+        DEFAULT_MAX_CELLS, name="--max-cells", type=int, surfaces=frozenset({"cli"}),
+        help=f"refuse a selection of more cells than this, counted before any is built (default {DEFAULT_MAX_CELLS:,}:"
+             " a suite file's product of axes that large is usually a mistake)")
     # Both skip work done once per run before the cells (seconds for a few cells, minutes for
     # the default suite's trace): for iterating on a cell, and for the harness's own tests.
     no_bandwidth: bool = _option(False, name="--no-bandwidth", type=bool,
@@ -625,11 +633,12 @@ class RunOptions:
         self._check(self.device is None or self.device in get_args(Device), "device",
                     f"choose one of {', '.join(get_args(Device))}")
         self._check(self.gpus is None or self.gpus >= 1, "gpus", "must be a positive number of ranks per node")
-        self._check(self.cell_timeout_s is None or self.cell_timeout_s > 0, "cell_timeout_s",
-                    "must be positive seconds")
+        self._check(self.cell_timeout_s is None or 0 < self.cell_timeout_s < float("inf"), "cell_timeout_s",
+                    "must be a positive, finite number of seconds")
         self._check(self.mem_cap_gib is None or 0 < self.mem_cap_gib <= MAX_MEM_CAP_GIB, "mem_cap_gib",
                     f"must be a positive number of GiB per rank, at most {MAX_MEM_CAP_GIB}")
         self._check(self.repeat is None or self.repeat >= 1, "repeat", "must be 1 or more trials per cell")
+        self._check(self.max_cells >= 1, "max_cells", "must be 1 or more cells")
         if self.gpu_mem is not None:
             parse_bytes(self.gpu_mem)  # ValueError, one line, for a size it cannot read
         if self.retry_failed and self.resume is None:

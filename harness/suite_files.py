@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +101,19 @@ def _beside(model: Any, folder: Path) -> Any:
     return model
 
 
-def cells(path: Path, world_size: int, nnodes: int = 1) -> list[CellSpec]:
-    """The file's cells for a run of ``world_size`` ranks over ``nnodes`` nodes."""
+def size(path: Path) -> int:
+    """How many cells the file lists: the sum over its tables of the product of their axes,
+    counted without building one (a typo can make that product millions)."""
+    data = read(path)
+    defaults = data.get("defaults", {})
+    return sum(math.prod(len(value) if isinstance(value, list) else 1 for value in {**defaults, **table}.values())
+               for table in data["cells"] if isinstance(table, dict))
+
+
+def cells(path: Path, world_size: int, nnodes: int = 1,
+          progress: Callable[[int], None] | None = None) -> list[CellSpec]:
+    """The file's cells for a run of ``world_size`` ranks over ``nnodes`` nodes;
+    ``progress(built)`` after each cell."""
     data = read(path)
     defaults = data.get("defaults", {})
     out: list[CellSpec] = []
@@ -131,4 +144,6 @@ def cells(path: Path, world_size: int, nnodes: int = 1) -> list[CellSpec]:
                                  f" {nnodes} nodes (every node runs world_size / nnodes ranks): use a multiple"
                                  f" of {nnodes}")
             out.append(cell)
+            if progress is not None:
+                progress(len(out))
     return out

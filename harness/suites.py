@@ -335,11 +335,28 @@ BENCHMARK_SUITES = frozenset({"perf"})
 CLAIMS_SUITES = frozenset({"claims"})
 
 
-def cells_of(suite: str, world_size: int, nnodes: int = 1, gpu: suites_gpu.GpuTarget | None = None) -> list[CellSpec]:
+def _distinct(cells: list[CellSpec]) -> list[CellSpec]:
+    """The cells, each once; two different cells under one id (the id leaves out lr, steps and
+    warmup) refused, since only one of them could be recorded."""
+    by_id: dict[str, CellSpec] = {}
+    for cell in cells:
+        first = by_id.setdefault(cell.cell_id, cell)
+        if first != cell:
+            differ = [f"{name} {getattr(first, name)!r} and {getattr(cell, name)!r}"
+                      for name in ("lr", "steps", "warmup") if getattr(first, name) != getattr(cell, name)]
+            raise ValueError(f"two cells with the id {cell.cell_id} differ ({'; '.join(differ) or 'in an option'}):"
+                             " a cell's id leaves lr, steps and warmup out, so a run holds one of them; put the"
+                             " other values in a suite file of their own")
+    return list(by_id.values())
+
+
+def cells_of(suite: str, world_size: int, nnodes: int = 1, gpu: suites_gpu.GpuTarget | None = None,
+             progress: Callable[[int], None] | None = None) -> list[CellSpec]:
     """The suite's cells, de-duplicated, each checked for compatibility up front. On GPUs
-    (``gpu``: their memory) the default suite is the real-size matrix of harness/suites_gpu.py."""
+    (``gpu``: their memory) the default suite is the real-size matrix of harness/suites_gpu.py.
+    ``progress(built)``: after each cell of a suite file (the built-in suites take a moment)."""
     if suite_files.is_suite_file(suite):
-        return list({c.cell_id: c for c in suite_files.cells(Path(suite), world_size, nnodes)}.values())
+        return _distinct(suite_files.cells(Path(suite), world_size, nnodes, progress))
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}, or a {suite_files.SUFFIX}"
                          " suite file")
@@ -349,7 +366,7 @@ def cells_of(suite: str, world_size: int, nnodes: int = 1, gpu: suites_gpu.GpuTa
     if world_size < 2 and not on_gpus:
         raise ValueError(f"--gpus {world_size}: the suites compare strategies across ranks; use 2 or more")
     made = suites_gpu.cells(world_size, gpu) if on_gpus and gpu is not None else SUITES[suite](world_size)
-    cells = list({c.cell_id: c for c in made}.values())
+    cells = _distinct(made)
     for cell in cells:
         problem = strategies.incompatibility(cell)
         if problem:

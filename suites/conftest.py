@@ -13,6 +13,7 @@ import pytest
 
 from harness import markers, suites, suites_gpu
 from harness.config import add_run_options
+from harness.results.store import ResultsNotWritable
 from harness.runner import resume
 from harness.runner import session as run_session
 
@@ -104,7 +105,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def matrix(pytestconfig: pytest.Config) -> run_session.MatrixRun:
     """The run of every selected cell, started on first use."""
-    return run_session.start(pytestconfig)
+    try:
+        return run_session.start(pytestconfig)
+    except ResultsNotWritable as error:
+        run_session.stop_unwritable(pytestconfig, error)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    run_session.write_report(session)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:

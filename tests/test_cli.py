@@ -2,13 +2,17 @@
 runs end to end through pytest and leaves results, a summary and a report."""
 
 import json
+import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from harness import cli
+from harness import cli, markers, strategies, suite_files
+from harness.cli_catalogue import CATALOGUES
+from harness.models.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +36,26 @@ SUITE_FILES = {
     "text_lr.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nlr = 'fast'\n",
     "no_strategies.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = []\n",
     "huge_steps.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nsteps = 100000000\n",
+    "planning_only.toml": "[[cells]]\nmodel = 'mixtral-8x7b'\nstrategy = 'ddp'\n",
+    "ws1024.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nworld_size = 1024\n",
+    "lr_zero.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nlr = 0\n",
+    "lr_huge.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nlr = 1e9\n",
+    "seed_negative.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nseed = -1\n",
+    "warmup1.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nwarmup = 1\n",
+    "fp8.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nprecision = 'fp8'\n",
+    "every1.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\ncheckpointing = 'full'\ncheckpoint_every = 1\n",
+    "clip0.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nclip_grad_norm = 0\n",
+    "bucket_negative.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nbucket_cap_mb = -1\n",
+    "steps3.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nsteps = 3\n",
+    "model42.toml": "[[cells]]\nmodel = 42\nstrategy = 'ddp'\n",
+    "float_batch.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nmicro_batch = 2.0\n",
+    "int_switch.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nexpandable_segments = 1\n",
+    "text_eval.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\neval_every = 'often'\n",
+    "ws0.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nworld_size = 0\n",
+    "lr_sweep.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nlr = [0.001, 0.01]\n",
+    # 50 × 50 = 2,500 cells, over the default --max-cells.
+    "too_many.toml": ("[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\n"
+                      f"seed = {list(range(50))}\nmicro_batch = {list(range(1, 51))}\n"),
 }
 
 
@@ -42,7 +66,8 @@ SUITE_FILES = {
         (["run", "-m", "zero4 and bf16"], "unknown marker(s) zero4 in -m 'zero4 and bf16': choose from"),
         (["run", "--gpus", "0"], "--gpus 0: must be a positive number"),
         (["run", "--gpus", "1"], "--gpus 1: the suites compare strategies across ranks; use 2 or more"),
-        (["run", "--cell-timeout", "-5"], "--cell-timeout -5.0: must be positive"),
+        (["run", "--cell-timeout", "-5"], "--cell-timeout -5.0: must be a positive, finite number of seconds"),
+        (["run", "--cell-timeout", "inf"], "--cell-timeout inf: must be a positive, finite number of seconds"),
         (["list", "-m", "fsdp3"], "unknown marker(s) fsdp3"),
         (["run", "-m", "fsdp and ("], "-m 'fsdp and (': not a valid expression at column 11"),
         (["run", "-m", "tp and deepspeed"], "-m 'tp and deepspeed' selects none of the suite's"),
@@ -64,6 +89,13 @@ SUITE_FILES = {
         (["plan", "--model", "llama3-8b", "--gpus", "0", "--gpu-mem", "80GiB"], "--gpus 0: must be at least 1"),
         (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80GiB", "--micro-batch", "0"],
          "--micro-batch 0: must be at least 1"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "100000000", "--gpu-mem", "80GiB"],
+         "--gpus 100000000: must be at least 1 and at most 1,048,576"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--seq", "0"],
+         "--seq 0: must be at least 1"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "inf"], "--gpu-mem 'inf': give a size"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "80GiB", "--nodes", "2"],
+         "--gpus 1 is not divisible by --nodes 2"),
         (["run", "--nnodes", "0"], "--nnodes 0: must be 1 or more"),
         (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
          "--node-rank 2: must be in [0, 2)"),
@@ -111,6 +143,32 @@ SUITE_FILES = {
                                                          " at most 1,048,576"),
         (["list", "--suite", "{files}/ws3.toml"], "world_size 3: the suites form world sizes that are powers of two"),
         (["run", "--suite", "{files}/ws3.toml"], "world_size 3: the suites form world sizes that are powers of two"),
+        (["list", "--suite", "{files}/planning_only.toml"], "cells[0]: model='mixtral-8x7b': planning only"),
+        (["run", "--suite", "{files}/planning_only.toml"], "cells[0]: model='mixtral-8x7b': planning only"),
+        (["run", "--gpus", "1024", "--device", "cpu"], "1024 CPU ranks on this node: more than 4 per core"),
+        (["run", "--suite", "{files}/ws1024.toml", "--device", "cpu"], "1024 CPU ranks on this node: more than 4"),
+        (["list", "--suite", "{files}/lr_zero.toml"], "cells[0]: lr=0: must be a positive number, at most 1000"),
+        (["list", "--suite", "{files}/lr_huge.toml"], "cells[0]: lr=1000000000.0: must be a positive number"),
+        (["list", "--suite", "{files}/seed_negative.toml"], "cells[0]: seed=-1: must be an integer from 0 to 2**63"),
+        (["list", "--suite", "{files}/warmup1.toml"], "cells[0]: warmup=1: must be at least 2"),
+        (["list", "--suite", "{files}/fp8.toml"], "cells[0]: precision='fp8': choose one of fp32, bf16, fp16"),
+        (["list", "--suite", "{files}/every1.toml"], "cells[0]: checkpoint_every=1: must be an integer of 2 or more"),
+        (["list", "--suite", "{files}/clip0.toml"], "cells[0]: clip_grad_norm=0: must be a positive, finite number"),
+        (["list", "--suite", "{files}/bucket_negative.toml"], "cells[0]: bucket_cap_mb=-1: must be a positive"),
+        (["list", "--suite", "{files}/steps3.toml"], "cells[0]: steps=3: need at least warmup + 2 probe steps"),
+        (["list", "--suite", "{files}/model42.toml"], "cells[0]: model=42: a preset's name, a config.json path"),
+        (["list", "--suite", "{files}/float_batch.toml"], "cells[0]: micro_batch=2.0: must be an integer"),
+        (["list", "--suite", "{files}/int_switch.toml"], "cells[0]: expandable_segments=1: must be true or false"),
+        (["list", "--suite", "{files}/text_eval.toml"], "cells[0]: eval_every='often': must be an integer or unset"),
+        (["list", "--suite", "{files}/ws0.toml"], "cells[0]: world_size=0: must be a positive integer"),
+        (["run", "--suite", "{files}/lr_sweep.toml"], "differ (lr 0.001 and 0.01): a cell's id leaves lr, steps and"
+                                                      " warmup out"),
+        (["run", "--suite", "{files}/too_many.toml"], "too_many.toml lists 2,500 cells, more than --max-cells 2,000"),
+        (["list", "--suite", "smoke", "--max-cells", "3"], "suite smoke has 5 cells, more than --max-cells 3"),
+        (["run", "--max-cells", "0"], "--max-cells 0: must be 1 or more cells"),
+        (["list", "widgets"], "list widgets: choose one of cells, models, strategies, options, markers"),
+        (["compare", "run-a", "run-b", "--format", "pdf"], "compare: argument --format: invalid choice: 'pdf'"),
+        (["run", "--device", "tpu"], "run: argument --device: invalid choice: 'tpu'"),
         (["run", "--gpus", "3", "--device", "cpu"], "world_size 3: the suites form world sizes"),
         (["run", "--suite", "{files}/ws3.toml", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
          "world_size 3 does not split over 2 nodes (every node runs world_size / nnodes ranks)"),
@@ -123,16 +181,19 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_launched(tmp_path, args, 
         (files / name).write_text(text)
     args = [arg.format(files=files) for arg in args]
     takes_out = args[0] not in ("list", "plan")
+    out = tmp_path / "out"  # a refused run must not make it
     # In this process (a second each, not five): every input here fails before pytest starts.
     try:
-        code = cli.main([*args, "--out", str(tmp_path)] if takes_out else args)
+        code = cli.main([*args, "--out", str(out)] if takes_out else args)
     except SystemExit as exited:  # argparse's own errors
         code = exited.code
-    _assert_refused(code, capsys.readouterr().err, message, tmp_path)
+    _assert_refused(code, capsys.readouterr().err, message, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suite-files"]  # and nothing else either
 
 
 def _assert_refused(code: int, stderr: str, message: str, out: Path) -> None:
-    """Exit 2, one line on stderr saying ``message``, nothing written under ``out``."""
+    """Exit 2, one line on stderr saying ``message``, ``out`` not made (or, where it was
+    there before, nothing written in it)."""
     assert code == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], stderr
@@ -231,3 +292,49 @@ def test_bad_input_against_the_gpus_present(tmp_path, capsys, monkeypatch, args,
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=80 * 2**30))
     _assert_refused(cli.main(["run", *args, "--out", str(tmp_path)]), capsys.readouterr().err, message, tmp_path)
+
+
+@pytest.mark.parametrize("what", CATALOGUES)
+def test_list_shows_everything_a_cell_can_be(what, capsys):
+    assert cli.main(["list", what]) == 0
+    out = capsys.readouterr().out
+    named = {"models": list(PRESETS), "strategies": list(strategies.names()), "options": list(suite_files.OPTIONS),
+             "markers": [m for m in {**markers.CATALOGUE, **markers.TEST_MARKERS} if not m.startswith("ws")]}[what]
+    first_words = {line.split()[0].rstrip(":") for line in out.splitlines() if line.strip()}
+    assert set(named) <= first_words, set(named) - first_words
+    if what == "models":
+        assert "mixtral-8x7b" in out and "planning only" in out
+
+
+def test_the_version_and_the_help_say_what_they_should(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"shardbench {metadata.version('shardbench')}"
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    assert "go to pytest unchanged" in " ".join(capsys.readouterr().out.split())
+    own = subprocess.run([str(REPO / "run_all.sh"), "--help"], capture_output=True, text=True, timeout=120)
+    assert own.returncode == 0 and "--setup-only" in own.stdout and "usage: shardbench run" in own.stdout
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder no one may write in: a read-only tmpfs as root (who may write anywhere else),
+    a mode-555 folder otherwise."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)]).returncode != 0:
+        pytest.skip("root here cannot mount a tmpfs (a container without CAP_SYS_ADMIN)")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_read_only_out_is_refused_before_anything_runs(read_only_folder, capsys):
+    code = cli.main(["run", "--suite", "smoke", "--out", str(read_only_folder / "run")])
+    _assert_refused(code, capsys.readouterr().err, f"--out {read_only_folder / 'run'}: {read_only_folder} is not"
+                    " writable", read_only_folder / "run")

@@ -135,7 +135,8 @@ def test_options_that_apply_resolve_to_their_defaults_and_round_trip():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"bucket_cap_mb": 0}, "bucket_cap_mb=0: must be a positive, finite number of MiB"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb=0: must be a positive number of MiB, at most 1,048,576"),
+    ({"bucket_cap_mb": float("inf")}, "bucket_cap_mb=inf: must be a positive number of MiB"),
     ({"bucket_cap_mb": True}, "bucket_cap_mb=True: must be a number or unset"),
     ({"gradient_as_bucket_view": 1}, "gradient_as_bucket_view=1: must be true or false"),
     ({"overlap_comm": "yes"}, "overlap_comm='yes': must be true or false or unset"),

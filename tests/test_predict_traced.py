@@ -132,10 +132,14 @@ def test_trace_refuses_a_process_with_a_process_group():
         dist.destroy_process_group()
 
 
-def test_trace_cells_runs_in_a_subprocess_and_goes_on_after_a_bad_cell():
+def test_trace_cells_runs_in_a_subprocess_and_goes_on_after_a_bad_cell(monkeypatch):
     good, bad = _cell("ddp", 2), _cell("fsdp1_full", 2, offload="params")
-    results = traced.trace_cells([bad, good])
+    monkeypatch.setattr(traced, "PROGRESS_EVERY_S", 0.1)
+    seen: list[tuple[int, int]] = []
+    results = traced.trace_cells([bad, good], progress=lambda done, total: seen.append((done, total)))
     assert set(results) == {good.cell_id, bad.cell_id}
+    # Progress while the subprocesses start and trace: counts that only grow, of both cells.
+    assert seen and {total for _, total in seen} == {2} and [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert "unavailable" in results[bad.cell_id]
     _assert_prediction(results[good.cell_id])
     # DDP: a full replica, and its gradient bucket (the size of the gradients) in "other".
@@ -161,7 +165,7 @@ def test_trace_cells_shares_the_cells_among_a_subprocess_per_core(monkeypatch):
     cells = [_cell("single", 1), _cell("ddp", 2), _cell("fsdp_full", 2)]
     shares = []
 
-    def fake(share, timeout_s):
+    def fake(share, timeout_s, done, slot):
         shares.append([c.cell_id for c in share])
         return {c.cell_id: {"peak_bytes": len(shares)} for c in share}
 

@@ -1,11 +1,24 @@
+import errno
 import json
+import os
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 
 from harness import markers
 from harness.config import CellSpec, StrategySpec
 from harness.results import schema
-from harness.results.store import DamagedResultsWarning, RunStore, load_records, load_run_info, resolve_run
+from harness.results import store as store_module
+from harness.results.store import (
+    DamagedResultsWarning,
+    ResultsNotWritable,
+    RunStore,
+    load_records,
+    load_run_info,
+    resolve_run,
+)
 
 CELL = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))
 
@@ -192,3 +205,50 @@ def test_report_of_a_damaged_folder_succeeds_and_counts_what_it_skipped(tmp_path
     assert "skipped 4 unreadable item(s)" in err  # 3 lines and the missing run.json
     page = (tmp_path / "reports" / "run-x" / "index.html").read_text()
     assert "4 unreadable items skipped" in page and "cells.jsonl:4" in page
+
+
+def _record(seed: str) -> dict:
+    return schema.make_record(CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), seed=ord(seed)),
+                              markers=[], status="ok")
+
+
+def test_a_write_that_fails_mid_record_leaves_only_whole_records(tmp_path, monkeypatch):
+    store = RunStore(tmp_path, "run")
+    store.append(_record("a"))
+    before = store.cells_path.read_bytes()
+    real_write = os.write
+
+    def half_then_full(fd, data):  # the disk fills halfway through the record
+        if len(data) > 100:
+            return real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store_module.os, "write", half_then_full)
+    full = re.escape(f"cannot write {store.cells_path}: No space left on device")
+    with pytest.raises(ResultsNotWritable, match=full):
+        store.append(_record("b"))
+    assert store.cells_path.read_bytes() == before  # the half record cut away
+    monkeypatch.undo()
+    store.append(_record("c"))  # space again: the next record follows on a line of its own
+    assert [r["cell_id"] for r in load_records(store.path)] == [_record("a")["cell_id"], _record("c")["cell_id"]]
+
+
+def test_a_vanished_folder_and_an_unwritable_run_json_name_their_path(tmp_path, monkeypatch):
+    store = RunStore(tmp_path, "run")
+    store.write_run_info({"run_id": "run"})
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    with pytest.raises(ResultsNotWritable, match=r"cannot write .*run\.json: Read-only"):
+        store.write_run_info({"run_id": "run", "resumes": []})
+    monkeypatch.undo()
+    assert json.loads((store.path / "run.json").read_text()) == {"run_id": "run"}  # the one before, whole
+    assert sorted(p.name for p in store.path.iterdir()) == ["run.json"]  # no half-written copy left
+    store.append(_record("a"))
+    shutil.rmtree(store.path)
+    with pytest.raises(ResultsNotWritable, match=r"cells\.jsonl: No such file or directory"):
+        store.append(_record("b"))
+    store.path.mkdir()  # even where something made the folder again: its records are gone
+    with pytest.raises(ResultsNotWritable, match=r"cells\.jsonl: No such file or directory"):
+        store.append(_record("b"))

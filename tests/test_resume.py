@@ -4,6 +4,7 @@ interrupted (SIGINT, as Ctrl-C) keeps every finished cell and leaves no process 
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from harness import cli, suites
 from harness.results.store import load_records
 from harness.runner import resume
 from harness.runner.matrix import with_references
+from harness.runner.session import EXIT_NOT_WRITTEN
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_CELLS = {c.cell_id for c in with_references(suites.cells_of("smoke", 2))}
@@ -200,3 +202,43 @@ def test_a_run_over_two_nodes_is_resumed_on_two_and_ranks_per_node_named_as_give
         resume.check_same_selection(run_dir, original, {"nnodes": 1, "world_size": 2})
     with pytest.raises(ValueError, match="with --gpus 1: it ran with --gpus 2;"):  # per node, as typed
         resume.check_same_selection(run_dir, original, {"nnodes": 2, "world_size": 2})
+
+
+def _file_size_limit(limit: int):
+    """For the child: no file it writes may grow past ``limit`` bytes; a write that would gets
+    EFBIG (SIGXFSZ ignored), as a full disk gives ENOSPC: a results file that cannot be written."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
+
+
+def test_a_run_that_cannot_write_its_results_stops_in_one_line_and_resumes_once_it_can(tmp_path):
+    # Two one-process cells (a record is ~8 KB): the first record fits under 12,000 bytes, the
+    # second is cut by the limit mid-write.
+    suite = tmp_path / "two.toml"
+    suite.write_text("[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'single'\nseed = [0, 1]\n")
+    args = ["run", "--suite", str(suite), *QUICK, "--out", str(tmp_path)]
+    stopped = subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "SHARDBENCH_DEVICE": "cpu"}, timeout=600,
+                             preexec_fn=_file_size_limit(12_000))
+    run_dir = (tmp_path / "results" / "latest").resolve()
+    cells = run_dir / "cells.jsonl"
+    said = [line for line in stopped.stdout.splitlines() if "shardbench: error:" in line]
+    assert stopped.returncode == EXIT_NOT_WRITTEN, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert len(said) == 1 and f"cannot write {cells}: File too large" in said[0], stopped.stdout[-3000:]
+    assert "1 of 2 cells recorded; run the rest with ./run_all.sh --resume" in said[0]
+    text = cells.read_text()
+    assert text.endswith("}\n") and text.count("\n") == 1  # the cut second record removed, the first whole
+    assert len(load_records(run_dir)) == 1
+
+    # The results can be written again, the report cannot (a file where its folder goes).
+    (tmp_path / "reports").write_text("")
+    resumed = shardbench("run", *QUICK, "--resume", "latest", "--out", str(tmp_path))
+    assert resumed.returncode == EXIT_NOT_WRITTEN, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert cells.read_text().startswith(text) and len(load_records(run_dir)) == 2
+    said = [line for line in resumed.stdout.splitlines() if line.startswith("report:")]
+    assert len(said) == 1 and "not written" in said[0] and "the results are complete" in said[0], said
+    (tmp_path / "reports").unlink()
+    assert cli.main(["report", "latest", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "reports" / run_dir.name / "index.html").exists()

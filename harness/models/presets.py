@@ -59,6 +59,10 @@ _REAL_SPECS = [
               image_size=224, patch_size=16, num_classes=1000),
 ]
 PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in _TINY_SPECS + _REAL_SPECS}
+# Presets `plan` predicts but no suite builds, with why (a suite listing one is refused).
+PLANNING_ONLY: dict[str, str] = {
+    "mixtral-8x7b": "46.7B parameters, built on the meta device for `plan` only",
+}
 # What plan's predictions are for, and what the report sets them beside.
 REAL_SIZE_PRESETS: tuple[str, ...] = tuple(spec.name for spec in _REAL_SPECS)
 

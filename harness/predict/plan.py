@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import get_args
 
 from harness import models, strategies
-from harness.config import CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
+from harness.config import MAX_COUNT, CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
 from harness.measure import flops
 from harness.predict import analytic, fit, rough_time
 
@@ -53,17 +53,17 @@ class PlanRequest:
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
             models.get_preset(self.model)  # raises with the allowed names
-        if self.gpus < 1:
-            raise ValueError(f"--gpus {self.gpus}: must be at least 1")
-        if self.nodes < 1 or self.gpus % self.nodes:
+        # A count past a cell's bounds would make every candidate an invalid cell, and "nothing
+        # fits" would be the answer to a typo.
+        for flag, value in (("--gpus", self.gpus), ("--nodes", self.nodes), ("--micro-batch", self.micro_batch),
+                            ("--seq", self.seq)):
+            if value is not None and not 1 <= value <= MAX_COUNT:
+                raise ValueError(f"{flag} {value}: must be at least 1 and at most {MAX_COUNT:,}")
+        if self.gpus % self.nodes:
             raise ValueError(f"--gpus {self.gpus} is not divisible by --nodes {self.nodes}:"
                              " every node runs the same number of GPUs")
-        if self.micro_batch < 1:
-            raise ValueError(f"--micro-batch {self.micro_batch}: must be at least 1")
         if self.optimizer not in get_args(Optimizer):
             raise ValueError(f"--optimizer {self.optimizer}: choose one of {', '.join(get_args(Optimizer))}")
-        if self.seq is not None and self.seq < 1:
-            raise ValueError(f"--seq {self.seq}: must be at least 1")
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
         if self.seq is not None and spec.seq_len is None:
             raise ValueError(f"--seq applies to text models; {spec.name} is a {spec.family} model")

@@ -107,6 +107,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import unittest.mock
@@ -128,7 +129,11 @@ from harness.measure import memory
 from harness.measure.dispatched_work import DispatchedWork
 from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
+# A trace subprocess that traces no cell for this long is killed (a cell traces in well under a
+# minute at real size; a share of thousands of cells takes longer in all, and goes on).
 DEFAULT_TIMEOUT_S = 600.0
+PROGRESS_EVERY_S = 30.0
+_TRACED_PREFIX = "traced "  # the subprocess's line per cell done, counted for the progress
 # Trace subprocesses at once (each one thread, its own torch and transformers: ~1 GB of memory).
 MAX_TRACE_PROCESSES = 8
 _REASON_CHARS = 400
@@ -506,16 +511,18 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
             "work": work.to_dict()}
 
 
-def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, dict]:
+def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
+                progress: Callable[[int, int], None] | None = None) -> dict[str, dict]:
     """cell_id -> trace(cell), computed in fresh subprocesses (``python -m
     harness.predict.traced``), so this process (which may hold a real process group) is
     untouched: one per core up to ``MAX_TRACE_PROCESSES``, each tracing every n-th cell (a trace
     is one thread's work, and nothing else runs while the cells are traced). A cell whose trace
-    raises gets {"unavailable": reason} and the others go on; if a subprocess dies or runs past
-    `timeout_s`, every cell of its share without a result gets {"unavailable": ...} saying so
-    (the first of them is the one it was tracing). Never raises for a cell. A refused cell's
-    stand-in (``work_stand_in``) is traced among the cells, once, or taken from the cells
-    where it is one of them.
+    raises gets {"unavailable": reason} and the others go on; if a subprocess dies, or traces no
+    cell for `timeout_s`, every cell of its share without a result gets {"unavailable": ...}
+    saying so (the first of them is the one it was tracing). Never raises for a cell. A refused
+    cell's stand-in (``work_stand_in``) is traced among the cells, once, or taken from the cells
+    where it is one of them. ``progress(traced, total)`` is called every PROGRESS_EVERY_S while
+    the traces run (a large suite's take minutes).
     """
     if not cells:
         return {}
@@ -524,27 +531,49 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     to_trace = list({c.cell_id: c for c in [*cells, *stand_ins.values()]}.values())
     processes = max(1, min(MAX_TRACE_PROCESSES, os.cpu_count() or 1, len(to_trace)))
     shares = [to_trace[k::processes] for k in range(processes)]
+    done = [0] * processes  # cells each subprocess has traced so far
     with concurrent.futures.ThreadPoolExecutor(max_workers=processes) as pool:
-        traced = list(pool.map(lambda share: _trace_in_subprocess(share, timeout_s), shares))
+        running = [pool.submit(_trace_in_subprocess, share, timeout_s, done, k) for k, share in enumerate(shares)]
+        while concurrent.futures.wait(running, timeout=PROGRESS_EVERY_S).not_done:
+            if progress is not None:
+                progress(sum(done), len(to_trace))
+        traced = [future.result() for future in running]
     results = {cell_id: result for share in traced for cell_id, result in share.items()}
     for cell_id, stand_in in stand_ins.items():
         results[cell_id] = _with_stand_in(results[cell_id], stand_in, results[stand_in.cell_id])
     return {cell.cell_id: results[cell.cell_id] for cell in cells}  # in the order given
 
 
-def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float) -> dict[str, dict]:
+def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float, done: list[int], slot: int) -> dict[str, dict]:
+    """One subprocess's share; ``done[slot]`` counts its traced cells as it reports them (a
+    line on stderr each), and it is killed once it reports none for ``timeout_s``."""
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="shardbench-trace-") as tmp:
         cells_path, out_path = Path(tmp) / "cells.json", Path(tmp) / "out.json"
         cells_path.write_text(json.dumps([cell.to_dict() for cell in cells]))
         command = [sys.executable, "-m", "harness.predict.traced",
                    "--cells", str(cells_path), "--out", str(out_path)]
-        try:
-            completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-            failure = None if completed.returncode == 0 else (
-                f"trace subprocess exited with status {completed.returncode}: {_last_line(completed.stderr)}")
-        except subprocess.TimeoutExpired:
-            failure = f"trace subprocess ran past its {timeout_s:g} s timeout"
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert process.stderr is not None  # PIPE
+        stalled = threading.Event()
+
+        def stall() -> None:
+            stalled.set()
+            process.kill()
+
+        watchdog = _Watchdog(timeout_s, stall)
+        last = ""
+        for line in process.stderr:  # until the subprocess exits (or is killed)
+            if line.startswith(_TRACED_PREFIX):
+                done[slot] += 1
+                watchdog.reset()
+            elif line.strip():
+                last = line.strip()
+        returncode = process.wait()
+        watchdog.cancel()
+        failure = (f"trace subprocess traced no cell for {timeout_s:g} s (its timeout)" if stalled.is_set()
+                   else None if returncode == 0
+                   else f"trace subprocess exited with status {returncode}: {last[:_REASON_CHARS] or '(no output)'}")
         if out_path.exists():
             results = json.loads(out_path.read_text())
     missing = [cell for cell in cells if cell.cell_id not in results]
@@ -557,9 +586,25 @@ def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float) -> dict[str, d
     return results
 
 
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:_REASON_CHARS] if lines else "(no output)"
+class _Watchdog:
+    """Calls ``expire`` once ``timeout_s`` pass without a ``reset``."""
+
+    def __init__(self, timeout_s: float, expire: Callable[[], object]) -> None:
+        self._timeout_s, self._expire = timeout_s, expire
+        self._timer = self._started()
+
+    def _started(self) -> threading.Timer:
+        timer = threading.Timer(self._timeout_s, self._expire)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def reset(self) -> None:
+        self._timer.cancel()
+        self._timer = self._started()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def _write_atomic(path: Path, data: dict) -> None:
@@ -620,7 +665,7 @@ def main(argv: list[str] | None = None) -> None:
             results[cell.cell_id] = trace(cell, stand_in=False)
         except Exception as error:
             results[cell.cell_id] = {"unavailable": f"tracing failed: {_condensed(error)}"}
-        print(f"traced {cell.cell_id} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+        print(f"{_TRACED_PREFIX}{cell.cell_id} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
         # Written after every cell: a crash later leaves the finished cells' results.
         _write_atomic(args.out, results)
     _write_atomic(args.out, results)

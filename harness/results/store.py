@@ -8,11 +8,13 @@ that names the file and line (README "Resuming and damaged results")."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,34 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
 
 
+class ResultsNotWritable(Exception):
+    """A results file could not be written (disk full, read-only, the folder gone): what was
+    written before is intact, and a record cut by the failure has been removed."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(f"cannot write {path}: {error.strerror or error} (errno {error.errno}); free space or"
+                         " restore the folder; the records written before are intact")
+        self.path = path
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """An OSError while writing ``path`` as ResultsNotWritable, naming it."""
+    try:
+        yield
+    except OSError as error:
+        raise ResultsNotWritable(path, error) from error
+
+
 class RunStore:
     def __init__(self, results_dir: Path, run_id: str):
         self.run_id = run_id
         self.path = results_dir / run_id
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.cells_path = self.path / "cells.jsonl"
-        self._point_latest(results_dir)
+        self._appended = False
+        with _writing(self.path):
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.cells_path = self.path / "cells.jsonl"
+            self._point_latest(results_dir)
 
     def _point_latest(self, results_dir: Path) -> None:
         # Replace the link atomically: a reader never sees "latest" missing.
@@ -40,25 +63,47 @@ class RunStore:
 
     def write_run_info(self, info: dict[str, Any]) -> None:
         tmp = self.path / "run.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
-        tmp.replace(self.path / "run.json")
+        with _writing(self.path / "run.json"):
+            try:
+                tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
+                tmp.replace(self.path / "run.json")
+            finally:
+                tmp.unlink(missing_ok=True)  # a half-written copy (the run.json before it stays whole)
 
     def append(self, record: Record) -> None:
-        """One cell record, appended to cells.jsonl by append_json_line."""
-        append_json_line(self.cells_path, record)
+        """One cell record, appended to cells.jsonl by append_json_line. After the first, the
+        file must be there: a run folder removed under a run is an error, not a fresh file."""
+        append_json_line(self.cells_path, record, create=not self._appended)
+        self._appended = True
 
 
-def append_json_line(path: Path, record: Record, *, default: Callable[[Any], Any] | None = None) -> None:
+def append_json_line(path: Path, record: Record, *, default: Callable[[Any], Any] | None = None,
+                     create: bool = True) -> None:
     """One line per record in a single write, flushed and fsynced: a killed run keeps every
     record that finished, and at worst loses a truncated last line. ``default`` is json.dumps's
-    (what to write for a value JSON has no type for)."""
+    (what to write for a value JSON has no type for); ``create``: make the file if it is not
+    there. A failed write is cut away and raised as ResultsNotWritable."""
     line = json.dumps(record, default=default) + "\n"
     if _ends_mid_line(path):
         line = "\n" + line  # a killed writer's cut line stays alone, skipped by the loader
-    with path.open("a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    data = line.encode()
+    with _writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0), 0o644)
+        try:
+            before = os.fstat(fd).st_size
+            try:
+                written = 0
+                while written < len(data):  # unbuffered: nothing is left to write later, on close
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+            except OSError:
+                # Disk full or the like mid-record: cut what was written, so the file holds whole
+                # records only (truncating frees space; where even that fails, the loader skips it).
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+                raise
+        finally:
+            os.close(fd)
 
 
 def _ends_mid_line(path: Path) -> bool:

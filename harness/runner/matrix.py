@@ -139,7 +139,8 @@ class MatrixRun:
             # Before any cell runs: the trace would compete with the ranks for the cores.
             started = time.monotonic()
             self.progress(f"shardbench: tracing {len(runnable)} cells under FakeTensorMode (predicted peak memory)")
-            self._traced = traced.trace_cells(runnable)
+            self._traced = traced.trace_cells(runnable, progress=lambda done, total: self.progress(
+                f"shardbench: traced {done:,} of {total:,} cells"))
             self.progress(f"shardbench: traced in {human_duration(time.monotonic() - started)}")
         self._started = time.monotonic()
         for trial in range(self.repeat):
@@ -206,8 +207,8 @@ class MatrixRun:
         return None if checked is None else checked.to_dict()
 
     def _finish(self, record: dict) -> None:
+        self.store.append(record)  # first: a record that could not be written is not counted as recorded
         self.by_trial[record["cell_id"], record["trial"]] = record
-        self.store.append(record)
         self.progress(self._progress_line(record))
 
     def _progress_line(self, record: dict) -> str:

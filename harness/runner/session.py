@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from harness.config import CellSpec, RunOptions, gib_of
 from harness.measure import environment
 from harness.report import history, html
 from harness.results import provenance
-from harness.results.store import RunStore, load_run_info, new_run_id
+from harness.results.store import ResultsNotWritable, RunStore, load_run_info, new_run_id
 from harness.runner import nodes, resume
 from harness.runner.launcher import BANDWIDTH_TIMEOUT_S, LaunchOptions, nodes_of, run_bandwidth_sweep
 from harness.runner.matrix import MatrixRun, human_bytes
@@ -30,6 +31,10 @@ SELECTED = pytest.StashKey[list]()
 MEMORY_SNAPSHOT_DIR = "memory"
 PROFILE_DIR = "profiles"
 _RUN = pytest.StashKey["MatrixRun"]()
+# The report written (its path, what it skipped), or why it could not be.
+_REPORT = pytest.StashKey["tuple[Path, list[str]] | str"]()
+# A run that could not write its results or report: sysexits' EX_IOERR.
+EXIT_NOT_WRITTEN = 74
 _PLAN_SERVER = pytest.StashKey[PlanServer]()
 
 
@@ -220,15 +225,53 @@ def summarize(config: pytest.Config, reporter) -> None:
     reporter.write_line(f"results: {run.store.path}")
     if not run.complete:
         # Interrupted: end promptly; the resumed run builds the report.
-        reporter.write_line(f"interrupted: {run.recorded_count()} recorded; run the rest with"
-                            f" ./run_all.sh --resume {run.store.run_id}"
-                            + (f" --out {out_dir(config)}" if run_options(config).out else ""))
+        reporter.write_line(f"interrupted: {run.recorded_count()} recorded;"
+                            f" {_resume_command(config, run.store.run_id)}")
+        return
+    written = config.stash.get(_REPORT, None)
+    if isinstance(written, str):
+        reporter.write_line(f"report:  not written: {written}")
+        return
+    if written is not None:
+        report, skipped = written
+        if skipped:
+            reporter.write_line(f"skipped {len(skipped)} unreadable item(s) of {run.store.path}"
+                                " (warnings above, and in the report)")
+        reporter.write_line(f"report:  {report}")
+
+
+def write_report(session: pytest.Session) -> None:
+    """A complete run's HTML report and the reports' index (pytest_sessionfinish, before the
+    summary prints where it went). A report that cannot be written (disk full, read-only) is
+    one line there and the run's exit status EXIT_NOT_WRITTEN; the results stay complete."""
+    config = session.config
+    run = config.stash.get(_RUN, None)
+    if run is None or not run.complete:
         return
     reports = out_dir(config) / "reports"
     skipped: list[str] = []
-    report = html.write_run_report(run.store.path, reports / run.store.run_id, skipped)
-    history.write_index(run.store.path.parent, reports)
-    if skipped:
-        reporter.write_line(f"skipped {len(skipped)} unreadable item(s) of {run.store.path}"
-                            " (warnings above, and in the report)")
-    reporter.write_line(f"report:  {report}")
+    try:
+        report = html.write_run_report(run.store.path, reports / run.store.run_id, skipped)
+        history.write_index(run.store.path.parent, reports)
+    except OSError as error:
+        config.stash[_REPORT] = (f"{error.filename or reports}: {error.strerror or error}; the results are complete:"
+                                 f" free space, then `python -m harness report {run.store.run_id}"
+                                 + (f" --out {out_dir(config)}`" if run_options(config).out else "`") + " builds it")
+        session.exitstatus = EXIT_NOT_WRITTEN
+        return
+    config.stash[_REPORT] = (report, skipped)
+
+
+def stop_unwritable(config: pytest.Config, error: ResultsNotWritable) -> NoReturn:
+    """End the session at a results file it cannot write: one line saying what was recorded
+    and the command that completes the run (pytest prints no summary after such an exit)."""
+    run = config.stash.get(_RUN, None)
+    if run is None:
+        pytest.exit(f"shardbench: error: {error}", returncode=EXIT_NOT_WRITTEN)
+    pytest.exit(f"shardbench: error: {error}: {run.recorded_count()} recorded;"
+                f" {_resume_command(config, run.store.run_id)}", returncode=EXIT_NOT_WRITTEN)
+
+
+def _resume_command(config: pytest.Config, run_id: str) -> str:
+    return (f"run the rest with ./run_all.sh --resume {run_id}"
+            + (f" --out {out_dir(config)}" if run_options(config).out else ""))

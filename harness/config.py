@@ -632,13 +632,15 @@ class RunOptions:
     def __post_init__(self) -> None:
         self._check(self.device is None or self.device in get_args(Device), "device",
                     f"choose one of {', '.join(get_args(Device))}")
-        self._check(self.gpus is None or self.gpus >= 1, "gpus", "must be a positive number of ranks per node")
+        self._check(self.gpus is None or 1 <= self.gpus <= MAX_COUNT, "gpus",
+                    f"must be a positive number of ranks per node, at most {MAX_COUNT:,}")
         self._check(self.cell_timeout_s is None or 0 < self.cell_timeout_s < float("inf"), "cell_timeout_s",
                     "must be a positive, finite number of seconds")
         self._check(self.mem_cap_gib is None or 0 < self.mem_cap_gib <= MAX_MEM_CAP_GIB, "mem_cap_gib",
                     f"must be a positive number of GiB per rank, at most {MAX_MEM_CAP_GIB}")
-        self._check(self.repeat is None or self.repeat >= 1, "repeat", "must be 1 or more trials per cell")
-        self._check(self.max_cells >= 1, "max_cells", "must be 1 or more cells")
+        self._check(self.repeat is None or 1 <= self.repeat <= MAX_COUNT, "repeat",
+                    f"must be 1 or more trials per cell, at most {MAX_COUNT:,}")
+        self._check(1 <= self.max_cells <= MAX_COUNT, "max_cells", f"must be 1 or more cells, at most {MAX_COUNT:,}")
         if self.gpu_mem is not None:
             parse_bytes(self.gpu_mem)  # ValueError, one line, for a size it cannot read
         if self.retry_failed and self.resume is None:

@@ -166,6 +166,8 @@ SUITE_FILES = {
         (["run", "--suite", "{files}/too_many.toml"], "too_many.toml lists 2,500 cells, more than --max-cells 2,000"),
         (["list", "--suite", "smoke", "--max-cells", "3"], "suite smoke has 5 cells, more than --max-cells 3"),
         (["run", "--max-cells", "0"], "--max-cells 0: must be 1 or more cells"),
+        (["run", "--repeat", "100000000"], "--repeat 100000000: must be 1 or more trials per cell, at most"),
+        (["run", "--gpus", "100000000"], "--gpus 100000000: must be a positive number of ranks per node, at most"),
         (["list", "widgets"], "list widgets: choose one of cells, models, strategies, options, markers"),
         (["compare", "run-a", "run-b", "--format", "pdf"], "compare: argument --format: invalid choice: 'pdf'"),
         (["run", "--device", "tpu"], "run: argument --device: invalid choice: 'tpu'"),

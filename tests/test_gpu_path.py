@@ -201,7 +201,7 @@ def test_mfu_over_one_is_flagged_and_the_report_says_suspect():
 @pytest.fixture
 def untraced(monkeypatch):
     """No FakeTensorMode trace before the cells: the predictions are not what these test."""
-    monkeypatch.setattr(traced, "trace_cells", lambda cells: {})
+    monkeypatch.setattr(traced, "trace_cells", lambda cells, **_: {})
 
 
 def _run(cells, tmp_path, snapshot=True):

@@ -86,7 +86,7 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
     started = _two_nodes(multi, tmp_path, [*SELECT, "--mem-cap-gib", "8"], ["--device", "cpu"], "run")
     # Meanwhile, here: the same cells on one node of two ranks (no trace or report: not compared).
     monkeypatch.setenv("SHARDBENCH_DEVICE", "cpu")
-    monkeypatch.setattr(traced, "trace_cells", lambda cells: {})
+    monkeypatch.setattr(traced, "trace_cells", lambda cells, **_: {})
     smoke = [c for c in suites.cells_of("smoke", 2) if c.cell_id in CELLS]
     one_store = RunStore(tmp_path / "one", "one")
     MatrixRun(smoke, one_store, LaunchOptions(run=RunOptions(cell_timeout_s=120)), device_type="cpu", device_name=None,
@@ -139,7 +139,7 @@ def test_a_world_of_one_is_refused_with_the_reason_recorded(tmp_path, monkeypatc
     must refuse the ws2 cell, not run it as a job of one."""
     standalone = launcher.torchrun_args
     monkeypatch.setattr(launcher, "torchrun_args", lambda world_size, *rest: standalone(1))
-    monkeypatch.setattr(traced, "trace_cells", lambda cells: {})  # predictions are not the point
+    monkeypatch.setattr(traced, "trace_cells", lambda cells, **_: {})  # predictions are not the point
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), micro_batch=2, world_size=2)
     spec = node_spec.NodeSpec(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
     store = RunStore(tmp_path, "refused")

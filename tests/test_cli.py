@@ -53,6 +53,10 @@ SUITE_FILES = {
     "text_eval.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\neval_every = 'often'\n",
     "ws0.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nworld_size = 0\n",
     "lr_sweep.toml": "[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\nlr = [0.001, 0.01]\n",
+    "bool_layers.toml": ("[[cells]]\nstrategy = 'ddp'\nmodel = { config = '"
+                         f"{REPO / 'suites/configs/mistral-tiny.json'}', num_hidden_layers = true }}\n"),
+    "deep.toml": ("[[cells]]\nstrategy = 'ddp'\nmodel = { config = '"
+                  f"{REPO / 'suites/configs/mistral-tiny.json'}', num_hidden_layers = 100000000 }}\n"),
     # 50 × 50 = 2,500 cells, over the default --max-cells.
     "too_many.toml": ("[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\n"
                       f"seed = {list(range(50))}\nmicro_batch = {list(range(1, 51))}\n"),
@@ -161,6 +165,9 @@ SUITE_FILES = {
         (["list", "--suite", "{files}/int_switch.toml"], "cells[0]: expandable_segments=1: must be true or false"),
         (["list", "--suite", "{files}/text_eval.toml"], "cells[0]: eval_every='often': must be an integer or unset"),
         (["list", "--suite", "{files}/ws0.toml"], "cells[0]: world_size=0: must be a positive integer"),
+        (["list", "--suite", "{files}/bool_layers.toml"], "transformers refuses the config: TypeError: Field"
+                                                          " 'num_hidden_layers' expected int, got bool"),
+        (["list", "--suite", "{files}/deep.toml"], "cells[0]: n_layers=100000000: at most 1,024"),
         (["run", "--suite", "{files}/lr_sweep.toml"], "differ (lr 0.001 and 0.01): a cell's id leaves lr, steps and"
                                                       " warmup out"),
         (["run", "--suite", "{files}/too_many.toml"], "too_many.toml lists 2,500 cells, more than --max-cells 2,000"),

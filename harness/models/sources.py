@@ -88,7 +88,7 @@ def _resolve_config(path: str, overrides_json: str, where: str) -> ModelSpec:
         raise ValueError(f"{where}={path}: no model_type: a transformers config.json names its model_type")
     _check_known(model_type, path, where)
     task = _task(config, path, where)
-    config = _for_training(_with_defaults(config))
+    config = _for_training(_with_defaults(config, path, where))
     return _spec(path, model_type, task, config, where)
 
 
@@ -117,13 +117,17 @@ def _task(config: dict[str, Any], path: str, where: str) -> Task:
                      " classifier (the tasks shardbench builds batches for)")
 
 
-def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
+def _with_defaults(config: dict[str, Any], path: str, where: str) -> dict[str, Any]:
     """Every key the model is built from, the config class's defaults included, so that the
     record holds the whole config and dropout the file leaves at its default is seen."""
     from transformers import AutoConfig
 
     given = {k: v for k, v in config.items() if k != "model_type"}
-    full: dict[str, Any] = AutoConfig.for_model(config["model_type"], **given).to_dict()
+    try:
+        full: dict[str, Any] = AutoConfig.for_model(config["model_type"], **given).to_dict()
+    except Exception as error:  # transformers' own validation (a bool for an int, say): its last line, the cause
+        first = str(error).strip().splitlines()
+        raise ValueError(f"{where}={path}: transformers refuses the config: {' '.join(first[-1:]).strip()}") from None
     full.pop("transformers_version", None)  # which transformers wrote it: the provenance says so
     return full
 

@@ -56,6 +56,12 @@ _FAMILY_LAYOUT: dict[str, Layout] = {"gpt2": "gpt2", "llama": "llama", "moe": "m
 SizeField = Literal["n_heads", "n_kv_heads", "ffn_hidden", "seq_len", "vocab_size",
                     "image_size", "patch_size", "num_classes", "n_experts", "top_k"]
 _SIZES: tuple[SizeField, ...] = get_args(SizeField)
+# The largest size a model may have, so a typo (a config's num_hidden_layers = 100000000) is
+# refused, not built for ever: layers and experts are modules built one by one (the deepest
+# published LMs have ~100 layers, the widest MoEs 256 experts); every other size is a tensor
+# dimension (the largest vocabularies are ~2^18, contexts ~2^20).
+_MAX_MODULES = 1024
+_MAX_DIMENSION = 2**24
 
 VIT_CHANNELS = 3  # RGB images
 CONVNET_CHANNELS = 1  # grayscale images (scikit-learn's digits)
@@ -129,6 +135,10 @@ class ModelSpec:
         for f in ("n_layers", "hidden"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be a positive integer")
+        for f in ("n_layers", "hidden", *_SIZES):
+            value, bound = getattr(self, f), _MAX_MODULES if f in ("n_layers", "n_experts") else _MAX_DIMENSION
+            if value is not None and value > bound:
+                raise ValueError(f"{f}={value}: at most {bound:,} (a size beyond any model's: a typo?)")
         if (self.hf is None) == (self.family == "hf_config"):
             raise ValueError(f"hf: family {self.family!r} {'needs' if self.hf is None else 'takes no'} a"
                              " transformers config (harness.models.sources.resolve makes one)")

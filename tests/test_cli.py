@@ -104,6 +104,8 @@ SUITE_FILES = {
         (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
          "--node-rank 2: must be in [0, 2)"),
         (["run", "--nnodes", "2", "--node-rank", "0"], "--master-addr is required"),
+        (["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no such host"],
+         "--master-addr 'no such host': not a host name or address this node can resolve"),
         (["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "70000"],
          "--master-port 70000: must be in 1-65534"),
         (["run", "--resume", "no-such-run"], "no run at"),

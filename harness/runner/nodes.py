@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -100,10 +101,24 @@ def resolve(*, nnodes: int | None, node_rank: int | None, master_addr: str | Non
                     master_port=DEFAULT_MASTER_PORT if master_port is None else master_port)
 
 
+def _check_resolves(address: str) -> None:
+    """Node 0's address must name a host: a typo would leave every other node waiting for a
+    plan that never comes, until its timeout."""
+    try:
+        socket.getaddrinfo(address, None)
+    except (socket.gaierror, UnicodeError) as error:
+        raise ValueError(f"--master-addr {address!r}: not a host name or address this node can resolve"
+                         f" ({error})") from None
+
+
 def of_options(options: RunOptions, environ: Mapping[str, str] = os.environ) -> NodeSpec:
-    """``resolve`` for a run's node options (--nnodes, --node-rank, --master-addr, --master-port)."""
-    return resolve(nnodes=options.nnodes, node_rank=options.node_rank, master_addr=options.master_addr,
+    """``resolve`` for a run's node options (--nnodes, --node-rank, --master-addr, --master-port),
+    with node 0's address checked to resolve on this node."""
+    spec = resolve(nnodes=options.nnodes, node_rank=options.node_rank, master_addr=options.master_addr,
                    master_port=options.master_port, environ=environ)
+    if spec.multi and spec.master_addr is not None:
+        _check_resolves(spec.master_addr)
+    return spec
 
 
 def slurm_ranks_per_node(environ: Mapping[str, str] = os.environ) -> int | None:

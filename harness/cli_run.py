@@ -40,12 +40,15 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         return _run_follower(options, node)
     code = int(pytest.main([*pytest_args(options), "-rfEs", *extra]))
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
-        # A -k matching no cell's test id (-m was held against the cells before): refused, so
+        # A -k matching no cell's test id, or a -m naming only tests this suite does not have
+        # (-m claims beside --suite smoke; -m was held against the cells before): refused, so
         # the --out folder made for it goes again (it is empty: nothing ran).
         if made_out and options.out is not None and not any(options.out.iterdir()):
             options.out.rmdir()
-        print(f"shardbench: -k {options.keyword_expression!r} selects none of the suite's cells: `python -m harness"
-              " list` shows their ids", file=sys.stderr)
+        given = [f"{flag} {expr!r}" for flag, expr in (("-m", options.marker_expression),
+                                                      ("-k", options.keyword_expression)) if expr]
+        print(f"shardbench: {' with '.join(given) or 'the selection'} selects none of suite {options.suite}'s tests:"
+              " `python -m harness list` shows their cells' ids and markers", file=sys.stderr)
         return EXIT_USAGE
     # Ended by SIGTERM / SIGINT: the shell's 128 + N, never 0 (the finished cells are kept).
     return 128 + resume.Interrupted.signum if resume.Interrupted.signum else code

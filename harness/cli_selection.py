@@ -64,7 +64,7 @@ def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = Fal
     except ValueError as error:
         raise UsageError(str(error)) from None
     if not on_cuda:
-        _check_cpu_ranks(max([options.gpus or 2, *(-(-c.world_size // nnodes) for c in cells)]))
+        _check_cpu_ranks(max([options.gpus or 2, *(c.world_size // nnodes for c in cells)]))
     return options
 
 

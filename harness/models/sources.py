@@ -126,8 +126,8 @@ def _with_defaults(config: dict[str, Any], path: str, where: str) -> dict[str, A
     try:
         full: dict[str, Any] = AutoConfig.for_model(config["model_type"], **given).to_dict()
     except Exception as error:  # transformers' own validation (a bool for an int, say): its last line, the cause
-        first = str(error).strip().splitlines()
-        raise ValueError(f"{where}={path}: transformers refuses the config: {' '.join(first[-1:]).strip()}") from None
+        cause = str(error).strip().splitlines()[-1:] or [type(error).__name__]
+        raise ValueError(f"{where}={path}: transformers refuses the config: {cause[0].strip()}") from None
     full.pop("transformers_version", None)  # which transformers wrote it: the provenance says so
     return full
 

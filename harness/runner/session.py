@@ -255,8 +255,8 @@ def write_report(session: pytest.Session) -> None:
         history.write_index(run.store.path.parent, reports)
     except OSError as error:
         config.stash[_REPORT] = (f"{error.filename or reports}: {error.strerror or error}; the results are complete:"
-                                 f" free space, then `python -m harness report {run.store.run_id}"
-                                 + (f" --out {out_dir(config)}`" if run_options(config).out else "`") + " builds it")
+                                 f" free space, then `python -m harness report {run.store.run_id}{_out_flag(config)}`"
+                                 " builds it")
         session.exitstatus = EXIT_NOT_WRITTEN
         return
     config.stash[_REPORT] = (report, skipped)
@@ -266,12 +266,14 @@ def stop_unwritable(config: pytest.Config, error: ResultsNotWritable) -> NoRetur
     """End the session at a results file it cannot write: one line saying what was recorded
     and the command that completes the run (pytest prints no summary after such an exit)."""
     run = config.stash.get(_RUN, None)
-    if run is None:
-        pytest.exit(f"shardbench: error: {error}", returncode=EXIT_NOT_WRITTEN)
-    pytest.exit(f"shardbench: error: {error}: {run.recorded_count()} recorded;"
-                f" {_resume_command(config, run.store.run_id)}", returncode=EXIT_NOT_WRITTEN)
+    recorded = "" if run is None else f": {run.recorded_count()} recorded; {_resume_command(config, run.store.run_id)}"
+    pytest.exit(f"shardbench: error: {error}{recorded}", returncode=EXIT_NOT_WRITTEN)
 
 
 def _resume_command(config: pytest.Config, run_id: str) -> str:
-    return (f"run the rest with ./run_all.sh --resume {run_id}"
-            + (f" --out {out_dir(config)}" if run_options(config).out else ""))
+    return f"run the rest with ./run_all.sh --resume {run_id}{_out_flag(config)}"
+
+
+def _out_flag(config: pytest.Config) -> str:
+    """`` --out DIR`` where the run was given one: commands printed for the user to run next."""
+    return f" --out {out_dir(config)}" if run_options(config).out else ""

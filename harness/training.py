@@ -43,7 +43,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,9 @@ class PreparedCell:
     held_out: list[dict[str, torch.Tensor]]
     unscale_before_clip: bool = True
     kept_graphs: list[torch.Tensor] | None = None  # the retained_graph fault (harness/faults.py)
+    # The engine's kept buffers seen by the last warm-up step's all-reduces (Prepared.
+    # all_reduces_kept_buffers), for the memory step.
+    kept_buffers: list[torch.Tensor] = field(default_factory=list)
 
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
              before_optimizer_step: Callable[[], None] = _no_op, measure_grad_norm: bool = False) -> torch.Tensor:
@@ -212,6 +215,16 @@ class PreparedCell:
         self.prep.model.train()
         return (total / samples).item(), (right / samples).item() if counted else None
 
+    def last_warmup_step(self, i: int, **step_options: Any) -> torch.Tensor:
+        """Step ``i``, the last before the memory step, taking the engine's kept buffers from
+        its all-reduces where the strategy says they are such (Prepared.all_reduces_kept_buffers)."""
+        if not self.prep.all_reduces_kept_buffers:
+            return self.step(i, **step_options)
+        with memory.all_reduced_buffers() as buffers:
+            loss = self.step(i, **step_options)
+        self.kept_buffers = buffers
+        return loss
+
     def gradient_range_unmeasured(self) -> str:
         """Why this cell's gradients are not held against its precision's range ("" when they are)."""
         if self.cell.strategy.precision == "fp32":
@@ -244,7 +257,7 @@ class PreparedCell:
         prep = self.prep
         with memory.track_step_memory(prep.memory_module or prep.model, prep.memory_optimizer or prep.optimizer,
                                       fsdp2=prep.fsdp2, device=self.env.device,
-                                      held=prep.memory_held(), timeline=timeline,
+                                      held=[*prep.memory_held(), *self.kept_buffers], timeline=timeline,
                                       block_type=self.built.block_type) as probe:
             loss = self.step(i, probe.micro_step_boundary, probe.before_optimizer_step)
         return loss, probe.result()
@@ -339,8 +352,10 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
     # allocator caches, DDP's rebuilt buckets). They measure the gradient norm, and the last
     # one how the gradients fall in the compute precision's range.
     for i in range(warmup):
-        probe = probe_gradient_range if i == warmup - 1 and not range_unmeasured else _no_op
-        losses[i] = session.step(i, before_optimizer_step=probe, measure_grad_norm=True)
+        last = i == warmup - 1
+        probe = probe_gradient_range if last and not range_unmeasured else _no_op
+        step = session.last_warmup_step if last else session.step
+        losses[i] = step(i, before_optimizer_step=probe, measure_grad_norm=True)
         after_step(i)
 
     # The memory-tracked step; with a snapshot folder, also its timeline (and CUDA's snapshot).

@@ -144,7 +144,7 @@ def test_bytes_freed_on_another_thread_are_counted_apart():
     import threading
 
     model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     with track_step_memory(model, opt, fsdp2=False, device="cpu") as probe:
         handed_over = [torch.zeros(1024)]  # 4,096 B made in the step, freed on another thread
         other = threading.Thread(target=handed_over.clear)
@@ -238,3 +238,45 @@ def test_the_pause_after_waits_ends_with_the_step():
     with track_step_memory(model, None, fsdp2=False, device="cpu"):
         assert Work.__dict__["wait"] is not wait
     assert Work.__dict__["wait"] is wait
+
+
+def test_ddp_buckets_are_counted_from_the_start_of_the_step(tmp_path):
+    """DDP makes its gradient buckets in C++ when it is built; the tracker sees each only from
+    its first all-reduce unless they are taken from the step before's all-reduces and held."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from harness.measure.memory import all_reduced_buffers
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        # 4 layers of 256 KiB of fp32 weights in buckets of at most 0.3 MiB (the first: 1 MiB).
+        model = DistributedDataParallel(nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(4))),
+                                        bucket_cap_mb=0.3)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        grads = _param_bytes(model)
+
+        def step():
+            model(torch.randn(1024, 256)).square().sum().backward()  # each activation as large as a layer
+            opt.step()
+            opt.zero_grad()
+
+        step()  # DDP rebuilds its buckets before the second forward
+        with all_reduced_buffers() as buffers:
+            step()
+        with all_reduced_buffers() as again:
+            step()
+        assert len(buffers) > 1 and sum(b.nbytes for b in buffers) == grads
+        assert [b.data_ptr() for b in again] == [b.data_ptr() for b in buffers]  # DDP's own, kept
+        measured = {}
+        for held in ((), buffers):
+            with track_step_memory(model, opt, fsdp2=False, device=torch.device("cpu"), held=held) as probe:
+                step()
+            measured[bool(held)] = probe.result()
+        # Held: the buckets beside the parameters all through the step, the activations on top.
+        # Not held: each bucket counted only from its all-reduce, in backward.
+        assert measured[True].breakdown_bytes["other"] >= grads
+        assert measured[True].peak_bytes >= measured[False].peak_bytes + grads // 4
+    finally:
+        dist.destroy_process_group()

@@ -70,8 +70,10 @@ Wrappers
   (sharded) state lives in the local optimizer ``opt.optim``, so that is what is registered.
 - Engines' own tensors made before the step (DeepSpeed's fp32 master partitions, ZeRO-3
   parameter partitions and its flat gradient buffer) are invisible unless passed as
-  ``held``; they count as "other". DDP's bucket is not reachable that way: it is seen from
-  its first all-reduce on, so a DDP peak at the start of backward misses it.
+  ``held``; they count as "other". DDP's buckets are made in C++ and reachable from no
+  Python object: they are taken from the all-reduces of the step before
+  (``all_reduced_buffers``) and passed as ``held``, or the tracker would see each only from
+  its first all-reduce on, and a DDP peak at the start of backward would miss them.
 - DeepSpeed: ``track_external`` refuses its ZeRO optimizer wrappers ("not supported for
   tracking"); pass ``engine.module`` and the wrapped torch optimizer ``opt.optimizer``.
 - FSDP1 (FullyShardedDataParallel, device_id=cpu) is tracked as an nn.Module by MemTracker:
@@ -123,6 +125,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.measure import futures
 
@@ -433,6 +436,38 @@ class _AsyncFrees:
 
         # The instance attribute shadows the method (looked up on the instance, as above).
         tracker._delete_callback = delete_callback  # type: ignore[method-assign]
+
+
+class _AllReduceInputs(TorchDispatchMode):
+    """The tensors handed to every all-reduce in the block, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func is torch.ops.c10d.allreduce_.default:
+            self.tensors.extend(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def all_reduced_buffers() -> Iterator[list[torch.Tensor]]:
+    """The tensors the block all-reduces, each storage once, filled as the block ends: run
+    around a step before the memory step of an engine whose all-reduces take buffers it keeps
+    from step to step (DDP's gradient buckets, made in C++ when DDP is built, which the
+    tracker would otherwise see only from their first all-reduce: module docstring,
+    "Wrappers"), and pass them to ``track_step_memory`` as ``held``."""
+    buffers: list[torch.Tensor] = []
+    with _AllReduceInputs() as mode:
+        yield buffers
+    seen: set[int] = set()
+    for tensor in mode.tensors:
+        key = tensor.untyped_storage()._cdata
+        if key not in seen:
+            seen.add(key)
+            buffers.append(tensor)
 
 
 @contextmanager

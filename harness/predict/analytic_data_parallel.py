@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import torch
 
@@ -29,7 +30,7 @@ from harness.predict.formulas import (
     sgd_momentum_state_bytes,
 )
 from harness.predict.formulas.compression import int8_allgather_bytes, sparsified_bytes
-from harness.strategies import deepspeed_zero  # its sizing rule; DeepSpeed itself is imported on use
+from harness.strategies import ddp, deepspeed_zero  # their rules; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
 
 # DeepSpeed's stage3_max_live_parameters as harness/strategies/deepspeed_zero.py sets it (its
@@ -138,9 +139,27 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
     return {
         "params": per_rank(psi * param_bytes, "params") + persistent_numel(cell, layout) * param_bytes,
         "grads": per_rank(grads, "grads"),
-        "optimizer": per_rank(opt, "optimizer"),
+        "optimizer": (per_rank(opt, "optimizer") if engine.optimizer_partition == "even"
+                      else _fullest_rank_state(layout, s.optimizer, degree, engine.optimizer_partition)),
         "buffers": buffers,
     }
+
+
+def _fullest_rank_state(layout: ParamLayout, optimizer: str, degree: int,
+                        partition: Literal["largest_first", "in_order"]) -> float:
+    """The optimizer state of the rank holding the most, where each rank steps whole tensors:
+    each tensor goes to the rank holding the fewest elements so far, in the engine's order
+    (EngineModel.optimizer_partition; the first such rank on a tie, as both engines pick).
+    The record's peak is the fullest rank's: gpt2-124m's token table, 31 % of its
+    parameters, is one rank's whole share at 8 ranks."""
+    shapes = sorted(layout.shapes, key=math.prod, reverse=True) if partition == "largest_first" else layout.shapes
+    held: list[list[tuple[int, ...]]] = [[] for _ in range(degree)]
+    sizes = [0] * degree
+    for shape in shapes:
+        rank = sizes.index(min(sizes))
+        held[rank].append(shape)
+        sizes[rank] += math.prod(shape)
+    return max(optimizer_state_bytes(rank_shapes, optimizer) for rank_shapes in held)
 
 
 def attention_is_fused(cell: CellSpec) -> bool:
@@ -419,8 +438,9 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       of backward and held by DDP's reducer through the step (its working copy, the
       error-corrected gradient, replaces the previous error as it is made, so nothing more is
       held at the hook than at the step); on the CPU with several DDP buckets (bucket_cap_mb
-      below the gradients' bytes) the buckets, which the CPU trackers see only as each is
-      all-reduced (measured on gpt2-tiny at 0.1 MiB, with and without gradient_as_bucket_view).
+      below the gradients' bytes) and a comm hook, the buckets, which the CPU trackers see
+      only as each is filled (without a hook they are counted from the step's start:
+      measure/memory.py, all_reduced_buffers).
     - FSDP2 with ``prefetch`` N gathers up to N + 1 blocks at once (the one computing and the
       N prefetched; no more than the model has) beside the root unit.
     """
@@ -448,7 +468,7 @@ def _buffers_after_backward(cell: CellSpec, layout: ParamLayout, device_type: st
     s, grads = cell.strategy, 4.0 * layout.numel
     result = grads if s.compression in SPARSIFIED else 0.0
     unseen_buckets = (device_type == "cpu" and _engine(cell).grad_buffer == "ddp_bucket"
-                      and not s.gradient_as_bucket_view
+                      and not s.gradient_as_bucket_view and not ddp.all_reduces_buckets(cell)
                       and s.bucket_cap_mb is not None and s.bucket_cap_mb * 2**20 < grads)
     return result + (grads if unseen_buckets else 0.0)
 

@@ -417,7 +417,7 @@ def _run(cell: CellSpec, env: DistEnv, mode) -> tuple[memory.StepMemory, Dispatc
     for i in range(cell.warmup_steps):
         if i == 1:
             _rebuild_ddp_buckets(session.prep.model)
-        session.step(i)
+        (session.last_warmup_step if i == cell.warmup_steps - 1 else session.step)(i)
     mode.work = DispatchedWork()
     return session.tracked_step(cell.warmup_steps)[1], mode.work
 

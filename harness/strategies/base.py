@@ -105,6 +105,10 @@ class EngineModel:
     # at a time), always (SHARD_GRAD_OP) or while the model is within DeepSpeed's
     # stage3_max_live_parameters.
     keeps_gathered: Literal["never", "always", "within_live_parameters"] = "never"
+    # How a sharded optimizer state is split: evenly (flat partitions: DeepSpeed, FSDP), or
+    # by whole tensors, each to the rank holding the fewest elements so far, the largest
+    # first (torch's ZeroRedundancyOptimizer) or in the model's order (FairScale's OSS).
+    optimizer_partition: Literal["even", "largest_first", "in_order"] = "even"
     # What zero_grad leaves of the gradients between steps: nothing (set_to_none, so a step's
     # first backward starts without them) or every gradient, zeroed in place (FairScale SDP).
     grads_between_steps: Literal["freed", "zeroed"] = "freed"
@@ -223,6 +227,10 @@ class Prepared:
     # Tensors the engine made before the step and holds outside both (DeepSpeed's fp32
     # master partitions and ZeRO-3's parameter partitions): the tracker cannot find them.
     memory_held: Callable[[], list[torch.Tensor]] = list
+    # The tensors it all-reduces are buffers it keeps from step to step, made where no Python
+    # object reaches them (DDP's gradient buckets): the memory step counts them from its start,
+    # taken from the step before's all-reduces (measure/memory.py, all_reduced_buffers).
+    all_reduces_kept_buffers: bool = False
     # Engine-specific measurements for the record's per-rank ``engine`` entry (DeepSpeed's
     # comms_logger and memory estimators), read after the last step.
     engine_report: Callable[[], dict[str, Any]] = _nothing_to_report

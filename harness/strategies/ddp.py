@@ -55,6 +55,16 @@ def wrap(model: nn.Module, cell: CellSpec, env: DistEnv) -> DistributedDataParal
     return ddp_model
 
 
+def all_reduces_buckets(cell: CellSpec) -> bool:
+    """Whether DDP's all-reduces take its gradient buckets themselves (Prepared.
+    all_reduces_kept_buffers): with no comm hook, which would hand over a copy of its own
+    making, and without gradient_as_bucket_view, where the buckets are the gradients and are
+    counted as such once backward fills them."""
+    s = cell.strategy
+    return (s.compression == "none" and s.local_sgd_period is None and not s.optimizer_in_backward
+            and not s.gradient_as_bucket_view)
+
+
 def engine_report(ddp_model: DistributedDataParallel) -> dict[str, Any]:
     """The bucket sizes DDP runs with, for the record's per-rank ``engine`` (ddp, zero1 and
     fairscale_oss: every strategy over ``wrap``)."""
@@ -78,6 +88,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         optimizer=local_sgd.averaging_optimizer(optimizer, cell) if local else optimizer,
         memory_optimizer=optimizer if local else None,  # whose state the tracker attributes
         no_sync=ddp_model.no_sync,
+        all_reduces_kept_buffers=all_reduces_buckets(cell),
         engine_report=lambda: engine_report(ddp_model),
     )
 

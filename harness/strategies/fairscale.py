@@ -88,6 +88,7 @@ def _prepare_oss(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, 
     # OSS keeps the sharded state in its local optimizer: that is what the tracker must see.
     return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync,
                     memory_optimizer=optimizer.optim, clip_grad_norm=optimizer.clip_grad_norm,
+                    all_reduces_kept_buffers=ddp.all_reduces_buckets(cell),
                     engine_report=lambda: ddp.engine_report(ddp_model))
 
 
@@ -164,7 +165,8 @@ STRATEGIES = (
         name="fairscale_oss", superseded_by="zero1", summary="FairScale OSS over torch DDP (ZeRO-1)",
         engine="fairscale", families=("fairscale",), zero_idea="zero1",
         capabilities=dataclasses.replace(_OSS_CAPABILITIES, overlap_options=ddp.BUCKET_OPTIONS),  # over ddp.wrap
-        engine_model=EngineModel(sharded=frozenset({"optimizer"}), grad_buffer="ddp_bucket", comm="all_reduce"),
+        engine_model=EngineModel(sharded=frozenset({"optimizer"}), optimizer_partition="in_order",
+                                 grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=_prepare_oss,
     ),
     Strategy(
@@ -173,7 +175,8 @@ STRATEGIES = (
         unsupported_reason=_sdp_unsupported_reason,
         # Each gradient is reduced to its owner, but the other ranks' .grad tensors stay
         # allocated: the harness zeroes them in place (set_to_none silently breaks SDP).
-        engine_model=EngineModel(sharded=frozenset({"optimizer"}), comm="reduce_to_owner",
+        engine_model=EngineModel(sharded=frozenset({"optimizer"}), optimizer_partition="in_order",
+                                 comm="reduce_to_owner",
                                  grads_between_steps="zeroed"),
         prepare=_prepare_sdp,
     ),

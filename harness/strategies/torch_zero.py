@@ -22,6 +22,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(cell.strategy.optimizer, cell.lr)
     optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=optimizer_class, **kwargs)
     return Prepared(model=ddp_model, optimizer=optimizer, no_sync=ddp_model.no_sync,
+                    all_reduces_kept_buffers=ddp.all_reduces_buckets(cell),
                     engine_report=lambda: ddp.engine_report(ddp_model))
 
 
@@ -33,7 +34,8 @@ STRATEGIES = (
         families=("ddp",),
         zero_idea="zero1",
         capabilities=Capabilities(optimizers=frozenset(optimizers.NAMES), overlap_options=ddp.BUCKET_OPTIONS),
-        engine_model=EngineModel(sharded=frozenset({"optimizer"}), grad_buffer="ddp_bucket", comm="all_reduce"),
+        engine_model=EngineModel(sharded=frozenset({"optimizer"}), optimizer_partition="largest_first",
+                                 grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,
     ),
 )

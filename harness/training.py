@@ -54,7 +54,7 @@ from harness import data, faults, models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.features import checkpointing, clipping, precision
-from harness.measure import batch_norm, comm, memory, numerics, profiling, timing
+from harness.measure import batch_norm, comm, expert_load, memory, numerics, profiling, timing
 from harness.strategies.base import Prepared
 
 
@@ -170,6 +170,9 @@ class PreparedCell:
     # The engine's kept buffers seen by the last warm-up step's all-reduces (Prepared.
     # all_reduces_kept_buffers), for the memory step.
     kept_buffers: list[torch.Tensor] = field(default_factory=list)
+    # A mixture of experts' tokens per expert, counted in every step where every rank runs
+    # every layer on its own tokens (measure/expert_load.py); None otherwise.
+    expert_load: expert_load.ExpertLoad | None = None
 
     def step(self, i: int, between_micro_steps: Callable[[], None] = _no_op,
              before_optimizer_step: Callable[[], None] = _no_op, measure_grad_norm: bool = False) -> torch.Tensor:
@@ -181,6 +184,8 @@ class PreparedCell:
         can_norm = (strategies.get(self.cell.strategy.name).capabilities.clipping
                     and not self.cell.strategy.optimizer_in_backward)
         keep_norm = self.cell.strategy.clip_grad_norm is not None or (measure_grad_norm and can_norm)
+        if self.expert_load is not None:
+            self.expert_load.step = i
         return train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
                           between_micro_steps, before_optimizer_step,
                           grad_norm_into=self.grad_norms[i] if keep_norm else None,
@@ -278,6 +283,9 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
                                       cell.strategy.checkpoint_every)
     prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
     data_rank = env.rank if prep.data_rank is None else prep.data_rank
+    routers = expert_load.routers(built.module) if cell.model_spec.family == "moe" else []
+    load = (expert_load.ExpertLoad(routers, cell.steps, env.device)
+            if routers and cell.strategy.data_parallel_size(cell.world_size) == cell.world_size else None)
     held_out = ([{name: t.to(env.device) for name, t in batch.items()}
                  for batch in data.eval_batches(data.splits(cell.data, cell.model_spec.seq_len)[1])]
                 if cell.data != "synthetic" else [])
@@ -285,7 +293,7 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
                         scaler=prep.scaler or precision.grad_scaler(cell.strategy, env.device),
                         batches=local_batches(built, cell, env, data_rank),
                         grad_norms=torch.full((cell.steps,), math.nan, device=env.device),
-                        held_out=held_out,
+                        held_out=held_out, expert_load=load,
                         unscale_before_clip=faults.planned().get(cell.cell_id) != faults.CLIP_BEFORE_UNSCALE)
 
 
@@ -426,6 +434,8 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         "evaluation": ({"data": data.splits(cell.data, cell.model_spec.seq_len)[2], "every": cell.eval_every,
                         "held_out_loss": held_out, "held_out_accuracy": accuracy or None} if held_out else None),
         "batch_norm": batch_norm.record(cell, built.module),
+        "expert_load": (session.expert_load.to_record(summed_over_ranks=True) if session.expert_load
+                        else {"not_measured": expert_load.NOT_MEASURED} if cell.model_spec.family == "moe" else None),
         "n_params": built.n_params,
         "attn_implementation": built.attn_implementation,
         "tokens_per_sample": built.tokens_per_sample,

@@ -41,6 +41,7 @@ def make_record(
     numerics: dict[str, Any] | None = None,
     evaluation: dict[str, Any] | None = None,
     batch_norm: dict[str, Any] | None = None,
+    expert_load: dict[str, Any] | None = None,
     equivalence: dict[str, Any] | None = None,
     predicted: dict[str, Any] | None = None,
     fit: dict[str, Any] | None = None,
@@ -73,6 +74,9 @@ def make_record(
         # A model with BatchNorm: what it normalised over and its running statistics at the
         # end (measure/batch_norm.py); None otherwise.
         "batch_norm": batch_norm,
+        # A mixture of experts: tokens per expert per step and layer, and each step's
+        # imbalance (measure/expert_load.py); None for other models (and in records before it).
+        "expert_load": expert_load,
         "equivalence": equivalence,
         "predicted": predicted,
         "fit": fit,

@@ -196,6 +196,7 @@ class MatrixRun:
                 numerics=rank0["numerics"],
                 evaluation=rank0["evaluation"],
                 batch_norm=rank0["batch_norm"],
+                expert_load=rank0["expert_load"],
                 equivalence=None if is_reference else equivalence.check(
                     cell, rank0["losses"], self._reference_record(cell, trial)),
                 **common,

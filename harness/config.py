@@ -278,6 +278,9 @@ class CellSpec:
     # expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
     attention: Attention = "sdpa"
     expandable_segments: bool = False
+    # A mixture of experts' load-balancing loss (Fedus et al. 2022, Switch Transformer §2.2),
+    # added to the LM loss with this coefficient; None: off (harness/models/moe.py).
+    router_aux_loss_coef: float | None = None
     # Real data (harness/data.py) and, with it, the held-out loss every ``eval_every`` steps.
     data: DataSource = "synthetic"
     eval_every: int | None = None
@@ -326,6 +329,13 @@ class CellSpec:
         if self.strategy.name == REFERENCE and self.world_size != 1:
             raise ValueError(f"strategy={REFERENCE} is the one-process reference: world_size must be 1")
         _check_choice("attention", self.attention, get_args(Attention))
+        if self.router_aux_loss_coef is not None:
+            if not 0 < self.router_aux_loss_coef < float("inf"):
+                raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef!r}: must be a positive, finite"
+                                 " number (Switch Transformer's is 0.01, transformers' Mixtral default 0.001)")
+            if self.model_spec.family != "moe":
+                raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef:g}: model {self.model_name} is a"
+                                 f" {self.model_spec.family} model; the option applies to the moe family's router")
         if self.attention != "sdpa" and not self.model_spec.has_attention:
             raise ValueError(f"attention={self.attention!r}: model {self.model_name} has no attention; leave it 'sdpa'")
         if self.attention == "flash" and self.strategy.precision == "fp32":
@@ -440,6 +450,8 @@ class CellSpec:
             parts.append(f"attn_{self.attention}")
         if self.expandable_segments:
             parts.append("alloc_expandable")
+        if self.router_aux_loss_coef is not None:
+            parts.append(f"aux{self.router_aux_loss_coef:g}")
         if self.seq_len is not None:
             parts.append(f"seq{self.seq_len}")
         if self.data != "synthetic":

@@ -38,7 +38,14 @@ was gated at 5e-3 until it left a real-data reference's first 10 steps by 3.6e-2
 byte-level GPT-2, against 9.6e-4 on the synthetic tiny models): its losses leave the
 reference's by construction, so it is judged by where training ends, its final held-out loss
 in the convergence suite against the fp32 band (harness/convergence.py). The same for local
-SGD (features/local_sgd.py), whose ranks train apart between averagings.
+SGD (features/local_sgd.py), whose ranks train apart between averagings. And a mixture of
+experts trained with its router's load-balancing loss (``router_aux_loss_coef``) where a
+forward sees less than the whole batch (a rank's share, a micro-step, a pipeline's
+micro-batch): that loss multiplies two batch statistics (each expert's share of the picks
+and its mean router probability), so the mean of per-share losses is not the whole batch's,
+and the gradients differ by design (moe-tiny at 0.01, DDP on 2 ranks: README "MoE load
+balance"); judged by its tokens per expert instead. Where one forward sees the whole batch
+(one process, no accumulation) the cell is the reference.
 """
 
 from __future__ import annotations
@@ -77,6 +84,16 @@ def max_rel_diff(losses: Sequence[float | None], reference: Sequence[float | Non
     return max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf
 
 
+def _router_aux_loss_batch(cell: CellSpec) -> int | None:
+    """The samples each training forward's router load-balancing loss is taken over; None
+    without that loss."""
+    if cell.router_aux_loss_coef is None:
+        return None
+    s = cell.strategy
+    forwards = s.accumulation * s.data_parallel_size(cell.world_size) * (s.pp_microbatches or 1)
+    return cell.global_batch // forwards
+
+
 def check(cell: CellSpec, losses: list[float], reference_record: dict[str, Any] | None) -> dict[str, Any]:
     ref_id = cell.reference().cell_id
     tol = tolerance(cell)
@@ -97,6 +114,13 @@ def check(cell: CellSpec, losses: list[float], reference_record: dict[str, Any] 
                 "reason": (f"not gated: BatchNorm normalises over {normalised_over} samples here, over the whole"
                            f" batch of {cell.global_batch} in the reference (a different function by design);"
                            " judged by held-out accuracy and running statistics")}
+    aux_over = _router_aux_loss_batch(cell)
+    if aux_over is not None and aux_over != cell.global_batch:
+        return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol, "passed": None,
+                "reason": (f"not gated: the router's load-balancing loss is taken over the {aux_over} samples of"
+                           f" each forward here, over the whole batch of {cell.global_batch} in the reference"
+                           " (a statistic of the batch, not a mean over samples); judged by its tokens per"
+                           " expert (claim moe/aux_loss_balances)")}
     if reference_record is None or reference_record.get("status") != "ok":
         status = "missing" if reference_record is None else reference_record["status"]
         return {"reference_cell_id": ref_id, "max_rel_loss_diff": None, "tolerance": tol,

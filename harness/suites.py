@@ -223,7 +223,8 @@ def _megatron(world_size: int) -> list[CellSpec]:
 
 
 def model_structure(world_size: int) -> list[CellSpec]:
-    """Attention implementations, key/value head counts, mixture of experts, allocator settings."""
+    """Attention implementations, key/value head counts, mixture of experts (and its router's
+    load-balancing loss), allocator settings."""
     cells = []
     cells += [suite_cell("gpt2-tiny", StrategySpec(name=s), world_size, attention="eager") for s in ("single", "ddp")]
     # flash-attn computes in half precision only.
@@ -233,6 +234,10 @@ def model_structure(world_size: int) -> list[CellSpec]:
     for model in ("llama-tiny-mha", "llama-tiny-mqa", "moe-tiny"):
         cells += [_cell(model, s, world_size) for s in ("single", "ddp", "fsdp_full")]
     cells += _expert_parallel(world_size)
+    # The router's load-balancing loss: each rank's is over its own tokens (not gated: the
+    # whole-batch single cell is the reference it is shown beside).
+    cells += [suite_cell("moe-tiny", StrategySpec(name=s), world_size, router_aux_loss_coef=0.01)
+              for s in ("single", "ddp")]
     cells += [suite_cell("gpt2-tiny", StrategySpec(name="ddp"), world_size, expandable_segments=True)]
     return cells
 

@@ -278,7 +278,8 @@ class PreparedCell:
 def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     """The cell's model built, checkpointed and wrapped by its strategy, and this rank's
     batches (a strategy that splits the batch its own way names this rank's data rank)."""
-    built = models.build(cell.model_spec, seed=cell.seed, attention=cell.attention)
+    built = models.build(cell.model_spec, seed=cell.seed, attention=cell.attention,
+                         router_aux_loss_coef=cell.router_aux_loss_coef)
     checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing,
                                       cell.strategy.checkpoint_every)
     prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)

@@ -23,11 +23,14 @@ def test_suite_is_exactly_the_cells_the_claims_read():
     for world_size in (2, 4):
         cells = suites.cells_of("claims", world_size)
         assert [c.cell_id for c in cells] == [c.cell_id for c in catalogue.cells(world_size)]
-        # GPT-2 tiny at the fewest steps every cell accepts; real text trains for the convergence claim.
-        tiny = [c for c in cells if c.data == "synthetic"]
-        assert all(c.steps == STEPS and c.model == MODEL for c in tiny)
+        # GPT-2 tiny at the fewest steps every cell accepts; real text trains for the convergence
+        # claim, and the MoE's router for the load-balance claim.
+        tiny = [c for c in cells if c.data == "synthetic" and c.model == MODEL]
+        assert all(c.steps == STEPS for c in tiny)
         assert max(c.min_steps for c in tiny) == STEPS
-        assert {c.model for c in cells if c not in tiny} == {"gpt2-bytes"}
+        assert {c.model for c in cells if c not in tiny} == {"gpt2-bytes", "moe-tiny"}
+        assert [c.cell_id for c in cells if c.model == "moe-tiny"] == [
+            "moe-tiny/single/fp32/ckpt_none/mb2/ws1/seed0", "moe-tiny/single/fp32/ckpt_none/aux0.01/mb2/ws1/seed0"]
     ids = {c.cell_id for c in suites.cells_of("claims", 2)}
     assert "gpt2-tiny/deepspeed_zero3/fp32/ckpt_none/mb2/ws2/seed0" in ids
     assert "gpt2-tiny/ddp/fp32/ckpt_none/compress_powersgd-r4/mb2/ws2/seed0" in ids

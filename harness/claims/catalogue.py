@@ -213,6 +213,15 @@ for _quantity, _what in (("step_time", "step time (harness/predict/step_time.py,
         tolerance=f"τ_b ≥ {judges.ORDER_TAU} (at least 75 % of the pairs ordered alike)", unit="τ_b",
         judge=judges.strategy_order(_quantity), cells=_cells(*((s, {}) for s in zero_claims.MODEL_STATES))))
 
+_CLAIMS.append(Claim(
+    claim_id="moe/aux_loss_balances", title="The router's load-balancing loss spreads the tokens more evenly",
+    source="Fedus et al. 2022 (Switch Transformer) §2.2; Shazeer et al. 2017 (importance loss)",
+    published="an auxiliary loss α·N·Σ f_i·P_i pushes the router toward a uniform load",
+    formula=("mean imbalance (most loaded expert ÷ mean, measure/expert_load.py) over the second half of"
+             f" {judges.MOE_STEPS} steps, with α = {judges.MOE_AUX_COEF} ÷ without; moe-tiny, one process"),
+    tolerance="< 1 (lower with the loss)", unit="× without", judge=judges.moe_aux_loss_balances,
+    cells=lambda world_size: judges.moe_balance_cells()))
+
 DEVIATIONS = {
     "comm_volume/zero1": (
         "ZeroRedundancyOptimizer runs over DDP: the gradients are all-reduced in full (2Ψ), then each"

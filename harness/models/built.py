@@ -148,15 +148,19 @@ class BuiltModel:
         return family.loss(module, batch), None
 
 
-def build(spec: ModelSpec, *, seed: int = 0, attention: str = "sdpa") -> BuiltModel:
+def build(spec: ModelSpec, *, seed: int = 0, attention: str = "sdpa",
+          router_aux_loss_coef: float | None = None) -> BuiltModel:
     """Build on CPU with weights that depend on `seed` only, identical on every rank.
-    ``attention``: CellSpec.attention (which kernel, not which weights)."""
+    ``attention``: CellSpec.attention (which kernel, not which weights);
+    ``router_aux_loss_coef``: CellSpec's, for the moe family (moe.with_router_aux_loss)."""
     family = _FAMILIES[spec.family]
     # Models are initialised on CPU, so the CPU generator is all that is seeded; fork_rng
     # restores it afterwards, leaving the caller's RNG (and any CUDA RNG) untouched.
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
         module = family.build_module(spec, attention)
+    if router_aux_loss_coef is not None:
+        moe.with_router_aux_loss(module, router_aux_loss_coef)
     config = getattr(module, "config", None)
     return BuiltModel(
         spec=spec,

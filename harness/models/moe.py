@@ -39,6 +39,16 @@ def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     return MixtralForCausalLM(config)
 
 
+def with_router_aux_loss(module: MixtralForCausalLM, coef: float) -> None:
+    """Add transformers' load-balancing loss to ``module``'s loss, times ``coef``: per layer,
+    n_experts × Σ over experts of (fraction of the top_k picks it got) × (its mean router
+    probability), over the tokens of the forward (Fedus et al. 2022, §2.2). Those fractions
+    and means are over the batch a forward sees, not per sample: see the equivalence gate
+    for what that means for a rank's share of the batch."""
+    module.config.output_router_logits = True  # read at every forward
+    module.router_aux_loss_coef = coef
+
+
 def _experts(spec: ModelSpec, n: int) -> int:
     """Parameters of n SwiGLU experts (gate, up, down; no biases)."""
     return n * 3 * linear(spec.hidden, spec.ffn, False)

@@ -93,9 +93,13 @@ def test_a_suite_file_is_the_product_of_its_tables(tmp_path):
     ]
 
 
-def test_the_example_suite_file_is_valid():
+def test_the_example_suite_files_are_valid():
     cells = suites.cells_of(str(suites.SUITE_FILE_EXAMPLES / "fsdp_vs_zero3.toml"), 2)
     assert len(cells) == 16 and {c.strategy.name for c in cells} == {"fsdp_full", "deepspeed_zero3"}
+    moe = suites.cells_of(str(suites.SUITE_FILE_EXAMPLES / "moe_aux_loss.toml"), 2)
+    assert [(c.strategy.name, c.router_aux_loss_coef) for c in moe] == [("single", 0.01), ("ddp", 0.01),
+                                                                         ("single", None)]
+    assert {(c.steps, c.lr) for c in moe} == {(40, 0.01)}
 
 
 def test_a_suite_file_table_without_cells_is_refused(tmp_path):

@@ -36,18 +36,9 @@ from harness.suite_cell import MICRO_BATCH, suite_cell
 # Suite files to start one's own from (README: Suites of your own).
 SUITE_FILE_EXAMPLES = Path(__file__).resolve().parents[1] / "suites" / "examples"
 # transformers config.json files the suites train (README: Models).
-MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "suites" / "configs"
 # torch's own data-parallel and sharded strategies, the reference first.
 TORCH_NATIVE = tuple(s.name for s in strategies.declarations()
                      if s.engine == "torch" and s.engine_model.analytic == "data_parallel")
-
-
-def config_model(name: str) -> ModelSpec:
-    """A model of suites/configs/ (``name``.json), resolved as a suite file's would be."""
-    resolved = sources.resolve(str(MODEL_CONFIGS / f"{name}.json"))
-    if not isinstance(resolved, ModelSpec):
-        raise TypeError(f"{name}.json resolved to the preset {resolved!r}")
-    return resolved
 
 
 def _cell(model: str | ModelSpec, strategy: str, world_size: int, **options) -> CellSpec:
@@ -180,7 +171,7 @@ def default(world_size: int) -> list[CellSpec]:
     cells += [_cell("gpt2-tiny", s, world_size, optimizer="sgd") for s in ("single", "ddp", "fsdp_full")]
     # The other model families, and a model of one's own: a Mistral config.json.
     others: list[tuple[str | ModelSpec, str]] = [("bert-tiny", "ddp"), ("vit-tiny", "fsdp_full"), ("mlp-tiny", "ddp"),
-                                                 (config_model("mistral-tiny"), "fsdp_full")]
+                                                 (sources.config_model("mistral-tiny"), "fsdp_full")]
     for other, strategy in others:
         cells += [_cell(other, "single", world_size), _cell(other, strategy, world_size)]
     cells += model_parallel(world_size)
@@ -224,7 +215,7 @@ def _megatron(world_size: int) -> list[CellSpec]:
 
 def model_structure(world_size: int) -> list[CellSpec]:
     """Attention implementations, key/value head counts, mixture of experts (and its router's
-    load-balancing loss), allocator settings."""
+    load-balancing loss), a model without attention, allocator settings."""
     cells = []
     cells += [suite_cell("gpt2-tiny", StrategySpec(name=s), world_size, attention="eager") for s in ("single", "ddp")]
     # flash-attn computes in half precision only.
@@ -234,6 +225,9 @@ def model_structure(world_size: int) -> list[CellSpec]:
     for model in ("llama-tiny-mha", "llama-tiny-mqa", "moe-tiny"):
         cells += [_cell(model, s, world_size) for s in ("single", "ddp", "fsdp_full")]
     cells += _expert_parallel(world_size)
+    # A sequence model without attention (Mamba: its state-space layer is linear in length).
+    cells += [suite_cell(sources.config_model("mamba-tiny"), StrategySpec(name=s), world_size, seq_len=32)
+              for s in ("single", "ddp", "fsdp_full")]
     # The router's load-balancing loss: each rank's is over its own tokens (not gated: the
     # whole-batch single cell is the reference it is shown beside).
     cells += [suite_cell("moe-tiny", StrategySpec(name=s), world_size, router_aux_loss_coef=0.01)
@@ -278,12 +272,12 @@ def real(world_size: int) -> list[CellSpec]:
                           seq_len=REAL_SEQ_LEN)
 
     cells = []
-    for model in ("gpt2-124m", config_model("llama-100m")):
+    for model in ("gpt2-124m", sources.config_model("llama-100m")):
         cells += [cell(model, s) for s in ("single", *REAL_STRATEGIES)]
-    cells += [cell(config_model("llama-100m"), s, checkpointing="full") for s in REAL_VARIANT_STRATEGIES]
+    cells += [cell(sources.config_model("llama-100m"), s, checkpointing="full") for s in REAL_VARIANT_STRATEGIES]
     # On a CPU without bf16 arithmetic these are recorded unsupported, with the measured rates
     # (runner/timeouts.py, too_slow_reason); they run where the CPU has it (AVX512-BF16, AMX).
-    cells += [cell(config_model("llama-100m"), s, precision="bf16") for s in REAL_VARIANT_STRATEGIES]
+    cells += [cell(sources.config_model("llama-100m"), s, precision="bf16") for s in REAL_VARIANT_STRATEGIES]
     return cells
 
 

@@ -15,6 +15,7 @@ import pytest
 from harness import markers, suites
 from harness.claims import catalogue, judges, records
 from harness.claims.base import MODEL, STEPS, VERDICTS, cell
+from harness.models import sources
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +29,9 @@ def test_suite_is_exactly_the_cells_the_claims_read():
         tiny = [c for c in cells if c.data == "synthetic" and c.model == MODEL]
         assert all(c.steps == STEPS for c in tiny)
         assert max(c.min_steps for c in tiny) == STEPS
-        assert {c.model for c in cells if c not in tiny} == {"gpt2-bytes", "moe-tiny"}
+        assert {c.model_name for c in cells if c not in tiny} == {
+            "gpt2-bytes", "moe-tiny", sources.config_model("gpt2-long-tiny").name,
+            sources.config_model("mamba-tiny").name}
         assert [c.cell_id for c in cells if c.model == "moe-tiny"] == [
             "moe-tiny/single/fp32/ckpt_none/mb2/ws1/seed0", "moe-tiny/single/fp32/ckpt_none/aux0.01/mb2/ws1/seed0"]
     ids = {c.cell_id for c in suites.cells_of("claims", 2)}

@@ -164,3 +164,23 @@ def test_a_factory_of_ones_own_is_a_model(tmp_path):
 def test_a_factory_that_breaks_the_contract_is_refused_with_the_reason(path, message):
     with pytest.raises(ValueError, match=message):
         sources.resolve(path)
+
+
+def test_an_attention_free_config_is_a_model_without_the_attention_axis():
+    """Mamba (suites/configs/mamba-tiny.json): no attention heads, so no attention markers or
+    option, the marker linear_time, no analytic formula (the trace stands in), and its
+    repeated block is the Mamba block."""
+    from harness import markers
+
+    spec = sources.config_model("mamba-tiny")
+    assert spec.n_heads is None and not spec.has_attention and spec.layout is None
+    cell = CellSpec(model=spec, strategy=StrategySpec(name="ddp"), seq_len=32)
+    marks = markers.markers_of(cell)
+    assert "linear_time" in marks and not [m for m in marks if m.startswith("attn_") or m in ("mha", "gqa", "mqa")]
+    assert "attention-free" in analytic.predict(cell, device_type="cpu")["unavailable"]
+    with pytest.raises(ValueError, match="has no attention"):
+        CellSpec(model=spec, strategy=StrategySpec(name="ddp"), seq_len=32, attention="eager")
+    built = models.build(spec)
+    assert built.block_type.__name__ == "MambaBlock" and built.attn_implementation is None
+    batch = built.make_batch(torch.Generator().manual_seed(0), 2)
+    assert torch.isfinite(built.loss(built.module, batch))

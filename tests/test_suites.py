@@ -2,6 +2,7 @@ import pytest
 
 from harness import markers, strategies, suites
 from harness.config import CellSpec, StrategySpec
+from harness.models import sources
 
 # Markers the default suite leaves to other suites: world sizes other than its own, the
 # accumulation depths between 1 and 4, and tp_fsdp (a 2-D mesh: from 4 ranks on).
@@ -111,7 +112,7 @@ def test_a_suite_file_table_without_cells_is_refused(tmp_path):
 
 def test_the_real_suite_is_both_models_at_256_tokens_over_the_shardings_with_their_variants():
     cells = suites.cells_of("real", 2)
-    assert {c.model_name for c in cells} == {"gpt2-124m", suites.config_model("llama-100m").name}
+    assert {c.model_name for c in cells} == {"gpt2-124m", sources.config_model("llama-100m").name}
     assert {c.model_spec.seq_len for c in cells} == {suites.REAL_SEQ_LEN}
     plain = {c.strategy.name for c in cells if c.strategy.precision == "fp32" and c.strategy.checkpointing == "none"}
     assert plain == {"single", *suites.REAL_STRATEGIES}

@@ -214,6 +214,18 @@ for _quantity, _what in (("step_time", "step time (harness/predict/step_time.py,
         judge=judges.strategy_order(_quantity), cells=_cells(*((s, {}) for s in zero_claims.MODEL_STATES))))
 
 _CLAIMS.append(Claim(
+    claim_id="activations/linear_time",
+    title="A state-space model's activations grow linearly with the sequence; eager attention's quadratically",
+    source=f"Gu & Dao 2023 (Mamba) §3.3; {_KORTHIKANTI} §4.1 (the 5as²b term)",
+    published="Mamba: memory linear in sequence length; a transformer layer keeps 34·s·b·h + 5·a·s²·b",
+    formula=(f"Mamba's activation bytes per token at {judges.LINEAR_TIME_LENGTHS[-1]} tokens ÷ at"
+             f" {judges.LINEAR_TIME_LENGTHS[0]} (1 when linear, ±{judges.LINEAR_TIME_TOL:.0%}); GPT-2 (eager)"
+             f" against analytic.activation_bytes at each of {', '.join(map(str, judges.LINEAR_TIME_LENGTHS))}"
+             f" tokens (±{ACTIVATIONS_TOL:.0%}); one process, suites/configs/mamba-tiny.json, gpt2-long-tiny.json"),
+    tolerance=f"±{judges.LINEAR_TIME_TOL:.0%}", unit="per-token ratio", judge=judges.activations_linear_time,
+    cells=lambda world_size: judges.linear_time_cells()))
+
+_CLAIMS.append(Claim(
     claim_id="moe/aux_loss_balances", title="The router's load-balancing loss spreads the tokens more evenly",
     source="Fedus et al. 2022 (Switch Transformer) §2.2; Shazeer et al. 2017 (importance loss)",
     published="an auxiliary loss α·N·Σ f_i·P_i pushes the router toward a uniform load",

@@ -17,6 +17,7 @@ from harness.claims.base import (
     EXACT_TOL,
     MODEL,
     MODEL_STATES_TOL,
+    STEPS,
     NotMeasurable,
     Outcome,
     Readings,
@@ -25,6 +26,7 @@ from harness.claims.base import (
 )
 from harness.claims.published import PRECISION_TABLE, TABLE_1, TABLE_1_DEGREES
 from harness.config import CellSpec, StrategySpec
+from harness.models import sources
 from harness.suite_cell import suite_cell
 
 
@@ -620,3 +622,44 @@ def moe_aux_loss_balances(r: Readings) -> Outcome:
     return Outcome(predicted=None, measured=measured, verdict="holds" if holds else "does not hold",
                    reason="" if holds else "the loss left the tokens no more evenly spread",
                    details={"imbalance_without": late(plain), "imbalance_with": late(balanced)})
+
+
+# activations/linear_time: one process, a byte-level GPT-2 with a 512-token table (eager
+# attention, which keeps the s × s scores) and a Mamba of the same width and depth, each at
+# these lengths (suites/configs/).
+LINEAR_TIME_LENGTHS = (64, 128, 256)
+LINEAR_TIME_TOL = 0.05
+
+
+def linear_time_cells() -> list[CellSpec]:
+    """The GPT-2 (eager attention) and Mamba cells at each of LINEAR_TIME_LENGTHS."""
+    single = StrategySpec(name="single")
+    gpt2, mamba = sources.config_model("gpt2-long-tiny"), sources.config_model("mamba-tiny")
+    return ([suite_cell(gpt2, single, 1, steps=STEPS, seq_len=s, attention="eager") for s in LINEAR_TIME_LENGTHS]
+            + [suite_cell(mamba, single, 1, steps=STEPS, seq_len=s) for s in LINEAR_TIME_LENGTHS])
+
+
+def activations_linear_time(r: Readings) -> Outcome:
+    from harness.predict import analytic_data_parallel
+
+    cells = linear_time_cells()
+    gpt2, mamba = cells[:len(LINEAR_TIME_LENGTHS)], cells[len(LINEAR_TIME_LENGTHS):]
+    gpt2_measured = [_activations_at_peak(r, c) for c in gpt2]
+    gpt2_predicted = []
+    for c in gpt2:
+        acts = analytic_data_parallel.activation_bytes(c, c.model_spec)
+        gpt2_predicted.append(acts["layers"] + acts["logits"])
+    per_token = [_activations_at_peak(r, c) / (c.micro_batch * c.model_spec.tokens_per_sample) for c in mamba]
+    # Linear in length: the same bytes per token at the longest length as at the shortest.
+    measured = per_token[-1] / per_token[0]
+    gpt2_off = [m / p for m, p in zip(gpt2_measured, gpt2_predicted)]
+    linear = abs(measured - 1) <= LINEAR_TIME_TOL
+    gpt2_follows = all(abs(ratio - 1) <= ACTIVATIONS_TOL for ratio in gpt2_off)
+    reason = ("" if linear and gpt2_follows else
+              f"Mamba's bytes per token moved {measured - 1:+.1%}" if not linear else
+              f"GPT-2's activations left the s and s² formula: {', '.join(f'{x:.3f}' for x in gpt2_off)}")
+    return Outcome(predicted=1.0, measured=measured, verdict="holds" if linear and gpt2_follows else "does not hold",
+                   reason=reason, details={
+                       "lengths": list(LINEAR_TIME_LENGTHS), "mamba_bytes": [_activations_at_peak(r, c) for c in mamba],
+                       "mamba_bytes_per_token": per_token, "gpt2_eager_bytes": gpt2_measured,
+                       "gpt2_eager_predicted": gpt2_predicted, "gpt2_measured_over_predicted": gpt2_off})

@@ -169,5 +169,6 @@ def build(spec: ModelSpec, *, seed: int = 0, attention: str = "sdpa",
         n_params=sum(p.numel() for p in module.parameters()),
         tokens_per_sample=spec.tokens_per_sample,
         flops_per_sample=flops_per_sample(spec),
-        attn_implementation=getattr(config, "_attn_implementation", None),
+        # transformers names one even for a model without attention (Mamba: "eager").
+        attn_implementation=getattr(config, "_attn_implementation", None) if spec.has_attention else None,
     )

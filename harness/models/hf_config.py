@@ -34,7 +34,9 @@ def transformers_config(hf: TransformersConfig, attention: str | None = None) ->
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
     hf = _hf(spec)
-    module: nn.Module = _AUTO_CLASSES[hf.task].from_config(transformers_config(hf, attention))
+    # An attention-free model (Mamba, RWKV) takes no attention implementation.
+    config = transformers_config(hf, attention if spec.has_attention else None)
+    module: nn.Module = _AUTO_CLASSES[hf.task].from_config(config)
     return module
 
 

@@ -157,7 +157,7 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
     text = task != "image_classification"
     max_positions = getattr(c, "max_position_embeddings", None) if text else None
     sizes: dict[str, Any] = {
-        "n_layers": c.num_hidden_layers, "hidden": c.hidden_size, "n_heads": c.num_attention_heads,
+        "n_layers": c.num_hidden_layers, "hidden": c.hidden_size, "n_heads": getattr(c, "num_attention_heads", None),
         "n_kv_heads": getattr(c, "num_key_value_heads", None),
         "ffn_hidden": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None),
         "vocab_size": c.vocab_size if text else None,
@@ -225,3 +225,15 @@ def _side(size: int | list[int] | tuple[int, ...]) -> int:
 def _size(n_params: int) -> str:
     return f"{n_params / 1e9:.1f}b" if n_params >= 1e9 else f"{n_params / 1e6:.0f}m" if n_params >= 1e6 else (
         f"{n_params / 1e3:.0f}k")
+
+
+# The transformers configs shipped with shardbench, which suites and claims name.
+MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "suites" / "configs"
+
+
+def config_model(name: str) -> ModelSpec:
+    """A model of suites/configs/ (``name``.json), resolved as a suite file's would be."""
+    resolved = resolve(str(MODEL_CONFIGS / f"{name}.json"))
+    if not isinstance(resolved, ModelSpec):
+        raise TypeError(f"{name}.json resolved to the preset {resolved!r}")
+    return resolved

@@ -31,7 +31,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "mlp": ("num_classes",),
     "convnet": ("image_size", "num_classes"),
     "moe": ("n_heads", "seq_len", "vocab_size", "n_experts", "top_k"),
-    "hf_config": ("n_heads",),  # and the task's own sizes (_TASK_SIZES)
+    "hf_config": (),  # the task's own sizes (_TASK_SIZES)
     "factory": (),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
@@ -42,7 +42,8 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "mlp": ("ffn_hidden",),
     "convnet": (),
     "moe": ("ffn_hidden", "n_kv_heads"),
-    "hf_config": ("ffn_hidden", "n_kv_heads", "n_experts", "top_k", "patch_size"),
+    # n_heads: None for an attention-free model (Mamba, RWKV: has_attention).
+    "hf_config": ("n_heads", "ffn_hidden", "n_kv_heads", "n_experts", "top_k", "patch_size"),
     "factory": ("seq_len",),  # its tokens per sample, where its batches hold input_ids
 }
 _TASK_SIZES: dict[str, tuple[str, ...]] = {
@@ -203,8 +204,10 @@ class ModelSpec:
 
     @property
     def has_attention(self) -> bool:
-        """Whether the model attends (the attention axis and its markers apply)."""
-        return self.family not in ("mlp", "convnet")
+        """Whether the model attends (the attention axis and its markers apply): not the
+        plain MLP and convnet, nor a config without attention heads (a state-space or
+        recurrent model: Mamba, RWKV)."""
+        return self.family not in ("mlp", "convnet") and (self.family != "hf_config" or self.n_heads is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """As a record keeps it: the config a JSON object, not a string."""

@@ -44,6 +44,9 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
     kind = strategies.get(name).engine_model.analytic  # which part of the model describes it
     if family not in TRANSFORMER_FAMILIES + ("mlp", "convnet"):
         return f"family {family}: no activation or parameter formula for it in harness/predict/analytic.py"
+    if family == "hf_config" and not spec.has_attention:
+        return (f"{spec.name}: an attention-free sequence model (a state-space or recurrent layer): no activation"
+                " formula for its layers; the traced predictor follows it")
     if family == "convnet" and (cell.strategy.precision != "fp32" or cell.strategy.checkpointing != "none"):
         return ("family convnet: its activations are modelled in fp32 without checkpointing only (which dtype"
                 " autocast gives a convolution's and BatchNorm's outputs, and what recompute keeps, are not)")

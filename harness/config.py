@@ -42,6 +42,8 @@ DIGITS_IMAGE = {"image_size": 8, "num_classes": 10}
 # calls torch's scaled_dot_product_attention (a fused kernel where the device has one),
 # "flash" is flash_attention_2 (the flash-attn package, CUDA only).
 Attention = Literal["sdpa", "eager", "flash"]
+# torch.cuda.empty_cache(): never, after every optimizer step, or after every micro-step too.
+EmptyCache = Literal["never", "step", "micro_step"]
 
 # The strategy every cell is checked against (CellSpec.reference): one process, the whole batch.
 REFERENCE = "single"
@@ -65,6 +67,10 @@ def min_warmup(strategy: StrategySpec) -> int:
 MAX_LR = 1e3  # beyond any learning rate a model trains at (and refuses inf and nan)
 # The most of any count a cell takes (steps, ranks, samples, ...): beyond it a value is a typo.
 MAX_COUNT = 2**20
+
+
+# torch's allocator refuses a max_split_size_mb at or below its large-buffer size (20 MiB).
+MIN_MAX_SPLIT_SIZE_MB = 21
 
 
 def _check_positive(field_name: str, value: int) -> None:
@@ -278,6 +284,12 @@ class CellSpec:
     # expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
     attention: Attention = "sdpa"
     expandable_segments: bool = False
+    # The rest of the caching allocator's control (CUDA; README "What is measured", "Allocator control"): blocks
+    # above this size are never split; reclaim cached blocks once this fraction of the
+    # device is held; torch.cuda.empty_cache() after every optimizer step or micro-step.
+    max_split_size_mb: int | None = None
+    garbage_collection_threshold: float | None = None
+    empty_cache: EmptyCache = "never"
     # A mixture of experts' load-balancing loss (Fedus et al. 2022, Switch Transformer §2.2),
     # added to the LM loss with this coefficient; None: off (harness/models/moe.py).
     router_aux_loss_coef: float | None = None
@@ -329,6 +341,13 @@ class CellSpec:
         if self.strategy.name == REFERENCE and self.world_size != 1:
             raise ValueError(f"strategy={REFERENCE} is the one-process reference: world_size must be 1")
         _check_choice("attention", self.attention, get_args(Attention))
+        _check_choice("empty_cache", self.empty_cache, get_args(EmptyCache))
+        if self.max_split_size_mb is not None and not MIN_MAX_SPLIT_SIZE_MB <= self.max_split_size_mb <= MAX_COUNT:
+            raise ValueError(f"max_split_size_mb={self.max_split_size_mb!r}: must be an integer from"
+                             f" {MIN_MAX_SPLIT_SIZE_MB} (torch refuses 20 MiB and below) to {MAX_COUNT:,}")
+        if self.garbage_collection_threshold is not None and not 0 < self.garbage_collection_threshold < 1:
+            raise ValueError(f"garbage_collection_threshold={self.garbage_collection_threshold!r}: must lie between"
+                             " 0 and 1 (the fraction of the device's memory at which cached blocks are reclaimed)")
         if self.router_aux_loss_coef is not None:
             if not 0 < self.router_aux_loss_coef < float("inf"):
                 raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef!r}: must be a positive, finite"
@@ -450,6 +469,12 @@ class CellSpec:
             parts.append(f"attn_{self.attention}")
         if self.expandable_segments:
             parts.append("alloc_expandable")
+        if self.max_split_size_mb is not None:
+            parts.append(f"alloc_split{self.max_split_size_mb}")
+        if self.garbage_collection_threshold is not None:
+            parts.append(f"alloc_gc{self.garbage_collection_threshold:g}")
+        if self.empty_cache != "never":
+            parts.append(f"empty_cache_{self.empty_cache}")
         if self.router_aux_loss_coef is not None:
             parts.append(f"aux{self.router_aux_loss_coef:g}")
         if self.seq_len is not None:
@@ -475,8 +500,17 @@ class CellSpec:
             micro_batch=self.global_batch,
             world_size=1,
             warmup=None,  # its own: the warm-up decides which steps are measured, not the losses
-            expandable_segments=False,
+            expandable_segments=False, max_split_size_mb=None, garbage_collection_threshold=None,
+            empty_cache="never",
         )
+
+    @property
+    def allocator_conf(self) -> str:
+        """PYTORCH_CUDA_ALLOC_CONF for the cell's launch: the settings torch reads as the
+        allocator starts (expandable segments are switched per cell instead: worker.py)."""
+        settings = {"max_split_size_mb": self.max_split_size_mb,
+                    "garbage_collection_threshold": self.garbage_collection_threshold}
+        return ",".join(f"{k}:{v}" for k, v in settings.items() if v is not None)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

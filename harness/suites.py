@@ -232,7 +232,10 @@ def model_structure(world_size: int) -> list[CellSpec]:
     # whole-batch single cell is the reference it is shown beside).
     cells += [suite_cell("moe-tiny", StrategySpec(name=s), world_size, router_aux_loss_coef=0.01)
               for s in ("single", "ddp")]
-    cells += [suite_cell("gpt2-tiny", StrategySpec(name="ddp"), world_size, expandable_segments=True)]
+    # The caching allocator's settings and empty_cache (CUDA: unsupported here, with the reason).
+    cells += [suite_cell("gpt2-tiny", StrategySpec(name="ddp"), world_size, **allocator) for allocator in (
+        {"expandable_segments": True}, {"max_split_size_mb": 128}, {"garbage_collection_threshold": 0.8},
+        {"empty_cache": "step"})]
     return cells
 
 

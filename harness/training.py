@@ -186,10 +186,16 @@ class PreparedCell:
         keep_norm = self.cell.strategy.clip_grad_norm is not None or (measure_grad_norm and can_norm)
         if self.expert_load is not None:
             self.expert_load.step = i
-        return train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
+        empty_cache = self.cell.empty_cache
+        if empty_cache == "micro_step":
+            between_micro_steps = _then(between_micro_steps, torch.cuda.empty_cache)
+        loss = train_step(self.built, self.prep, self.cell, self.env, self.batches[i], self.scaler,
                           between_micro_steps, before_optimizer_step,
                           grad_norm_into=self.grad_norms[i] if keep_norm else None,
                           unscale_before_clip=self.unscale_before_clip, kept_graphs=self.kept_graphs)
+        if empty_cache != "never":  # what the loop's users call after a step (README "Allocator control")
+            torch.cuda.empty_cache()
+        return loss
 
     def evaluates_after(self, steps_done: int) -> bool:
         """Whether the held-out loss is taken after ``steps_done`` steps: before the first, every
@@ -273,6 +279,14 @@ class PreparedCell:
         with comm.count_comm(self.env.device) as comm_stats:
             loss = self.step(i)
         return loss, comm_stats()
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:

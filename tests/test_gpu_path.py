@@ -297,3 +297,59 @@ def test_the_interconnect_is_recorded_and_a_host_without_nvidia_smi_says_why(mon
         "network": [{"name": "ib0", "speed_mbps": 200000, "mtu": 4092}], "rdma_devices": ["mlx5_0"],
         "gpu_topology": "\tGPU0\tGPU1\nGPU0\t X \tNV18"}}}))
     assert "ib0 (200000 Mb/s, MTU 4092)" in page and "mlx5_0" in page and "<pre>\tGPU0\tGPU1" in page
+
+
+def test_allocator_settings_go_to_their_own_launch_and_only_theirs(monkeypatch, tmp_path):
+    """max_split_size_mb and garbage_collection_threshold are read as the CUDA allocator
+    starts: each set of them is a launch of its own with PYTORCH_CUDA_ALLOC_CONF, and a launch
+    of cells without them runs without the user's."""
+    from harness.runner import launcher, matrix
+
+    plain = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))
+    split = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), max_split_size_mb=128,
+                     garbage_collection_threshold=0.8)
+    assert split.allocator_conf == "max_split_size_mb:128,garbage_collection_threshold:0.8"
+    assert plain.allocator_conf == "" and split.reference().allocator_conf == ""
+    batches = []
+    monkeypatch.setattr(matrix, "run_batch", lambda cells, options, workdir, on_outcome: batches.append(
+        ([c.cell_id for c in cells], workdir.name)))
+    matrix.launch_round(matrix.with_references([split, plain]), 0, LaunchOptions(), tmp_path, print)
+    assert batches == [([plain.reference().cell_id], "ws1"), ([plain.cell_id], "ws2"),
+                       ([split.cell_id], "ws2-alloc-max-split-size-mb-128-garbage-collection-threshold-0.8")]
+
+    envs = []
+
+    class Launched(Exception):
+        pass
+
+    def launch(cmd, log_file, env):
+        envs.append(env.get("PYTORCH_CUDA_ALLOC_CONF"))
+        raise Launched
+
+    monkeypatch.setattr(launcher, "_Launch", launch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    for cell in (split, plain):
+        with pytest.raises(Launched):
+            run_batch([cell], LaunchOptions(), tmp_path / cell.cell_id.replace("/", "_"), print)
+    assert envs == ["max_split_size_mb:128,garbage_collection_threshold:0.8", None]
+
+
+@pytest.mark.parametrize("when, calls_per_step", [("never", 0), ("step", 1), ("micro_step", 2)])
+def test_empty_cache_after_every_step_or_micro_step(monkeypatch, tmp_path, when, calls_per_step):
+    import torch.distributed as dist
+
+    from harness.distributed import DistEnv
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single", accumulation=2), world_size=1,
+                        empty_cache=when)
+        session = training.prepare_cell(cell, DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"),
+                                                      backend="gloo"))
+        for i in range(2):
+            session.step(i)
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == 2 * calls_per_step

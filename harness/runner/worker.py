@@ -15,7 +15,8 @@ With ``--memory-snapshot-dir`` each cell's memory-tracked step writes its memory
 
 The CUDA caching allocator's expandable segments are switched off as the worker starts,
 whatever PYTORCH_CUDA_ALLOC_CONF says: a cell runs with them only when it asks for them
-(``expandable_segments``, harness/training.py).
+(``expandable_segments``, harness/training.py). Its other settings come from the launch's
+PYTORCH_CUDA_ALLOC_CONF, which the launcher sets to the cells' own (CellSpec.allocator_conf).
 
 A memory cap (``--mem-cap-gib``) makes each rank behave as if its
 device had that much memory. On CUDA the caching allocator enforces it

@@ -121,9 +121,13 @@ def _cell_option_problem(cell: CellSpec, device_type: str) -> str | None:
         have = "a CUDA device without the flash-attn package" if device_type == "cuda" else f"a {device_type} device"
         return (f"attention=flash: transformers' flash_attention_2 needs a CUDA device and the flash-attn"
                 f" package; this host has {have} (attention=sdpa uses torch's fused kernels)")
-    if cell.expandable_segments and device_type != "cuda":
-        return (f"expandable_segments: a setting of the CUDA caching allocator; this host computes on"
-                f" {device_type}, which has none")
+    allocator = [f"{name}={value}" for name, value, default in (
+        ("expandable_segments", cell.expandable_segments, False), ("max_split_size_mb", cell.max_split_size_mb, None),
+        ("garbage_collection_threshold", cell.garbage_collection_threshold, None),
+        ("empty_cache", cell.empty_cache, "never")) if value != default]
+    if allocator and device_type != "cuda":
+        return (f"{', '.join(allocator)}: {'a setting' if len(allocator) == 1 else 'settings'} of the CUDA caching"
+                f" allocator; this host computes on {device_type}, which has none")
     return None
 
 

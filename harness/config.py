@@ -25,7 +25,9 @@ from harness.models.spec import ModelSpec
 from harness.strategies.base import LayoutOption
 
 Precision = Literal["fp32", "bf16", "fp16"]
-Checkpointing = Literal["none", "full", "selective"]
+# offload: no recompute; what the blocks save for backward goes to host memory and back
+# (torch's save_on_cpu, pinned: features/checkpointing.py).
+Checkpointing = Literal["none", "full", "selective", "offload"]
 Offload = Literal["none", "params", "optimizer", "optimizer_params"]
 Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd", "lamb", "lamb8bit"]
 Compression = Literal["none", "fp16", "bf16", "powersgd", "int8_tensor", "int8_channel", "topk", "randomk"]
@@ -195,7 +197,7 @@ class StrategySpec:
             if not 2 <= self.checkpoint_every <= MAX_COUNT:
                 raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: must be an integer of 2 or more"
                                  " (every block is the default)")
-            if self.checkpointing == "none":
+            if self.checkpointing not in ("full", "selective"):
                 raise ValueError(f"checkpoint_every={self.checkpoint_every}: applies with checkpointing full or"
                                  " selective")
         if self.optimizer_in_backward:

@@ -112,6 +112,8 @@ def default(world_size: int) -> list[CellSpec]:
     # Checkpointing every other block of the 4-block byte-level GPT-2 (its activations between
     # none and all: the claim activations/checkpoint_every_linear).
     cells.append(_cell("gpt2-bytes", "ddp", world_size, checkpointing="full", checkpoint_every=2))
+    # Activation offload instead of recompute (CUDA: unsupported here, with the reason).
+    cells.append(_cell("gpt2-tiny", "ddp", world_size, checkpointing="offload"))
     # Offload.
     cells += [_cell("gpt2-tiny", s, world_size, offload="params") for s in ("fsdp_full", "fsdp1_full")]
     # Gradient accumulation.

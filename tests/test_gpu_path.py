@@ -353,3 +353,23 @@ def test_empty_cache_after_every_step_or_micro_step(monkeypatch, tmp_path, when,
     finally:
         dist.destroy_process_group()
     assert len(calls) == 2 * calls_per_step
+
+
+def test_activation_offload_wraps_every_block_and_is_unsupported_on_the_cpu():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
+
+    from harness import models, strategies
+    from harness.features import checkpointing
+
+    built = models.build(models.get_preset("gpt2-tiny"))
+    checkpointing.apply_checkpointing(built.module, built.block_type, "offload")
+    wrapped = [m for m in built.module.modules() if isinstance(m, OffloadWrapper)]
+    assert len(wrapped) == built.spec.n_layers and all(isinstance(w._checkpoint_wrapped_module, built.block_type)
+                                                       for w in wrapped)
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", checkpointing="offload"))
+    assert cell.cell_id.startswith("gpt2-tiny/ddp/fp32/ckpt_offload/")
+    assert strategies.unsupported_reason(cell, "cpu") == checkpointing.OFFLOAD_ON_CPU
+    assert strategies.unsupported_reason(cell, "cuda") is None
+    # Recompute-only strategies refuse it where the suite is built.
+    pipeline = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_gpipe", checkpointing="offload"))
+    assert "checkpointing" in (strategies.incompatibility(pipeline) or "")

@@ -172,6 +172,27 @@ def test_offloaded_states_leave_a_gpu_but_stay_in_a_cpu_hosts_memory():
     assert on_cpu["peak_bytes"] > on_cuda["peak_bytes"]
 
 
+def test_activation_offload_moves_what_the_blocks_save_and_brings_one_block_back():
+    """checkpointing=offload (save_on_cpu around each block): on a GPU the blocks' saved
+    tensors are on the host, one block's back in its backward; nothing is recomputed, and the
+    copies cross PCIe twice."""
+    from harness.predict import step_time
+
+    none, full, offload = (_cell("fsdp_full", precision="bf16", checkpointing=c) for c in ("none", "full", "offload"))
+    predicted = {c.strategy.checkpointing: analytic.predict(c, device_type="cuda") for c in (none, full, offload)}
+    acts = predicted["offload"]["activation_bytes"]
+    assert acts == predicted["none"]["activation_bytes"]  # what the blocks save, wherever it lives
+    assert predicted["offload"]["offloaded_bytes"]["activations"] == acts["layers"]
+    peak = predicted["offload"]["peak_breakdown_bytes"]["activations"]
+    assert peak < predicted["none"]["peak_breakdown_bytes"]["activations"] - (acts["layers"] - 2 * acts["per_layer"])
+    assert predicted["offload"]["transient_bytes"]["recompute"] == 0
+    assert step_time._offload_seconds(offload, predicted["offload"]) == pytest.approx(
+        2 * acts["layers"] / step_time.PCIE_BYTES_PER_S)
+    # A CPU host is the device: nothing moves, and the cell is unsupported there.
+    assert analytic.predict(offload, device_type="cpu")["peak_bytes"] == analytic.predict(none, device_type="cpu")[
+        "peak_bytes"]
+
+
 def test_fsdp_peaks_as_its_root_unit_reduces_where_the_vocabulary_is_large():
     """gpt2-124m under FSDP2 on 2 gloo ranks peaked with no activations and 469.5 MiB of
     "other": the root unit's (148 MiB) fp32 gradients, their reduce-scatter input and gloo's copy."""

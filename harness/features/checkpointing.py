@@ -1,6 +1,10 @@
 """Activation checkpointing of the transformer blocks: full or selective recompute, of every
 block or of every k-th (``checkpoint_every``: blocks 0, k, 2k, …, the per-layer trade of
-keeping some blocks' activations to recompute less).
+keeping some blocks' activations to recompute less); or activation offload, recomputing
+nothing: torch's ``offload_wrapper`` runs each block under ``save_on_cpu(pin_memory=True)``,
+which copies every tensor the block saves for backward to pinned host memory and back as its
+backward needs it (on the compute stream; CUDA only: on a CPU the host is the device and
+nothing moves, ``OFFLOAD_ON_CPU``).
 
 Always non-reentrant: reentrant checkpointing (use_reentrant=True, fairscale's and
 deepspeed's wrappers) silently drops or changes gradients on transformers-5 decoder layers
@@ -18,6 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
     checkpoint_wrapper,
+    offload_wrapper,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -45,6 +50,12 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
+# Why activation offload is unsupported on a CPU host (strategies.unsupported_reason).
+OFFLOAD_ON_CPU = ("checkpointing=offload: save_on_cpu moves what a block saves from the device to pinned host"
+                  " memory; on a CPU the activations are in host memory already (a CPU tensor's .cpu() is"
+                  " itself, and pinning needs CUDA), so the cell would measure no checkpointing under another name")
+
+
 def checkpointed_blocks(n_blocks: int, every: int | None) -> int:
     """How many of ``n_blocks`` blocks are checkpointed when every ``every``-th is (all: None)."""
     return n_blocks if every is None else -(-n_blocks // every)
@@ -54,6 +65,10 @@ def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str
     """Wrap each ``block_type`` submodule in place (with ``every``, the blocks 0, every, 2·every,
     … in the model's order). Must run before data-parallel wrapping."""
     if mode == "none":
+        return
+    if mode == "offload":
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=offload_wrapper,
+                                       check_fn=lambda module: isinstance(module, block_type))
         return
     kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
     if mode == "selective":

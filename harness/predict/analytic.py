@@ -114,6 +114,8 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
         keys = ("states", "activations", "comm", "transient", "extra")
         states, acts, comm, transient, extra = (parts[k] for k in keys)
     offloaded = offloaded_bytes(cell, states, layout)
+    if cell.strategy.checkpointing == "offload":  # what the blocks save goes to host memory
+        offloaded["activations"] = acts["layers"]
     model_state_bytes = sum(states.values())
     step_temporaries = optimizer_step_bytes(cell, layout, device_type) if not offloaded["optimizer"] else 0.0
     # On a CPU the host is the device: what offload moves stays in the memory the trackers count.
@@ -165,6 +167,10 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     the loss's gradients are "other". The traced predictor times every tensor exactly; this
     is the first-order figure that ``plan`` and the fit check decide by."""
     on_device = {k: states[k] - offloaded.get(k, 0.0) for k in ("params", "grads", "optimizer")}
+    # Activation offload: the blocks' saved tensors are on the host, and one block's come back
+    # as its backward runs (as a recomputed block is made again).
+    layers_on_device = acts["layers"] - offloaded.get("activations", 0.0)
+    unpacked = acts["per_layer"] if offloaded.get("activations") else 0.0
     buffers = states.get("buffers", 0.0)
     # Buffers made (or first seen) at the end of backward: held at the step, not before.
     in_backward = buffers - transient.get("buffers_after_backward", 0.0)
@@ -181,13 +187,13 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
         "params": on_device["params"] + transient.get("gathered", 0.0),
         "grads": on_device["grads"] if held_grads else 0.0,
         "optimizer": on_device["optimizer"],
-        "activations": acts["layers"] + acts["logits"] + transient.get("autocast_copies", 0.0),
+        "activations": layers_on_device + acts["logits"] + transient.get("autocast_copies", 0.0),
         "other": in_backward + transient.get("loss", 0.0) + transient.get("activation_grads", 0.0) + partition,
     }
     # The last block's backward recomputing it: the head's backward is done, so the logits
     # are gone (the loss's gradients are still held, as the trackers see them).
-    recomputing = {**backward, "activations": (acts["layers"] + transient.get("autocast_copies", 0.0)
-                                               + transient.get("recompute", 0.0))}
+    recomputing = {**backward, "activations": (layers_on_device + transient.get("autocast_copies", 0.0)
+                                               + transient.get("recompute", 0.0) + unpacked)}
     step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
             "other": buffers}
     moments = [backward, recomputing, step]
@@ -195,7 +201,7 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
         # The last block's gradients reduce-scattering as its backward ends: the root unit
         # gathered, the other blocks' activations still held (the head's and the logits' done).
         low = PRECISION_BYTES[cell.strategy.precision]
-        layers = acts["layers"] * (1 - 1 / cell.model_spec.n_layers)
+        layers = layers_on_device * (1 - 1 / cell.model_spec.n_layers)
         moments.append({"params": on_device["params"] + low * layout.root_numel, "grads": 0.0,
                         "optimizer": on_device["optimizer"], "activations": layers,
                         "other": in_backward + transient["block_reduce"] + transient.get("loss", 0.0)})

@@ -45,7 +45,8 @@ run's own calibration launch; the record names which was used):
   forward and backward, all but the first gather, which nothing precedes.
 - a pipeline: rank 0's stage compute, stretched by the bubble, (m + p − 1) / m for m
   micro-batches over p stages (GPipe's and 1F1B's idle time, Huang et al. 2019).
-- offload on CUDA: the offloaded parameters cross PCIe twice a step and gradients once
+- offload on CUDA: the offloaded parameters cross PCIe twice a step and gradients once, the
+  blocks' saved activations under activation offload (checkpointing=offload) twice
   (``PCIE_BYTES_PER_S``, an assumption stated here), and an offloaded optimizer's step is
   memory traffic at host bandwidth (the rate the CPU calibration would measure; none on a
   GPU run, so ``HOST_MEMORY_BYTES_PER_S``).
@@ -233,6 +234,8 @@ def _offload_seconds(cell: CellSpec, analytic: dict) -> float:
     offloaded = analytic.get("offloaded_bytes") or {}
     params, optimizer = offloaded.get("params", 0.0), offloaded.get("optimizer", 0.0)
     grads = offloaded.get("grads", 0.0)
+    # Activation offload copies what the blocks save to the host in forward and back in backward.
+    activations = offloaded.get("activations", 0.0)
     host_step = optimizer / 8 * _OPTIMIZER_BYTES_PER_ELEMENT / HOST_MEMORY_BYTES_PER_S if optimizer else 0.0
-    return (2 * params + grads) / PCIE_BYTES_PER_S + host_step
+    return (2 * params + grads + 2 * activations) / PCIE_BYTES_PER_S + host_step
 

@@ -121,6 +121,10 @@ def _cell_option_problem(cell: CellSpec, device_type: str) -> str | None:
         have = "a CUDA device without the flash-attn package" if device_type == "cuda" else f"a {device_type} device"
         return (f"attention=flash: transformers' flash_attention_2 needs a CUDA device and the flash-attn"
                 f" package; this host has {have} (attention=sdpa uses torch's fused kernels)")
+    if cell.strategy.checkpointing == "offload" and device_type != "cuda":
+        from harness.features import checkpointing
+
+        return checkpointing.OFFLOAD_ON_CPU
     allocator = [f"{name}={value}" for name, value, default in (
         ("expandable_segments", cell.expandable_segments, False), ("max_split_size_mb", cell.max_split_size_mb, None),
         ("garbage_collection_threshold", cell.garbage_collection_threshold, None),

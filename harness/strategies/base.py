@@ -26,7 +26,10 @@ if TYPE_CHECKING:
     from harness.distributed import DistEnv
 
 ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
-ALL_CHECKPOINTING = frozenset({"none", "full", "selective"})
+# Recompute (none, full, selective) and activation offload, which any strategy whose step is
+# the data-parallel one takes (features/checkpointing.py).
+RECOMPUTE_CHECKPOINTING = frozenset({"none", "full", "selective"})
+ALL_CHECKPOINTING = RECOMPUTE_CHECKPOINTING | {"offload"}
 
 Engine = Literal["torch", "deepspeed", "fairscale", "megatron"]
 ZeroIdea = Literal["zero1", "zero2", "zero3"]

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness import distributed
 from harness.features import optimizers
-from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+from harness.strategies.base import RECOMPUTE_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
     from harness.config import CellSpec
@@ -54,6 +54,7 @@ RING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
+    checkpointing=RECOMPUTE_CHECKPOINTING,
     evaluation=False,
     optimizers=frozenset(optimizers.NAMES),
     notes={"evaluation": "its forward shards the sequence inside the context-parallel step: no held-out evaluation",

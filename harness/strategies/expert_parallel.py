@@ -67,7 +67,7 @@ from torch import nn
 
 from harness.features import optimizers
 from harness.strategies import deepspeed_zero
-from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+from harness.strategies.base import RECOMPUTE_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -77,6 +77,7 @@ if TYPE_CHECKING:
 
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32"}),
+    checkpointing=RECOMPUTE_CHECKPOINTING,
     clipping=False,
     notes={
         "clip_grad_norm": ("DeepSpeed's gradient_clipping with AutoEP reduces the expert parameters' norms"

@@ -45,7 +45,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 
 from harness.features import optimizers
-from harness.strategies.base import ALL_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy, always
+from harness.strategies.base import RECOMPUTE_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy, always
 
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
-    checkpointing=ALL_CHECKPOINTING,
+    checkpointing=RECOMPUTE_CHECKPOINTING,
     min_world_size=2,
     clipping=False,
     evaluation=False,

@@ -439,7 +439,8 @@ class _AsyncFrees:
 
 
 class _AllReduceInputs(TorchDispatchMode):
-    """The tensors handed to every all-reduce in the block, in order."""
+    """The tensors handed to every all-reduce that backward issues in the block, in order (a
+    gradient norm's, an optimizer's, reduced after backward, are the step's own temporaries)."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
@@ -447,16 +448,17 @@ class _AllReduceInputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if func is torch.ops.c10d.allreduce_.default:
+        # -1 outside backward (the autograd engine's current graph task).
+        if func is torch.ops.c10d.allreduce_.default and torch._C._current_graph_task_id() != -1:
             self.tensors.extend(args[0])
         return func(*args, **(kwargs or {}))
 
 
 @contextmanager
 def all_reduced_buffers() -> Iterator[list[torch.Tensor]]:
-    """The tensors the block all-reduces, each storage once, filled as the block ends: run
-    around a step before the memory step of an engine whose all-reduces take buffers it keeps
-    from step to step (DDP's gradient buckets, made in C++ when DDP is built, which the
+    """The tensors the block's backward all-reduces, each storage once, filled as the block
+    ends: run around a step before the memory step of an engine whose backward all-reduces
+    buffers it keeps from step to step (DDP's gradient buckets, made in C++ when DDP is built, which the
     tracker would otherwise see only from their first all-reduce: module docstring,
     "Wrappers"), and pass them to ``track_step_memory`` as ``held``."""
     buffers: list[torch.Tensor] = []

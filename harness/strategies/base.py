@@ -230,9 +230,9 @@ class Prepared:
     # Tensors the engine made before the step and holds outside both (DeepSpeed's fp32
     # master partitions and ZeRO-3's parameter partitions): the tracker cannot find them.
     memory_held: Callable[[], list[torch.Tensor]] = list
-    # The tensors it all-reduces are buffers it keeps from step to step, made where no Python
-    # object reaches them (DDP's gradient buckets): the memory step counts them from its start,
-    # taken from the step before's all-reduces (measure/memory.py, all_reduced_buffers).
+    # The tensors its backward all-reduces are buffers it keeps from step to step, made where
+    # no Python object reaches them (DDP's gradient buckets): the memory step counts them from
+    # its start, taken from the step before's (measure/memory.py, all_reduced_buffers).
     all_reduces_kept_buffers: bool = False
     # Engine-specific measurements for the record's per-rank ``engine`` entry (DeepSpeed's
     # comms_logger and memory estimators), read after the last step.

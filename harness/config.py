@@ -344,6 +344,9 @@ class CellSpec:
             raise ValueError(f"strategy={REFERENCE} is the one-process reference: world_size must be 1")
         _check_choice("attention", self.attention, get_args(Attention))
         _check_choice("empty_cache", self.empty_cache, get_args(EmptyCache))
+        if self.empty_cache == "micro_step" and self.strategy.accumulation == 1:
+            raise ValueError("empty_cache='micro_step' with accumulation=1: a step is one micro-step, so it is"
+                             " empty_cache='step'")
         if self.max_split_size_mb is not None and not MIN_MAX_SPLIT_SIZE_MB <= self.max_split_size_mb <= MAX_COUNT:
             raise ValueError(f"max_split_size_mb={self.max_split_size_mb!r}: must be an integer from"
                              f" {MIN_MAX_SPLIT_SIZE_MB} (torch refuses 20 MiB and below) to {MAX_COUNT:,}")
@@ -474,11 +477,11 @@ class CellSpec:
         if self.max_split_size_mb is not None:
             parts.append(f"alloc_split{self.max_split_size_mb}")
         if self.garbage_collection_threshold is not None:
-            parts.append(f"alloc_gc{self.garbage_collection_threshold:g}")
+            parts.append(f"alloc_gc{self.garbage_collection_threshold!r}")
         if self.empty_cache != "never":
             parts.append(f"empty_cache_{self.empty_cache}")
         if self.router_aux_loss_coef is not None:
-            parts.append(f"aux{self.router_aux_loss_coef:g}")
+            parts.append(f"aux{self.router_aux_loss_coef!r}")
         if self.seq_len is not None:
             parts.append(f"seq{self.seq_len}")
         if self.data != "synthetic":
@@ -507,10 +510,11 @@ class CellSpec:
         )
 
     @property
-    def allocator_conf(self) -> str:
-        """PYTORCH_CUDA_ALLOC_CONF for the cell's launch: the settings torch reads as the
-        allocator starts (expandable segments are switched per cell instead: worker.py)."""
-        settings = {"max_split_size_mb": self.max_split_size_mb,
+    def allocator_settings(self) -> str:
+        """The CUDA caching allocator's settings the cell runs under, as PYTORCH_CUDA_ALLOC_CONF
+        writes them ("" for torch's defaults: harness/training.py sets them per cell)."""
+        settings = {"expandable_segments": "True" if self.expandable_segments else None,
+                    "max_split_size_mb": self.max_split_size_mb,
                     "garbage_collection_threshold": self.garbage_collection_threshold}
         return ",".join(f"{k}:{v}" for k, v in settings.items() if v is not None)
 

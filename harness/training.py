@@ -21,14 +21,18 @@ writes, per cell and rank, the tracker's timeline as JSON (``<dir>/<cell>/rank<r
 the report charts) and on CUDA the allocator's own snapshot beside it (``rank<r>.pickle``, for
 pytorch.org/memory_viz).
 
-A cell with ``expandable_segments`` runs with the CUDA caching allocator's expandable
-segments on (``expandable_segments:True``, set at run time: the allocator reads it whenever
-it creates a segment, so the cache is emptied first and again after the cell, which sets it
-back to False); the record says whether the step's segments really were expandable. Every
-other cell runs without them, whatever PYTORCH_CUDA_ALLOC_CONF says: the worker switches them
-off as it starts, so two records with one cell id never ran different allocators. (The
-setter is torch's private ``_accelerator_setAllocatorSettings``, which the deprecated
-``torch.cuda.memory._set_allocator_settings`` forwards to in 2.13.)
+A cell with allocator settings (``expandable_segments``, ``max_split_size_mb``,
+``garbage_collection_threshold``: CellSpec.allocator_settings) runs under them, set at run
+time: the allocator reads them as it creates and splits segments, so the cache is emptied
+first and again after the cell, which sets ``expandable_segments:False`` back (each call
+resets every setting it does not name to torch's default). The record keeps the settings
+the allocator reported during the cell and whether the step's segments really were
+expandable. Every other cell runs with the defaults, whatever PYTORCH_CUDA_ALLOC_CONF says:
+the worker makes the same call as it starts, so two records with one cell id never ran
+different allocators. The garbage-collection threshold acts only where a memory fraction is
+set (the caching allocator's rule): a cell with one and no memory cap gets the whole device
+as its fraction (1.0). (The setter is torch's private ``_accelerator_setAllocatorSettings``,
+which the deprecated ``torch.cuda.memory._set_allocator_settings`` forwards to in 2.13.)
 
 A memory cap (``mem_cap_bytes``, harness/runner/worker.py says what it is) is enforced here
 on the CPU only, where no allocator limit can be set: against the memory-tracked step's peak,
@@ -328,7 +332,8 @@ def run_cell(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None = None,
              snapshot_dir: Path | None = None, profile_dir: Path | None = None) -> dict[str, Any]:
     """Train one cell and return this rank's measurements (with ``profile_dir``, its timed
     steps under torch.profiler: measure/profiling.py)."""
-    with expandable_segments(cell.expandable_segments and env.is_cuda, env.device):
+    with allocator_settings(cell.allocator_settings if env.is_cuda else "", env.device,
+                            fraction_set=mem_cap_bytes is not None):
         return _train_and_measure(cell, env, mem_cap_bytes, snapshot_dir, profile_dir)
 
 
@@ -436,6 +441,7 @@ def _train_and_measure(cell: CellSpec, env: DistEnv, mem_cap_bytes: int | None,
         "memory_growth_steps": cell.steps - 1 - first_timed,
         "live_bytes_measure": "cuda_memory_allocated" if env.is_cuda else "python_tensor_bytes",
         "expandable_segments": expandable_segments_in_use(env.device) if env.is_cuda else None,
+        "allocator_settings": torch._C._accelerator_getAllocatorSettings() if env.is_cuda else None,
         # fp32 matmuls on TF32 tensor cores ("high", "medium") have another peak (flops.py).
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "step_times_s": step_times,
@@ -521,14 +527,18 @@ def write_memory_snapshot(mem: memory.StepMemory, timeline_file: Path, cell: Cel
 
 
 @contextmanager
-def expandable_segments(enabled: bool, device: torch.device) -> Iterator[None]:
-    """The cell under the caching allocator's expandable segments (module docstring)."""
-    if not enabled:
+def allocator_settings(settings: str, device: torch.device, fraction_set: bool = False) -> Iterator[None]:
+    """The cell under the caching allocator's ``settings`` (module docstring); "" for torch's
+    defaults, as the worker left them. ``fraction_set``: a memory cap set the device's
+    memory fraction (worker.py)."""
+    if not settings:
         yield
         return
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # segments made before keep their kind: start with none
-    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    torch._C._accelerator_setAllocatorSettings(settings)
+    if "garbage_collection_threshold" in settings and not fraction_set:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)  # the threshold acts only under one
     try:
         yield
     finally:

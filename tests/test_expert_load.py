@@ -61,11 +61,15 @@ def test_the_load_balancing_loss_is_gated_only_where_one_forward_sees_the_whole_
     assert aux_batch(accumulating) == 2
 
 
-def test_the_option_is_refused_outside_a_mixture_of_experts():
+def test_the_option_is_refused_outside_a_mixture_of_experts_and_with_autoep():
+    from harness import strategies
+
     with pytest.raises(ValueError, match="moe family"):
         CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), router_aux_loss_coef=0.01)
     with pytest.raises(ValueError, match="positive, finite"):
         _moe(router_aux_loss_coef=0.0)
+    autoep = _moe("deepspeed_autoep", router_aux_loss_coef=0.01)
+    assert "AutoEP replaces the routers" in strategies.incompatibility(autoep)
 
 
 def test_every_data_parallel_strategy_routes_the_references_tokens(tmp_path: Path):

@@ -109,17 +109,17 @@ def test_expandable_segments_are_on_for_the_cell_only_and_off_after(monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: calls.append(s))
-    with training.expandable_segments(True, torch.device("cuda", 0)):
+    with training.allocator_settings("expandable_segments:True", torch.device("cuda", 0)):
         calls.append("cell")
     # The cache is emptied before the setting changes each way: a segment keeps its kind.
     assert calls == ["synchronize", "empty_cache", "expandable_segments:True", "cell",
                      "synchronize", "empty_cache", "expandable_segments:False"]
     calls.clear()
-    with pytest.raises(RuntimeError), training.expandable_segments(True, torch.device("cuda", 0)):
+    with pytest.raises(RuntimeError), training.allocator_settings("expandable_segments:True", torch.device("cuda", 0)):
         raise RuntimeError("the cell failed")
     assert calls[-1] == "expandable_segments:False"  # a failed cell does not leave it on
     calls.clear()
-    with training.expandable_segments(False, torch.device("cuda", 0)):
+    with training.allocator_settings("", torch.device("cuda", 0)):
         pass
     assert calls == []
 
@@ -299,39 +299,31 @@ def test_the_interconnect_is_recorded_and_a_host_without_nvidia_smi_says_why(mon
     assert "ib0 (200000 Mb/s, MTU 4092)" in page and "mlx5_0" in page and "<pre>\tGPU0\tGPU1" in page
 
 
-def test_allocator_settings_go_to_their_own_launch_and_only_theirs(monkeypatch, tmp_path):
-    """max_split_size_mb and garbage_collection_threshold are read as the CUDA allocator
-    starts: each set of them is a launch of its own with PYTORCH_CUDA_ALLOC_CONF, and a launch
-    of cells without them runs without the user's."""
-    from harness.runner import launcher, matrix
-
-    plain = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"))
-    split = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), max_split_size_mb=128,
-                     garbage_collection_threshold=0.8)
-    assert split.allocator_conf == "max_split_size_mb:128,garbage_collection_threshold:0.8"
-    assert plain.allocator_conf == "" and split.reference().allocator_conf == ""
-    batches = []
-    monkeypatch.setattr(matrix, "run_batch", lambda cells, options, workdir, on_outcome: batches.append(
-        ([c.cell_id for c in cells], workdir.name)))
-    matrix.launch_round(matrix.with_references([split, plain]), 0, LaunchOptions(), tmp_path, print)
-    assert batches == [([plain.reference().cell_id], "ws1"), ([plain.cell_id], "ws2"),
-                       ([split.cell_id], "ws2-alloc-max-split-size-mb-128-garbage-collection-threshold-0.8")]
-
-    envs = []
-
-    class Launched(Exception):
+def test_allocator_settings_are_the_cells_and_torchs_defaults_after(monkeypatch):
+    """max_split_size_mb and garbage_collection_threshold are set around the cell with its
+    expandable segments (each call resets what it does not name); the threshold acts only under
+    a memory fraction, which a cell without a memory cap gets whole."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: calls.append(s))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(f"fraction {f}"))
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), max_split_size_mb=128,
+                    garbage_collection_threshold=0.8)
+    assert cell.allocator_settings == "max_split_size_mb:128,garbage_collection_threshold:0.8"
+    assert cell.reference().allocator_settings == ""
+    with training.allocator_settings(cell.allocator_settings, torch.device("cuda", 0)):
+        calls.append("cell")
+    assert calls == ["synchronize", "empty_cache", cell.allocator_settings, "fraction 1.0", "cell",
+                     "synchronize", "empty_cache", "expandable_segments:False"]
+    calls.clear()
+    with training.allocator_settings("max_split_size_mb:128,garbage_collection_threshold:0.8",
+                                     torch.device("cuda", 0), fraction_set=True):
         pass
-
-    def launch(cmd, log_file, env):
-        envs.append(env.get("PYTORCH_CUDA_ALLOC_CONF"))
-        raise Launched
-
-    monkeypatch.setattr(launcher, "_Launch", launch)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    for cell in (split, plain):
-        with pytest.raises(Launched):
-            run_batch([cell], LaunchOptions(), tmp_path / cell.cell_id.replace("/", "_"), print)
-    assert envs == ["max_split_size_mb:128,garbage_collection_threshold:0.8", None]
+    assert "fraction 1.0" not in calls  # a memory cap's fraction stands
+    split_only = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), max_split_size_mb=256,
+                          expandable_segments=True)
+    assert split_only.allocator_settings == "expandable_segments:True,max_split_size_mb:256"
 
 
 @pytest.mark.parametrize("when, calls_per_step", [("never", 0), ("step", 1), ("micro_step", 2)])

@@ -114,6 +114,7 @@ def per_rank_view(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "profile_trace": r.get("profile_trace"),
             "module_memory": r.get("module_memory"),
             "expandable_segments": r.get("expandable_segments"),
+            "allocator_settings": r.get("allocator_settings"),
             "float32_matmul_precision": r.get("float32_matmul_precision"),
             "step_time_s": median,
             "step_time_iqr_s": iqr,

@@ -22,7 +22,8 @@ def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
         num_hidden_layers=spec.n_layers, num_attention_heads=spec.required("n_heads"),
         num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.required("seq_len"),
         num_local_experts=spec.required("n_experts"), num_experts_per_tok=spec.required("top_k"),
-        # The loss is the plain LM loss, without the load-balancing auxiliary loss: that loss
+        # The loss is the plain LM loss, without the load-balancing auxiliary loss unless a
+        # cell asks for it (with_router_aux_loss, below; not gated where ranks split the batch): that loss
         # multiplies the batch's fraction of tokens per expert by its mean router probability,
         # which is not a mean over samples, so the loss of a global batch would no longer be
         # the mean of its per-rank slices' losses, the premise of the equivalence check. The

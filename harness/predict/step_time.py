@@ -234,8 +234,9 @@ def _offload_seconds(cell: CellSpec, analytic: dict) -> float:
     offloaded = analytic.get("offloaded_bytes") or {}
     params, optimizer = offloaded.get("params", 0.0), offloaded.get("optimizer", 0.0)
     grads = offloaded.get("grads", 0.0)
-    # Activation offload copies what the blocks save to the host in forward and back in backward.
-    activations = offloaded.get("activations", 0.0)
+    # Activation offload copies what the blocks save to the host in forward and back in
+    # backward, every micro-step.
+    activations = offloaded.get("activations", 0.0) * cell.strategy.accumulation
     host_step = optimizer / 8 * _OPTIMIZER_BYTES_PER_ELEMENT / HOST_MEMORY_BYTES_PER_S if optimizer else 0.0
     return (2 * params + grads + 2 * activations) / PCIE_BYTES_PER_S + host_step
 

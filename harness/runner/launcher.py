@@ -231,10 +231,6 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     # for several ranks, which would give the one-process reference more cores than each
     # rank of the cells it is compared with (and spin-waiting threads on a busy host).
     env = {"OMP_NUM_THREADS": "1", **os.environ}
-    # The allocator runs with the cells' settings, and only theirs (CellSpec.allocator_conf).
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if cells[0].allocator_conf:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = cells[0].allocator_conf
 
     # The worker runs the cells in order, so the n-th "done" is cells[n] (a batch may hold
     # the same cell twice: the isolation test does).

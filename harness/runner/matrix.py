@@ -15,7 +15,6 @@ the (cell, trial) pairs without one.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from functools import partial
@@ -38,7 +37,7 @@ def with_references(cells: list[CellSpec]) -> list[CellSpec]:
     """The selection plus every reference it is gated against, references first."""
     refs = [c.reference() for c in cells]
     by_id = {c.cell_id: c for c in refs + cells}
-    return sorted(by_id.values(), key=lambda c: (c.world_size, c.allocator_conf, c.strategy.name != "single"))
+    return sorted(by_id.values(), key=lambda c: (c.world_size, c.strategy.name != "single"))
 
 
 def human_bytes(n: float | None) -> str:
@@ -55,20 +54,18 @@ def human_duration(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
 
 
-def launch_dir_name(world_size: int, trial: int, allocator_conf: str = "") -> str:
-    """The folder of one round's launches of one world size and allocator settings, under
-    launches/ (a follower node names its own the same: the name is part of the rendezvous id)."""
-    name = f"ws{world_size}" + (f"-alloc-{re.sub('[^0-9a-z.]+', '-', allocator_conf)}" if allocator_conf else "")
-    return name if trial == 0 else f"{name}-trial{trial}"
+def launch_dir_name(world_size: int, trial: int) -> str:
+    """The folder of one round's launches of one world size, under launches/ (a follower node
+    names its own the same: the name is part of the rendezvous id)."""
+    return f"ws{world_size}" if trial == 0 else f"ws{world_size}-trial{trial}"
 
 
 def launch_round(cells: list[CellSpec], trial: int, options: LaunchOptions, launches_dir: Path,
                  on_outcome: Callable[[CellOutcome], None]) -> None:
-    """One round's cells, one run_batch per world size and allocator settings (which torch
-    reads as its allocator starts: a launch of their own) in the order given, each in its
-    folder under ``launches_dir``: how node 0 launches them, and so how a follower node must."""
-    for (world_size, conf), group in groupby(cells, key=lambda c: (c.world_size, c.allocator_conf)):
-        run_batch(list(group), options, launches_dir / launch_dir_name(world_size, trial, conf), on_outcome)
+    """One round's cells, one run_batch per world size in the order given, each in its folder
+    under ``launches_dir``: how node 0 launches them, and so how a follower node must."""
+    for world_size, group in groupby(cells, key=lambda c: c.world_size):
+        run_batch(list(group), options, launches_dir / launch_dir_name(world_size, trial), on_outcome)
 
 
 class MatrixRun:

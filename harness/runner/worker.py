@@ -13,10 +13,10 @@ cells (``host_memory_short``).
 With ``--memory-snapshot-dir`` each cell's memory-tracked step writes its memory timeline
 (and on CUDA the allocator's snapshot) there (harness/training.py says where).
 
-The CUDA caching allocator's expandable segments are switched off as the worker starts,
-whatever PYTORCH_CUDA_ALLOC_CONF says: a cell runs with them only when it asks for them
-(``expandable_segments``, harness/training.py). Its other settings come from the launch's
-PYTORCH_CUDA_ALLOC_CONF, which the launcher sets to the cells' own (CellSpec.allocator_conf).
+The CUDA caching allocator's settings are set to torch's defaults as the worker starts,
+whatever PYTORCH_CUDA_ALLOC_CONF says (setting expandable segments off resets every setting
+the call does not name): a cell runs with other settings only when it asks for them
+(CellSpec.allocator_settings, harness/training.py).
 
 A memory cap (``--mem-cap-gib``) makes each rank behave as if its
 device had that much memory. On CUDA the caching allocator enforces it
@@ -159,7 +159,7 @@ def main() -> None:
     faulthandler.enable()
 
     env = init_from_torchrun()
-    if env.is_cuda:  # the cells' expandable_segments option decides (module docstring)
+    if env.is_cuda:  # torch's defaults; a cell's allocator options decide (module docstring)
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
     if options.mem_cap_bytes and env.is_cuda:
         total = torch.cuda.get_device_properties(env.device).total_memory

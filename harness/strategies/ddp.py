@@ -59,10 +59,11 @@ def all_reduces_buckets(cell: CellSpec) -> bool:
     """Whether DDP's all-reduces take its gradient buckets themselves (Prepared.
     all_reduces_kept_buffers): with no comm hook, which would hand over a copy of its own
     making, and without gradient_as_bucket_view, where the buckets are the gradients and are
-    counted as such once backward fills them."""
+    counted as such once backward fills them. Not with SyncBatchNorm either, whose backward
+    all-reduces statistics of its own."""
     s = cell.strategy
     return (s.compression == "none" and s.local_sgd_period is None and not s.optimizer_in_backward
-            and not s.gradient_as_bucket_view)
+            and not s.gradient_as_bucket_view and not s.sync_batch_norm)
 
 
 def engine_report(ddp_model: DistributedDataParallel) -> dict[str, Any]:

@@ -34,7 +34,9 @@ unless drop_tokens=False, and dispatch is padded to capacity) and always returns
 load-balancing loss for the caller to add. AutoEP is dropless (every routed token reaches its
 expert; the token all-to-alls have variable sizes) and adds no auxiliary loss
 (load_balance_coeff unset; this build refuses any other value). The harness's MoE model
-trains without Mixtral's load-balancing loss too (harness/models/moe.py).
+trains without Mixtral's load-balancing loss by default too (harness/models/moe.py); a cell
+that asks for it (``router_aux_loss_coef``) is refused here: AutoEP replaces the routers whose
+logits transformers collects for that loss, and no run has shown what it does then.
 
 Two adaptations, both to what the installed versions do:
 - ``moe_layer_pattern`` overrides the preset's ``model\\.layers\\.\\d+\\.mlp`` (matched with
@@ -112,6 +114,9 @@ def combination_problem(cell: CellSpec) -> str | None:
     if cell.model_spec.layout != "mixtral":
         return (f"model {cell.model_name}: expert parallel needs a mixture-of-experts model of the mixtral layout"
                 " (harness/models/spec.py, Layout)")
+    if cell.router_aux_loss_coef is not None:
+        return (f"router_aux_loss_coef={cell.router_aux_loss_coef!r}: AutoEP replaces the routers whose logits"
+                " transformers' load-balancing loss reads (and its own takes no coefficient in this build)")
     return None
 
 

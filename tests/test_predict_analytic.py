@@ -775,8 +775,7 @@ def test_checkpointed_peak_as_traced(model, precision, checkpointing):
 # both from the step's start (measure/memory.py, all_reduced_buffers), and torch ZeRO-1's
 # fullest rank holds gpt2-124m's token table whole (its optimizer partition).
 REAL_SIZE_SAMPLE = ("ddp/bf16/ckpt_none", "zero1/bf16/ckpt_selective", "fsdp_full/bf16/ckpt_none",
-                    "fsdp_grad_op/bf16/ckpt_selective", "deepspeed_zero2/bf16/ckpt_full",
-                    "deepspeed_zero3/bf16/ckpt_none")
+                    "deepspeed_zero2/bf16/ckpt_full", "deepspeed_zero3/bf16/ckpt_none")
 
 
 def test_plan_configurations_at_real_size_match_their_trace():

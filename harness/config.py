@@ -122,10 +122,18 @@ class StrategySpec:
     name: str
     precision: Precision = "fp32"
     checkpointing: Checkpointing = "none"
-    # Checkpoint every this-many-th block only (0, k, 2k, …); None: every block.
+    # Checkpoint every this-many-th block only (0, k, 2k, …), or the listed blocks only
+    # (``BlockList``: "0,2,4-7", counted from the input end); None: every block.
     checkpoint_every: int | None = None
+    checkpoint_blocks: str | None = None
     # What lives in host memory: parameters, optimizer state, or both.
     offload: Offload = "none"
+    # Per-layer precision and offload (a ``BlockList`` each; strategies declare which they
+    # take: Capabilities.block_options): the listed blocks compute in fp32 under bf16 or fp16
+    # (autocast off inside them, or FSDP2's per-module policy), and keep their parameters,
+    # gradients and optimizer state in host memory (FSDP2's per-module CPUOffloadPolicy).
+    fp32_blocks: str | None = None
+    offload_blocks: str | None = None
     optimizer: Optimizer = "adamw"
     accumulation: int = 1
     compression: Compression = "none"
@@ -193,13 +201,23 @@ class StrategySpec:
                              f" {MAX_COUNT:,}")
         if self.prefetch is not None:
             _check_positive("prefetch", self.prefetch)
-        if self.checkpoint_every is not None:
-            if not 2 <= self.checkpoint_every <= MAX_COUNT:
-                raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: must be an integer of 2 or more"
-                                 " (every block is the default)")
-            if self.checkpointing not in ("full", "selective"):
-                raise ValueError(f"checkpoint_every={self.checkpoint_every}: applies with checkpointing full or"
-                                 " selective")
+        if self.checkpoint_every is not None and not 2 <= self.checkpoint_every <= MAX_COUNT:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: must be an integer of 2 or more"
+                             " (every block is the default)")
+        for block_option in BLOCK_OPTIONS:
+            if (text := getattr(self, block_option)) is not None:  # its canonical spelling: one cell, one id
+                object.__setattr__(self, block_option, block_list_text(parse_block_list(block_option, text)))
+        partial = [f"{o}={getattr(self, o)!r}" for o in ("checkpoint_every", "checkpoint_blocks") if getattr(self, o)]
+        if len(partial) == 2:
+            raise ValueError(f"{' and '.join(partial)}: choose one way to name the blocks checkpointed")
+        if partial and self.checkpointing not in ("full", "selective"):
+            raise ValueError(f"{partial[0]}: applies with checkpointing full or selective")
+        if self.fp32_blocks is not None and self.precision == "fp32":
+            raise ValueError(f"fp32_blocks={self.fp32_blocks!r}: applies with precision bf16 or fp16 (under fp32"
+                             " every block is fp32)")
+        if self.offload_blocks is not None and self.offload != "none":
+            raise ValueError(f"offload_blocks={self.offload_blocks!r} with offload={self.offload!r}: offload"
+                             " applies to every block already; choose one")
         if self.optimizer_in_backward:
             clash = ("accumulation" if self.accumulation > 1 else "clip_grad_norm" if self.clip_grad_norm is not None
                      else "precision=fp16" if self.precision == "fp16"
@@ -237,6 +255,20 @@ class StrategySpec:
         else:
             _check_positive(option, value)
 
+    def blocks(self, option: BlockOption, n_blocks: int) -> frozenset[int]:
+        """The blocks (indices in the model's order) a per-block option names: for
+        ``checkpoint_blocks`` the blocks checkpointed, however chosen (all of them, every k-th,
+        or the listed ones; none without checkpointing)."""
+        if option == "checkpoint_blocks":
+            if self.checkpointing == "none":
+                return frozenset()
+            if self.checkpoint_every:
+                return frozenset(range(0, n_blocks, self.checkpoint_every))
+            if self.checkpoint_blocks is None:
+                return frozenset(range(n_blocks))
+        text = getattr(self, option)
+        return frozenset() if text is None else frozenset(parse_block_list(option, text))
+
     def layout(self, option: Literal["tp_degree", "pp_degree", "pp_microbatches"]) -> int:
         """A layout option's value where it applies (resolved to its declared default when the
         spec was made); asking for one that does not apply is a mistake in the caller."""
@@ -253,6 +285,41 @@ class StrategySpec:
     def data_parallel_size(self, world_size: int) -> int:
         """How many groups of ranks take different samples (the rest of the mesh splits the model)."""
         return strategies.get(self.name).data_parallel_size(self, world_size)
+
+
+# The options that name blocks by a ``BlockList``: indices into the model's repeated blocks in
+# their order, separated by commas, a range written first-last ("0,2,4-7").
+BlockOption = Literal["checkpoint_blocks", "fp32_blocks", "offload_blocks"]
+BLOCK_OPTIONS: tuple[BlockOption, ...] = get_args(BlockOption)
+
+
+def parse_block_list(option: str, text: str) -> tuple[int, ...]:
+    """A BlockList's indices, sorted; a malformed list is refused, naming the form."""
+    indices: set[int] = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
+        if not first <= last <= MAX_COUNT:
+            raise ValueError(f"{option}={text!r}: must list block indices from 0, separated by commas, a range"
+                             " written first-last (e.g. \"0,2,4-7\")")
+        indices.update(range(first, last + 1))
+    return tuple(sorted(indices))
+
+
+def block_list_text(indices: Iterable[int]) -> str:
+    """The canonical BlockList of ``indices``: sorted, each run of consecutive blocks a range."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _block_id(block_list: str) -> str:
+    """A BlockList as a cell id spells it: "+" for ",", which pytest's -k grammar lacks."""
+    return block_list.replace(",", "+")
 
 
 def _declaring(option: LayoutOption) -> str:
@@ -375,6 +442,12 @@ class CellSpec:
         if s.pipelined and s.accumulation != 1:
             raise ValueError(f"accumulation={s.accumulation} with {s.name}: a pipeline accumulates over its own"
                              " micro-batches; set pp_microbatches instead")
+        n_blocks = self.model_spec.n_layers
+        for option in BLOCK_OPTIONS:
+            beyond = [i for i in s.blocks(option, n_blocks) if i >= n_blocks]
+            if beyond:
+                raise ValueError(f"{option}={getattr(s, option)!r}: model {self.model_name} has {n_blocks} blocks"
+                                 f" (0-{n_blocks - 1}); {beyond[0]} is not one of them")
 
     def _check_data(self) -> None:
         _check_choice("data", self.data, get_args(DataSource))
@@ -444,7 +517,8 @@ class CellSpec:
     def cell_id(self) -> str:
         s = self.strategy
         parts = [self.model_name, s.name, s.precision,
-                 f"ckpt_{s.checkpointing}" + (f"-every{s.checkpoint_every}" if s.checkpoint_every else "")]
+                 f"ckpt_{s.checkpointing}" + (f"-every{s.checkpoint_every}" if s.checkpoint_every else "")
+                 + (f"-blocks{_block_id(s.checkpoint_blocks)}" if s.checkpoint_blocks else "")]
         if s.offload != "none":
             parts.append(f"offload_{s.offload}")
         if s.optimizer != "adamw":
@@ -465,6 +539,8 @@ class CellSpec:
             f"prefetch{s.prefetch}" if s.prefetch is not None else "",
             f"overlap_comm_{'on' if s.overlap_comm else 'off'}" if s.overlap_comm is not None else "",
             "opt_in_backward" if s.optimizer_in_backward else "",
+            f"fp32_blocks{_block_id(s.fp32_blocks)}" if s.fp32_blocks else "",
+            f"offload_blocks{_block_id(s.offload_blocks)}" if s.offload_blocks else "",
             f"mesh_{s.hsdp_mesh}" if s.hsdp_mesh != "explicit" else "",
         ) if tag]
         # The layout options are None wherever they do not apply (StrategySpec._resolve).
@@ -492,16 +568,17 @@ class CellSpec:
     def reference(self) -> CellSpec:
         """The single-process run this cell must train identically to.
 
-        Same model, attention, seed, precision and loss scaling, optimizer, gradient clipping,
-        data and steps; the whole global batch in one process and one micro-step, no feature
-        that should not change the maths (checkpointing, offload, compression, accumulation,
-        the allocator's settings).
+        Same model, attention, seed, precision (the blocks kept in fp32 too) and loss scaling,
+        optimizer, gradient clipping, data and steps; the whole global batch in one process and
+        one micro-step, no feature that should not change the maths (checkpointing, offload,
+        compression, accumulation, the allocator's settings).
         """
         s = self.strategy
         return dataclasses.replace(
             self,
             strategy=StrategySpec(name=REFERENCE, precision=s.precision, optimizer=s.optimizer,
-                                  clip_grad_norm=s.clip_grad_norm, loss_scaling=s.loss_scaling),
+                                  clip_grad_norm=s.clip_grad_norm, loss_scaling=s.loss_scaling,
+                                  fp32_blocks=s.fp32_blocks),
             micro_batch=self.global_batch,
             world_size=1,
             warmup=None,  # its own: the warm-up decides which steps are measured, not the losses

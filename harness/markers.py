@@ -52,7 +52,9 @@ CATALOGUE: dict[str, str] = {
     "gabv": "DDP's buckets as the gradients' storage (gradient_as_bucket_view)",
     "prefetch": "FSDP2's explicit prefetch of the next blocks (prefetch)",
     "overlap_comm": "DeepSpeed's overlap_comm set on or off",
-    "ckpt_partial": "activation checkpointing of every k-th block only (checkpoint_every)",
+    "ckpt_partial": "activation checkpointing of some blocks only (checkpoint_every, checkpoint_blocks)",
+    "fp32_blocks": "the listed blocks computed in fp32 under bf16 or fp16 (fp32_blocks)",
+    "offload_blocks": "the listed blocks' parameters, gradients and optimizer state in host memory (offload_blocks)",
     "opt_in_backward": "the optimizer applied in backward, each parameter as its gradient is accumulated",
     **{f"data_{d}": f"training data: {d}" for d in get_args(DataSource)},
     **{p: f"precision {p}" for p in get_args(Precision)},
@@ -108,7 +110,9 @@ def markers_of(cell: CellSpec) -> list[str]:
         *(["prefetch"] if s.prefetch is not None else []),
         *(["overlap_comm"] if s.overlap_comm is not None else []),
         *(["opt_in_backward"] if s.optimizer_in_backward else []),
-        *(["ckpt_partial"] if s.checkpoint_every else []),
+        *(["ckpt_partial"] if s.checkpoint_every or s.checkpoint_blocks else []),
+        *(["fp32_blocks"] if s.fp32_blocks else []),
+        *(["offload_blocks"] if s.offload_blocks else []),
         f"data_{cell.data}",
     ]
     unknown = [m for m in marks if m not in CATALOGUE]

@@ -112,6 +112,13 @@ def default(world_size: int) -> list[CellSpec]:
     # Checkpointing every other block of the 4-block byte-level GPT-2 (its activations between
     # none and all: the claim activations/checkpoint_every_linear).
     cells.append(_cell("gpt2-bytes", "ddp", world_size, checkpointing="full", checkpoint_every=2))
+    # Per-layer options: a listed set of blocks checkpointed (the first and last); the first
+    # block in fp32 under bf16, by autocast (DDP) and by FSDP2's per-module policy; one block's
+    # states in host memory (FSDP2's per-module offload).
+    cells += [_cell("gpt2-bytes", "ddp", world_size, checkpointing="full", checkpoint_blocks="0,3"),
+              *(_cell("llama-tiny", s, world_size, precision="bf16", fp32_blocks="0")
+                for s in ("single", "ddp", "fsdp_full")),
+              _cell("gpt2-tiny", "fsdp_full", world_size, offload_blocks="1")]
     # Activation offload instead of recompute (CUDA: unsupported here, with the reason).
     cells.append(_cell("gpt2-tiny", "ddp", world_size, checkpointing="offload"))
     # Offload.

@@ -298,9 +298,14 @@ def prepare_cell(cell: CellSpec, env: DistEnv) -> PreparedCell:
     batches (a strategy that splits the batch its own way names this rank's data rank)."""
     built = models.build(cell.model_spec, seed=cell.seed, attention=cell.attention,
                          router_aux_loss_coef=cell.router_aux_loss_coef)
+    n_blocks = cell.model_spec.n_layers
     checkpointing.apply_checkpointing(built.module, built.block_type, cell.strategy.checkpointing,
-                                      cell.strategy.checkpoint_every)
+                                      cell.strategy.blocks("checkpoint_blocks", n_blocks))
     prep = strategies.get(cell.strategy.name).prepare(built.module, built.block_type, cell, env)
+    if prep.use_autocast and cell.strategy.fp32_blocks:  # an engine casting the model keeps them its own way
+        fp32 = cell.strategy.blocks("fp32_blocks", n_blocks)
+        blocks = [module for module in built.module.modules() if isinstance(module, built.block_type)]
+        precision.keep_blocks_fp32([block for i, block in enumerate(blocks) if i in fp32], env.device)
     data_rank = env.rank if prep.data_rank is None else prep.data_rank
     routers = expert_load.routers(built.module) if cell.model_spec.family == "moe" else []
     load = (expert_load.ExpertLoad(routers, cell.steps, env.device)

@@ -216,7 +216,7 @@ def test_list_shows_the_selection_and_the_references_it_needs():
     result = shardbench("list", "-m", "fsdp and bf16")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert lines[-1] == "2 cells selected, 2 references added"
+    assert lines[-1] == "3 cells selected, 3 references added"
     assert all("bf16" in line for line in lines[:-1])
 
 

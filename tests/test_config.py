@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from harness import strategies
-from harness.config import CellSpec, StrategySpec
+from harness import markers, strategies
+from harness.config import CellSpec, StrategySpec, block_list_text, parse_block_list
 
 
 def cell(**kw) -> CellSpec:
@@ -163,6 +163,38 @@ def test_overlap_and_local_sgd_options_are_checked(options, message):
         StrategySpec(name="ddp", **options)
 
 
+def test_a_block_list_is_spelled_one_way():
+    """Indices and first-last ranges in any order name one set of blocks: one cell, one id."""
+    assert parse_block_list("fp32_blocks", " 5, 0-2,1 ") == (0, 1, 2, 5)
+    assert block_list_text([7, 0, 1, 2, 5, 6]) == "0-2,5-7"
+    a, b = (StrategySpec(name="ddp", precision="bf16", fp32_blocks=t) for t in ("1,0", "0-1"))
+    assert a == b and a.fp32_blocks == "0-1"
+    cell = CellSpec(model="gpt2-bytes", strategy=StrategySpec(name="ddp", checkpointing="full",
+                                                              checkpoint_blocks="3,0"))
+    assert cell.cell_id.startswith("gpt2-bytes/ddp/fp32/ckpt_full-blocks0+3/")
+    assert cell.strategy.blocks("checkpoint_blocks", 4) == {0, 3}
+    assert StrategySpec(name="ddp", checkpointing="full", checkpoint_every=3).blocks("checkpoint_blocks", 4) == {0, 3}
+    assert StrategySpec(name="ddp", checkpointing="full").blocks("checkpoint_blocks", 4) == {0, 1, 2, 3}
+    assert StrategySpec(name="ddp").blocks("checkpoint_blocks", 4) == frozenset()
+    fp32 = CellSpec(model="llama-tiny", strategy=StrategySpec(name="fsdp_full", precision="bf16", fp32_blocks="0"))
+    assert fp32.reference().strategy.fp32_blocks == "0"  # the same maths: its reference keeps it too
+    assert "fp32_blocks" in markers.markers_of(fp32) and "ckpt_partial" in markers.markers_of(cell)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"precision": "bf16", "fp32_blocks": "0-x"}, "fp32_blocks='0-x': must list block indices from 0, separated by"),
+    ({"precision": "bf16", "fp32_blocks": "2-1"}, "fp32_blocks='2-1': must list block indices"),
+    ({"fp32_blocks": "0"}, "fp32_blocks='0': applies with precision bf16 or fp16"),
+    ({"checkpoint_blocks": "0"}, "checkpoint_blocks='0': applies with checkpointing full or selective"),
+    ({"checkpointing": "full", "checkpoint_every": 2, "checkpoint_blocks": "0"},
+     "checkpoint_every=2 and checkpoint_blocks='0': choose one way"),
+    ({"offload": "params", "offload_blocks": "1"}, "offload_blocks='1' with offload='params': offload applies to"),
+])
+def test_block_lists_are_checked(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StrategySpec(name="ddp", **options)
+
+
 @pytest.mark.parametrize("strategy, options, message", [
     ("fsdp_full", {"bucket_cap_mb": 1.0},
      "fsdp_full with bucket_cap_mb=1.0: an option of ddp, fairscale_oss, zero1 only"),
@@ -173,6 +205,19 @@ def test_overlap_and_local_sgd_options_are_checked(options, message):
 def test_overlap_options_apply_to_the_engines_that_have_them(strategy, options, message):
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, **options))
     assert message in strategies.incompatibility(cell)
+
+
+@pytest.mark.parametrize("strategy, options, message", [
+    ("ddp", {"offload_blocks": "1"}, "ddp with offload_blocks='1': an option of fsdp_full, fsdp_grad_op, fsdp_hybrid"),
+    ("deepspeed_zero3", {"precision": "bf16", "fp32_blocks": "0"},
+     "deepspeed_zero3 with fp32_blocks='0': an option of ddp, fsdp_full, fsdp_grad_op, fsdp_hybrid, single, zero1"),
+])
+def test_per_block_options_apply_to_the_engines_that_have_them(strategy, options, message):
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, **options))
+    assert message in strategies.incompatibility(cell)
+    beyond = {option: "2" if option.endswith("_blocks") else value for option, value in options.items()}
+    with pytest.raises(ValueError, match=re.escape("model gpt2-tiny has 2 blocks (0-1); 2 is not one of them")):
+        CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, **beyond))
     # The engine default leaves the cell id as it was; a set knob names itself.
     assert CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", bucket_cap_mb=0.5)).cell_id == (
         "gpt2-tiny/ddp/fp32/ckpt_none/bucket0.5/mb2/ws2/seed0")

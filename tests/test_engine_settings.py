@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import models, strategies
+from harness import models, strategies, training
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
 
@@ -53,3 +53,37 @@ def test_fsdp_wraps_each_block_then_the_root(env):
     assert _engine("fsdp1_full", env) == {"name": "fsdp1", "wrap_unit": unit, "units": 3,
                                           "backward_prefetch": "BACKWARD_PRE", "forward_prefetch": False,
                                           "limit_all_gathers": True}
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp_full"])
+def test_fp32_blocks_compute_in_fp32_under_bf16(env, strategy):
+    """The listed block computes in fp32 and the others in bf16, by autocast switched off in
+    it (single) or by FSDP2's per-module policy, whose report names it; its output goes on to
+    the next block in that block's precision."""
+    cell = CellSpec(model="llama-tiny", world_size=1, micro_batch=2,
+                    strategy=StrategySpec(name=strategy, precision="bf16", fp32_blocks="0"))
+    session = training.prepare_cell(cell, env)
+    blocks = [m for m in session.built.module.modules() if isinstance(m, session.built.block_type)]
+    seen: dict[int, torch.dtype] = {}
+
+    def note(i: int):
+        def hook(module, args, out) -> None:
+            seen[i] = out.dtype
+        return hook
+
+    for i, block in enumerate(blocks):
+        block.mlp.down_proj.register_forward_hook(note(i))
+    assert torch.isfinite(session.step(0))
+    assert seen == {0: torch.float32, 1: torch.bfloat16}
+    if strategy == "fsdp_full":
+        assert session.prep.engine_report()["fp32_blocks"] == [0]
+
+
+def test_fsdp2_offloads_the_listed_blocks_only(env):
+    cell = CellSpec(model="gpt2-tiny", world_size=1, strategy=StrategySpec(name="fsdp_full", offload_blocks="1"))
+    built = models.build(cell.model_spec, seed=0)
+    prep = strategies.get("fsdp_full").prepare(built.module, built.block_type, cell, env)
+    assert prep.engine_report()["offloaded_blocks"] == [1]
+    policies = [type(block._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+                for block in built.module.modules() if isinstance(block, built.block_type)]
+    assert policies == ["OffloadPolicy", "CPUOffloadPolicy"]

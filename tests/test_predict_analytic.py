@@ -193,6 +193,43 @@ def test_activation_offload_moves_what_the_blocks_save_and_brings_one_block_back
         "peak_bytes"]
 
 
+def test_per_layer_options_move_what_the_predictor_counts():
+    """A listed set of checkpointed blocks is the same set however named; an fp32 block keeps
+    fp32 activations and no autocast copy of its weights, and FSDP2 gathers it in fp32; an
+    offloaded block takes its share of every model state to the host (FSDP's offload: the
+    optimizer state too, made beside the parameters)."""
+    listed, every = (_cell("ddp", checkpointing="full", **o) for o in ({"checkpoint_blocks": "0,3,6,9"},
+                                                                       {"checkpoint_every": 3}))
+    assert analytic.predict(listed) == analytic.predict(every)
+    bf16, fp32_first = (analytic.predict(_cell("ddp", precision="bf16", **o), device_type="cpu")
+                        for o in ({}, {"fp32_blocks": "0"}))
+    block = models.param_layout(_cell("ddp").model_spec)
+    assert (bf16["transient_bytes"]["autocast_copies"] - fp32_first["transient_bytes"]["autocast_copies"]
+            == 2 * block.block_matmul_numel > 0)
+    assert fp32_first["activation_bytes"]["layers"] > bf16["activation_bytes"]["layers"]
+    gathers = [analytic.predict(_cell("fsdp_full", precision="bf16", **o))["comm_bytes_by_op"]["all_gather"]
+               for o in ({}, {"fp32_blocks": "0-1"})]
+    assert gathers[1] - gathers[0] == 2 * 2 * 2 * block.block_numel  # two blocks, 2 more bytes, twice
+    whole = analytic.predict(_cell("fsdp_full", offload="params"), device_type="cuda")["offloaded_bytes"]
+    one = analytic.predict(_cell("fsdp_full", offload_blocks="11"), device_type="cuda")
+    share = block.block_numel / block.numel
+    assert one["offloaded_bytes"] == pytest.approx({k: share * v for k, v in whole.items()})
+    assert whole["optimizer"] == analytic.predict(_cell("fsdp_full"))["model_states_bytes"]["optimizer"]
+    assert one["peak_bytes"] < analytic.predict(_cell("fsdp_full"), device_type="cuda")["peak_bytes"]
+
+
+@pytest.mark.parametrize("cell", [
+    CellSpec(model="llama-tiny", strategy=StrategySpec(name="ddp", precision="bf16", fp32_blocks="0")),
+    CellSpec(model="llama-tiny", strategy=StrategySpec(name="fsdp_full", precision="bf16", fp32_blocks="1")),
+    CellSpec(model="gpt2-bytes", strategy=StrategySpec(name="ddp", checkpointing="full", checkpoint_blocks="0,3")),
+], ids=lambda c: c.cell_id)
+def test_per_layer_options_as_traced(cell):
+    """The analytic peak of the default suite's per-layer cells within its ±10 % of the traced
+    one (which equals the measured)."""
+    measured = traced.trace(cell)["peak_bytes"]
+    assert analytic.predict(cell, device_type="cpu")["peak_bytes"] == pytest.approx(measured, rel=0.10)
+
+
 def test_fsdp_peaks_as_its_root_unit_reduces_where_the_vocabulary_is_large():
     """gpt2-124m under FSDP2 on 2 gloo ranks peaked with no activations and 469.5 MiB of
     "other": the root unit's (148 MiB) fp32 gradients, their reduce-scatter input and gloo's copy."""

@@ -1,6 +1,7 @@
 """Activation checkpointing of the transformer blocks: full or selective recompute, of every
-block or of every k-th (``checkpoint_every``: blocks 0, k, 2k, …, the per-layer trade of
-keeping some blocks' activations to recompute less); or activation offload, recomputing
+block, of every k-th (``checkpoint_every``: blocks 0, k, 2k, …) or of the listed ones
+(``checkpoint_blocks``): the per-layer trade of keeping some blocks' activations to recompute
+less (StrategySpec.blocks says which); or activation offload, recomputing
 nothing: torch's ``offload_wrapper`` runs each block under ``save_on_cpu(pin_memory=True)``,
 which copies every tensor the block saves for backward to pinned host memory and back as its
 backward needs it (on the compute stream; CUDA only: on a CPU the host is the device and
@@ -56,14 +57,10 @@ OFFLOAD_ON_CPU = ("checkpointing=offload: save_on_cpu moves what a block saves f
                   " itself, and pinning needs CUDA), so the cell would measure no checkpointing under another name")
 
 
-def checkpointed_blocks(n_blocks: int, every: int | None) -> int:
-    """How many of ``n_blocks`` blocks are checkpointed when every ``every``-th is (all: None)."""
-    return n_blocks if every is None else -(-n_blocks // every)
-
-
-def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str, every: int | None = None) -> None:
-    """Wrap each ``block_type`` submodule in place (with ``every``, the blocks 0, every, 2·every,
-    … in the model's order). Must run before data-parallel wrapping."""
+def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str,
+                        chosen: frozenset[int] | None = None) -> None:
+    """Wrap each ``block_type`` submodule in place (with ``chosen``, the blocks of those
+    indices in the model's order). Must run before data-parallel wrapping."""
     if mode == "none":
         return
     if mode == "offload":
@@ -74,9 +71,9 @@ def apply_checkpointing(model: nn.Module, block_type: type[nn.Module], mode: str
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
     blocks = [m for m in model.modules() if isinstance(m, block_type)]
-    chosen = {id(block) for index, block in enumerate(blocks) if every is None or index % every == 0}
+    wrapped = {id(block) for index, block in enumerate(blocks) if chosen is None or index in chosen}
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, **kwargs),
-        check_fn=lambda module: id(module) in chosen,
+        check_fn=lambda module: id(module) in wrapped,
     )

@@ -6,10 +6,14 @@ fp32 gets a disabled autocast and a disabled GradScaler, so the step reads the s
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_map
 
 if TYPE_CHECKING:
     from harness.config import StrategySpec
@@ -25,6 +29,25 @@ def autocast(precision: str, device: torch.device, *, enabled: bool = True) -> A
         dtype=DTYPES[precision],
         enabled=enabled and precision != "fp32",
     )
+
+
+def keep_blocks_fp32(blocks: Iterable[nn.Module], device: torch.device) -> None:
+    """Compute ``blocks`` in fp32 under autocast, the per-layer precision of mixed-precision
+    recipes that keep sensitive layers (the first and last blocks, a router) in full precision:
+    each block's forward runs with autocast off and its floating-point inputs cast to fp32, so
+    its matmuls read the fp32 parameters themselves (nothing 16-bit is cached for them) and
+    what it saves for backward is fp32. The forward is replaced on the instance, before or
+    after wrapping alike: a checkpoint wrapper calls the block, and the parameters' names stay."""
+    for block in blocks:
+        block.forward = functools.partial(_fp32_forward, block.forward, device.type)
+
+
+def _fp32_forward(forward: Callable[..., Any], device_type: str, *args: Any, **kwargs: Any) -> Any:
+    def to_fp32(value: Any) -> Any:
+        return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    with torch.autocast(device_type=device_type, enabled=False):
+        return forward(*tree_map(to_fp32, args), **tree_map(to_fp32, kwargs))
 
 
 def scales_loss(strategy: StrategySpec) -> bool:

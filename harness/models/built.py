@@ -64,6 +64,7 @@ class ParamLayout:
     # tied to the token table): what torch autocast casts to 16 bits, and caches for the rest
     # of the forward. Embedding tables and norms are not cast.
     matmul_numel: int = 0
+    block_matmul_numel: int = 0  # those of one repeated block
     # The repeated block's MLP activation module, by class name (e.g. "NewGELUActivation",
     # "SiLUActivation"): how many tensors it keeps for backward depends on how it is written.
     mlp_activation: str = ""
@@ -93,6 +94,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
         block_numel=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
         matmul_numel=sum(matmul.values()),
+        block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
     )
 

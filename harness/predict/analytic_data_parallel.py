@@ -7,6 +7,7 @@ model-parallel parts (analytic_parallel.py) reuse.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Literal
@@ -16,7 +17,7 @@ import torch
 from harness import models, strategies
 from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
-from harness.features import checkpointing, compression, sparsification
+from harness.features import compression, sparsification
 from harness.features.optimizers import BITSANDBYTES
 from harness.models import ModelSpec, ParamLayout
 from harness.predict.formulas import (
@@ -220,13 +221,30 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
             router_experts=spec.required("n_experts") if moe else 0)
     tokens = spec.tokens_per_sample * cell.micro_batch
     head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
-    layers = per_layer * spec.n_layers
-    if cell.strategy.checkpoint_every:  # the blocks not checkpointed keep everything
-        checked = checkpointing.checkpointed_blocks(spec.n_layers, cell.strategy.checkpoint_every)
-        unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none",
-                                                                           checkpoint_every=None))
-        layers = per_layer * checked + activation_bytes(unchecked, spec)["per_layer"] * (spec.n_layers - checked)
+    kinds = _block_kinds(cell, spec.n_layers)
+    if len(kinds) == 1:
+        layers = per_layer * spec.n_layers
+    else:  # per-layer options: each kind of block at its own size
+        layers = sum(n * activation_bytes(as_block(cell, *kind), spec)["per_layer"] for kind, n in kinds.items())
     return {"per_layer": per_layer, "layers": layers, "logits": _logits_bytes(cell, spec) + head}
+
+
+def _block_kinds(cell: CellSpec, n_blocks: int) -> collections.Counter[tuple[bool, bool]]:
+    """How many blocks are (checkpointed, computed in fp32), by the per-layer options."""
+    checked, fp32 = (cell.strategy.blocks(option, n_blocks) for option in ("checkpoint_blocks", "fp32_blocks"))
+    return collections.Counter((i in checked, i in fp32 or cell.strategy.precision == "fp32") for i in range(n_blocks))
+
+
+def as_block(cell: CellSpec, checkpointed: bool, fp32: bool) -> CellSpec:
+    """The cell as one kind of its blocks sees it: checkpointed (as the cell's mode says) or
+    not, in the cell's precision or in fp32 (``fp32_blocks``: autocast off, or FSDP2's fp32
+    policy, inside the block), with no per-layer option left."""
+    s = cell.strategy
+    block = dataclasses.replace(s, checkpoint_every=None, checkpoint_blocks=None, fp32_blocks=None,
+                                checkpointing=s.checkpointing if checkpointed else "none",
+                                precision="fp32" if fp32 else s.precision,
+                                loss_scaling="dynamic" if fp32 else s.loss_scaling)
+    return dataclasses.replace(cell, strategy=block)
 
 
 def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, residual_bytes: int) -> float:
@@ -357,7 +375,7 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     if engine.comm == "reduce_to_owner":
         return {"reduce": 4 * psi, "broadcast": 4 * psi}
     if engine.comm == "gather_and_reduce_scatter":
-        gather = low * psi
+        gather = low * psi + _fp32_block_extra(cell, layout)
         gathers = {"forward": gather, "forward_and_backward": 2 * gather,
                    "forward_and_backward_but_root": 2 * gather - low * layout.root_numel}[engine.gathers]
         out = {"all_gather": gathers * a, "reduce_scatter": 4 * psi}
@@ -377,21 +395,27 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
 def offloaded_bytes(cell: CellSpec, states: dict[str, float], layout: ParamLayout) -> dict[str, float]:
     """Which model states live in host memory rather than on the device (ZeRO-Offload,
     Ren et al. 2021; FSDP CPUOffload): parameter offload moves the sharded parameters and
-    gradients, optimizer offload the gradients' fp32 copy, master weights and moments.
+    gradients (FSDP also the optimizer state, made on the host where its parameters are),
+    optimizer offload the gradients' fp32 copy, master weights and moments; ``offload_blocks``
+    the listed blocks' share of parameters, gradients and optimizer state.
     DeepSpeed keeps its persistent parameters on the device, whole and partitioned."""
-    o = cell.strategy.offload
+    s = cell.strategy
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    if o in ("params", "optimizer_params"):
+    if s.offload in ("params", "optimizer_params"):
         persistent = persistent_numel(cell, layout)
-        kept = persistent * (1 + 1 / shard_degree(cell)) * PRECISION_BYTES[cell.strategy.precision]
+        kept = persistent * (1 + 1 / shard_degree(cell)) * PRECISION_BYTES[s.precision]
         out["params"] = states["params"] - kept
-        # FSDP's CPU offload keeps the sharded gradients on the host too; DeepSpeed's
-        # offload_param moves the parameters only.
-        if strategies.get(cell.strategy.name).engine != "deepspeed":
-            out["grads"] = states["grads"]
-    if o in ("optimizer", "optimizer_params"):
+        # FSDP's CPU offload keeps the sharded gradients on the host too, and the optimizer
+        # steps there, making its state beside them; DeepSpeed's offload_param moves the
+        # parameters only.
+        if strategies.get(s.name).engine != "deepspeed":
+            out["grads"], out["optimizer"] = states["grads"], states["optimizer"]
+    if s.offload in ("optimizer", "optimizer_params"):
         out["optimizer"] = states["optimizer"]
         out["grads"] = states["grads"]
+    if s.offload_blocks:  # FSDP2's per-module offload: those blocks' share of every state
+        share = len(s.blocks("offload_blocks", cell.model_spec.n_layers)) * layout.block_numel / layout.numel
+        out = {kind: share * states[kind] for kind in out}
     return out
 
 
@@ -448,19 +472,30 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     low = PRECISION_BYTES[s.precision]
     params_sharded = "params" in engine.sharded
     blocks_gathered = min(1 + (s.prefetch or 1), spec.n_layers)
-    gathered = low * (layout.root_numel + blocks_gathered * layout.block_numel) if params_sharded else 0.0
+    # The blocks gathered at once are taken to be the widest: fp32 ones first.
+    fp32_gathered = min(blocks_gathered, len(s.blocks("fp32_blocks", spec.n_layers)))
+    gathered = ((low * (layout.root_numel + blocks_gathered * layout.block_numel)
+                 + (4 - low) * fp32_gathered * layout.block_numel) if params_sharded else 0.0)
     if engine.keeps_gathered == "always":  # gathered in forward, kept through backward
-        gathered = low * (layout.numel - persistent_numel(cell, layout))
+        gathered = low * (layout.numel - persistent_numel(cell, layout)) + _fp32_block_extra(cell, layout)
     elif engine.keeps_gathered == "within_live_parameters":
         gathered = low * ds_live_numel(cell, layout)
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
     copies = 3 if device_type == "cpu" else 2
-    return {"gathered": gathered, "autocast_copies": 2.0 * layout.matmul_numel if uses_autocast(cell) else 0.0,
+    fp32_matmuls = len(s.blocks("fp32_blocks", spec.n_layers)) * layout.block_matmul_numel  # not cast
+    return {"gathered": gathered,
+            "autocast_copies": 2.0 * (layout.matmul_numel - fp32_matmuls) if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
             "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0,
             "block_reduce": copies * 4.0 * layout.block_numel if reduces_root_last else 0.0,
             "buffers_after_backward": _buffers_after_backward(cell, layout, device_type)}
+
+
+def _fp32_block_extra(cell: CellSpec, layout: ParamLayout) -> float:
+    """What gathering the ``fp32_blocks`` in fp32 adds to gathering them in the cell's precision."""
+    fp32 = cell.strategy.blocks("fp32_blocks", cell.model_spec.n_layers)
+    return (4 - PRECISION_BYTES[cell.strategy.precision]) * len(fp32) * layout.block_numel
 
 
 def _buffers_after_backward(cell: CellSpec, layout: ParamLayout, device_type: str) -> float:
@@ -477,9 +512,6 @@ def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     """With checkpointing, what one block's backward makes again beside what the block
     kept: all of its activations (full), or all but the matmuls' and attention's outputs
     (selective)."""
-    if cell.strategy.checkpointing == "none":
-        return 0.0
-    unchecked = dataclasses.replace(cell, strategy=dataclasses.replace(cell.strategy, checkpointing="none",
-                                                                       checkpoint_every=None))
-    kept = activation_bytes(cell, spec)["per_layer"]
-    return max(0.0, activation_bytes(unchecked, spec)["per_layer"] - kept)
+    checked = [kind for kind in _block_kinds(cell, spec.n_layers) if kind[0]]
+    return max((activation_bytes(as_block(cell, False, fp32), spec)["per_layer"]
+                - activation_bytes(as_block(cell, True, fp32), spec)["per_layer"] for _, fp32 in checked), default=0.0)

@@ -106,6 +106,10 @@ def incompatibility(cell: CellSpec) -> str | None:
         if value != default and option not in caps.overlap_options:
             takers = sorted(d.name for d in declarations() if option in d.capabilities.overlap_options)
             return f"{s.name} with {option}={value}: an option of {', '.join(takers)} only"
+    for option in ("fp32_blocks", "offload_blocks"):
+        if getattr(s, option) is not None and option not in caps.block_options:
+            takers = sorted(d.name for d in declarations() if option in d.capabilities.block_options)
+            return f"{s.name} with {option}={getattr(s, option)!r}: an option of {', '.join(takers)} only"
     if s.local_sgd_period is not None and not caps.local_sgd:
         return f"{s.name} with local_sgd_period={s.local_sgd_period}: local SGD is wired for DDP only"
     if cell.world_size < caps.min_world_size:

@@ -63,6 +63,9 @@ class Capabilities:
     # Which of StrategySpec's overlap knobs its engine takes (bucket_cap_mb,
     # gradient_as_bucket_view, prefetch, overlap_comm).
     overlap_options: frozenset[str] = frozenset()
+    # Which per-block options (StrategySpec.fp32_blocks, offload_blocks) it applies; every
+    # strategy that checkpoints takes checkpoint_blocks, as it takes checkpoint_every.
+    block_options: frozenset[str] = frozenset()
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.
@@ -270,3 +273,5 @@ class Prepared:
 # Both FSDP generations: bf16 and fp16 via their mixed-precision policies (fp16 with torch's
 # ShardedGradScaler: Prepared.scaler).
 FSDP_CAPABILITIES = Capabilities(offload=frozenset({"none", "params"}))
+# Blocks kept in fp32 where the step runs under autocast (features/precision.py).
+AUTOCAST_BLOCK_OPTIONS = frozenset({"fp32_blocks"})

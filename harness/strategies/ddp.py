@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from harness.features import compression, local_sgd, optimizer_in_backward, optimizers
-from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+from harness.strategies.base import AUTOCAST_BLOCK_OPTIONS, Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
     from harness.config import CellSpec
@@ -137,7 +137,8 @@ STRATEGIES = (
         families=("ddp",),
         capabilities=Capabilities(compression=frozenset(compression.NAMES), optimizers=frozenset(optimizers.NAMES),
                                   sync_batch_norm=True, local_sgd=True,
-                                  overlap_options=BUCKET_OPTIONS | {"optimizer_in_backward"}),
+                                  overlap_options=BUCKET_OPTIONS | {"optimizer_in_backward"},
+                                  block_options=AUTOCAST_BLOCK_OPTIONS),
         unsupported_reason=unsupported_reason,
         engine_model=EngineModel(grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,

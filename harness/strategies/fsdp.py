@@ -42,6 +42,7 @@ CAPABILITIES = dataclasses.replace(
     FSDP_CAPABILITIES,
     optimizers=frozenset({"adamw", "sgd"}),
     overlap_options=frozenset({"prefetch"}),
+    block_options=frozenset({"fp32_blocks", "offload_blocks"}),
     # One rank is a real configuration (one GPU: the device check); FSDP1's share the rest.
     min_world_size=1,
     notes={
@@ -110,14 +111,27 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         "offload_policy": offload.fsdp2_policy(s.offload, env.device),
     }
     blocks = [module for module in model.modules() if isinstance(module, block_type)]
-    for block in blocks:
-        fully_shard(block, **shard_kwargs)
+    # Per-module policies: the listed blocks gathered in fp32 (their inputs cast to fp32 too),
+    # or kept in host memory with their gradients and optimizer state.
+    fp32, offloaded = s.blocks("fp32_blocks", len(blocks)), s.blocks("offload_blocks", len(blocks))
+    for i, block in enumerate(blocks):
+        block_kwargs = shard_kwargs.copy()
+        if i in fp32:
+            # Inputs cast to fp32 (a policy without a param_dtype would leave them 16-bit) and
+            # the output back, for the 16-bit modules after it (the final norm's weight).
+            block_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                                             output_dtype=DTYPES[s.precision])
+        if i in offloaded:
+            block_kwargs["offload_policy"] = offload.fsdp2_policy("params", env.device)
+        fully_shard(block, **block_kwargs)
     root = fully_shard(model, **shard_kwargs)  # model itself, now an FSDPModule too
     if s.prefetch is not None:
         _prefetch(cast(list[FSDPModule], blocks), s.prefetch)
     report = {"name": "fsdp2", "wrap_unit": f"each {block_type.__name__}, then the root",
               "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-              "prefetch": s.prefetch or "implicit (the next unit)"}
+              "prefetch": s.prefetch or "implicit (the next unit)",
+              **({"fp32_blocks": sorted(fp32)} if fp32 else {}),
+              **({"offloaded_blocks": sorted(offloaded)} if offloaded else {})}
     return Prepared(
         model=model,
         optimizer=optimizers.make(model.parameters(), cell.strategy.optimizer, cell.lr),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from harness.features import optimizer_in_backward, optimizers
-from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+from harness.strategies.base import AUTOCAST_BLOCK_OPTIONS, Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -30,7 +30,8 @@ STRATEGIES = (
         engine="torch",
         families=("reference",),
         capabilities=Capabilities(min_world_size=1, max_world_size=1, optimizers=frozenset(optimizers.NAMES),
-                                  overlap_options=frozenset({"optimizer_in_backward"})),
+                                  overlap_options=frozenset({"optimizer_in_backward"}),
+                                  block_options=AUTOCAST_BLOCK_OPTIONS),
         engine_model=EngineModel(),
         prepare=prepare,
     ),

@@ -10,7 +10,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from harness.features import optimizers
 from harness.strategies import ddp
-from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
+from harness.strategies.base import AUTOCAST_BLOCK_OPTIONS, Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
     from harness.config import CellSpec
@@ -33,7 +33,8 @@ STRATEGIES = (
         engine="torch",
         families=("ddp",),
         zero_idea="zero1",
-        capabilities=Capabilities(optimizers=frozenset(optimizers.NAMES), overlap_options=ddp.BUCKET_OPTIONS),
+        capabilities=Capabilities(optimizers=frozenset(optimizers.NAMES), overlap_options=ddp.BUCKET_OPTIONS,
+                                  block_options=AUTOCAST_BLOCK_OPTIONS),
         engine_model=EngineModel(sharded=frozenset({"optimizer"}), optimizer_partition="largest_first",
                                  grad_buffer="ddp_bucket", comm="all_reduce"),
         prepare=prepare,

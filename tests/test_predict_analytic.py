@@ -364,6 +364,10 @@ def test_plan_recommends_the_fastest_fit_and_says_why():
     by_label = {plan.config_label(r["cell"]): r for r in result["rows"]}
     assert (by_label["fsdp_full/bf16/ckpt_full"]["step_time"]["step_time_s"]
             > by_label["fsdp_full/bf16/ckpt_none"]["step_time"]["step_time_s"])
+    # Activation offload: a candidate, its saved activations off the GPU and their copies priced.
+    offload, none = by_label["fsdp_full/bf16/ckpt_offload"], by_label["fsdp_full/bf16/ckpt_none"]
+    assert offload["predicted"]["peak_bytes"] < none["predicted"]["peak_bytes"]
+    assert offload["step_time"]["offload_s"] > 0 == none["step_time"]["offload_s"]
     with pytest.raises(ValueError, match="--config nope: not a candidate here"):
         plan.plan(req, named="nope")
 

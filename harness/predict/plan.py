@@ -1,10 +1,11 @@
 """``python -m harness plan``: which configuration to rent the GPUs for, before renting them.
 
 For one model, GPU count and memory budget, every strategy and sensible option combination
-(activation checkpointing, offload) at the chosen precision and optimizer, with the analytic
-predictor's peak per GPU and its breakdown, whether it fits, the communication per step, and
-the predicted step time, tokens/s and MFU (harness/predict/rough_time.py: the step-time
-predictor at datasheet rates, each assumption stated there). A configuration fits when its
+(activation checkpointing or offload, parameter and optimizer offload) at the chosen
+precision and optimizer, with the analytic predictor's peak per GPU and its breakdown,
+whether it fits, the communication per step, and the predicted step time, tokens/s and MFU
+(harness/predict/rough_time.py: the step-time predictor at datasheet rates, each assumption
+stated there). A configuration fits when its
 peak is within ``fit.USABLE_FRACTION`` of the GPU's memory (the rest is the headroom the
 CUDA context, NCCL and the allocator's fragmentation take). The recommendation is the
 fastest fitting configuration by the predicted step time; between equal times, the order a
@@ -34,7 +35,8 @@ from harness.predict import analytic, fit, rough_time
 PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
                            if s.engine_model.analytic == "data_parallel" and s.superseded_by is None
                            and s.splits_batch and "reference" not in s.families)
-CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")
+# Activation offload last: its copies cross PCIe every micro-step (the step time prices them).
+CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
 OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "params", "optimizer", "optimizer_params")
 TRACED_CANDIDATES = 3
 
@@ -169,6 +171,8 @@ def recommendation_text(result: dict) -> str:
                  + (f" and would be {_slower(named, best):.2f}× slower." if named["fits"] else "."))
     return (text + ("" if s.offload == "none" else " Offload costs host-device bandwidth every step.")
             + ("" if s.checkpointing == "none"
+               else " Activation offload copies what the blocks save to host memory and back every micro-step."
+               if s.checkpointing == "offload"
                else f" {s.checkpointing.capitalize()} checkpointing trades compute for memory."))
 
 

@@ -90,11 +90,12 @@ def test_the_three_schedules_train_the_reference_model_and_1f1b_holds_fewer_acti
         record = records[cell.cell_id]
         assert record["status"] == "ok", record["reason"]
         assert record["equivalence"]["passed"], record["equivalence"]
-        # Traced with its neighbours' metadata answered from rank 0 (harness/predict/traced.py):
-        # rank 0's peak, which the trace follows.
+        # Traced on the first and the last rank, with the neighbours' metadata answered from
+        # rank 0's (harness/predict/traced.py): the heavier rank's peak, as the record's.
         traced = record["predicted"]["traced"]
         assert "peak_bytes" in traced, traced
-        assert traced["peak_bytes"] == pytest.approx(record["per_rank"][0]["peak_mem_bytes"], rel=0.05)
+        heaviest = max(rank["peak_mem_bytes"] for rank in record["per_rank"])
+        assert traced["peak_bytes"] == pytest.approx(heaviest, rel=0.05)
     gpipe, one_f_one_b = (records[c.cell_id]["per_rank"] for c in cells[:2])
     # GPipe holds every micro-batch's activations at its peak; 1F1B at most (stages - rank).
     for rank in (0, 1):

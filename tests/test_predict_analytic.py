@@ -64,7 +64,15 @@ def test_the_formulas_are_plain_numbers():
 
 from harness import models, suites  # noqa: E402
 from harness.config import CellSpec, StrategySpec, parse_bytes  # noqa: E402
-from harness.predict import accuracy, analytic, analytic_parallel, formulas, plan, traced  # noqa: E402
+from harness.predict import (  # noqa: E402
+    accuracy,
+    analytic,
+    analytic_data_parallel,
+    analytic_parallel,
+    formulas,
+    plan,
+    traced,
+)
 from harness.predict.analytic_data_parallel import activation_bytes, optimizer_state_bytes  # noqa: E402
 
 S, B, H, A, T = 2048, 1, 12288, 96, 8  # GPT-3 175B's layer, 8-way tensor parallel
@@ -242,6 +250,42 @@ def test_fsdp_peaks_as_its_root_unit_reduces_where_the_vocabulary_is_large():
     on_cuda = analytic.predict(cell, device_type="cuda")
     assert on_cuda["transient_bytes"]["root_reduce"] == 2 * 4 * root
     assert analytic.predict(_cell("ddp", world_size=2), device_type="cpu")["transient_bytes"]["root_reduce"] == 0
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_zero3_residency_replays_deepspeeds_coordinator(monkeypatch, checkpointing):
+    """What ZeRO-3 holds gathered as its forward ends, by predict/zero3_residency.py, against
+    DeepSpeed's own coordinator counting in the traced step; with the reuse distance and live
+    budget cut to a fraction of gpt2-tiny (its whole step is within the defaults, so everything
+    stays), its release and prefetch rules decide, as they do at real size."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    from harness.predict.analytic_data_parallel import ds_live_numel
+    from harness.strategies import deepspeed_zero
+
+    monkeypatch.setattr(deepspeed_zero, "MAX_REUSE_DISTANCE", 60_000)
+    monkeypatch.setattr(deepspeed_zero, "MAX_LIVE_PARAMETERS", 80_000)
+    steps: list[list[tuple[bool, int]]] = [[]]  # per step, each release: (in forward, elements gathered)
+    release = PartitionedParameterCoordinator.reset_step, PartitionedParameterCoordinator.release_sub_module
+
+    def reset_step(self):
+        release[0](self)
+        steps.append([])
+
+    def counting(self, submodule, forward=False):
+        release[1](self, submodule, forward)
+        steps[-1].append((forward, self._PartitionedParameterCoordinator__n_available_params))
+
+    monkeypatch.setattr(PartitionedParameterCoordinator, "reset_step", reset_step)
+    monkeypatch.setattr(PartitionedParameterCoordinator, "release_sub_module", counting)
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="deepspeed_zero3", checkpointing=checkpointing))
+    assert "peak_bytes" in traced.trace(cell)
+    memory_step = next(step for step in reversed(steps) if step)
+    # Its forward ends at the last release before the first of backward (the head's, never checkpointed).
+    end_of_forward = memory_step[[forward for forward, _ in memory_step].index(False) - 1][1]
+    layout = models.param_layout(cell.model_spec)
+    gatherable = layout.numel - analytic_data_parallel.persistent_numel(cell, layout)
+    assert 0 < ds_live_numel(cell, layout) == end_of_forward < gatherable
 
 
 def test_deepspeed_zero3_buckets_and_persistence_follow_the_hidden_size():

@@ -68,6 +68,11 @@ class ParamLayout:
     # The repeated block's MLP activation module, by class name (e.g. "NewGELUActivation",
     # "SiLUActivation"): how many tensors it keeps for backward depends on how it is written.
     mlp_activation: str = ""
+    # Every module with parameters of its own, in registration order (the order a decoder's
+    # forward runs them, up to a block's norms): its block's index (-1 outside the blocks) and
+    # its parameters' indices into ``shapes`` (a tied weight is one index, in both modules):
+    # what DeepSpeed ZeRO-3 fetches module by module (predict/zero3_residency.py).
+    modules: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -96,7 +101,17 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         matmul_numel=sum(matmul.values()),
         block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
+        modules=_modules(module, blocks, params),
     )
+
+
+def _modules(module: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[
+        tuple[int, tuple[int, ...]], ...]:
+    """ParamLayout.modules."""
+    index = {id(p): i for i, p in enumerate(params)}
+    block_of = {id(m): b for b, block in enumerate(blocks) for m in block.modules()}
+    return tuple((block_of.get(id(m), -1), tuple(index[id(p)] for p in m.parameters(recurse=False)))
+                 for m in module.modules() if next(m.parameters(recurse=False), None) is not None)
 
 
 def _is_matmul(module: nn.Module) -> bool:

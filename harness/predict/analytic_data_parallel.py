@@ -20,6 +20,7 @@ from harness.distributed import DistEnv, hsdp_shape
 from harness.features import compression, sparsification
 from harness.features.optimizers import BITSANDBYTES
 from harness.models import ModelSpec, ParamLayout
+from harness.predict import zero3_residency
 from harness.predict.formulas import (
     activation_bytes_per_layer,
     adafactor_state_bytes,
@@ -420,13 +421,16 @@ def offloaded_bytes(cell: CellSpec, states: dict[str, float], layout: ParamLayou
 
 
 def ds_live_numel(cell: CellSpec, layout: ParamLayout) -> int:
-    """The parameters DeepSpeed ZeRO-3 holds gathered from forward into backward: after a
-    module runs it releases its parameters only while more than stage3_max_live_parameters
-    are available, so every parameter but the persistent ones (which the model states
-    count whole) for a model within that budget, and the budget plus one block's beyond it
-    (measured: llama-1b, 1.24B parameters, traces 1.06B gathered in bf16)."""
-    gatherable = layout.numel - persistent_numel(cell, layout)
-    return min(gatherable, DS_MAX_LIVE_PARAMETERS + layout.block_numel)
+    """The parameters DeepSpeed ZeRO-3 holds gathered from forward into backward, by its
+    coordinator's fetch, prefetch and release rules replayed over the model's modules
+    (predict/zero3_residency.py): every parameter but the persistent ones (which the model
+    states count whole) on the tiny models, whose whole step is within the reuse distance."""
+    sizes = _ds_sizes(cell)
+    return zero3_residency.gathered_at_end_of_forward(
+        layout, persistence_threshold=sizes["stage3_param_persistence_threshold"],
+        prefetch_bucket_size=sizes["stage3_prefetch_bucket_size"],
+        max_live_parameters=sizes["stage3_max_live_parameters"], max_reuse_distance=sizes["stage3_max_reuse_distance"],
+        recompute=cell.strategy.checkpointing in ("full", "selective"))
 
 
 def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,

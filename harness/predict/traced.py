@@ -1,8 +1,8 @@
 """Peak memory of one training step, predicted by tracing it: no tensor memory is allocated.
 
-What is predicted: rank 0's peak tensor bytes in the memory-tracked step of a cell, by
-category (memory.BREAKDOWN_KEYS, summing to the peak), i.e. what ``record["per_rank"][0]``
-reports for the cell run on the CPU with gloo.
+What is predicted: rank 0's peak tensor bytes (a pipeline's: its first or last rank's, the
+heavier) in the memory-tracked step of a cell, by category (memory.BREAKDOWN_KEYS, summing
+to the peak), i.e. what ``record["per_rank"][0]`` reports for the cell run on the CPU with gloo.
 
 How: the harness's own code runs the cell under ``FakeTensorMode`` (tensors carry shapes,
 dtypes and storages but no data) in a fake process group of the cell's world size
@@ -63,10 +63,11 @@ real peers:
   run's does (no stage is given its shapes).
 
 Known differences from the measurement (default suite, CPU, 2 ranks):
-- Rank 0 only; the record's peak is the max over ranks. A pipeline's rank 0 holds the first
-  stage, whose peak the trace matches (llama-tiny: GPipe to the byte, 1F1B 0.994, interleaved
-  1F1B 0.964), but the last stage's rank can hold more (GPipe's logits of every micro-batch:
-  1.40× rank 0's on llama-tiny). Where shards are uneven another rank can hold more:
+- Rank 0 only, but for a pipeline, whose first and last ranks are both traced (the last
+  stage keeps the logits: GPipe's of every micro-batch, 1.40× rank 0's on llama-tiny) and the
+  heavier is the prediction; the record's peak is the max over ranks. llama-tiny on 2 ranks:
+  GPipe's rank 1 and 1F1B's to the byte, interleaved 1F1B 0.964 (its rank 1 holds stages 1
+  and 3, traced from rank 0's forward metadata). Where shards are uneven another rank can hold more:
   FairScale OSS/SDP on gpt2-tiny (rank 1's optimizer shard: max 0.7% above rank 0), FSDP2
   on llama-tiny (0.26%); ZeroRedundancyOptimizer's greedy partition
   can do the same, and DeepSpeed ZeRO-2 fp32, whose rank 1 allocates its gradient partition
@@ -282,21 +283,21 @@ class _RealIndexTensors(TorchDispatchMode):
 
 
 @contextmanager
-def _fake_group(world_size: int) -> Iterator[DistEnv]:
-    """A fake process group of `world_size` with this process as rank 0 (one node), the
+def _fake_group(world_size: int, rank: int = 0) -> Iterator[DistEnv]:
+    """A fake process group of `world_size` with this process as `rank` (one node), the
     variables torchrun would set, and the DistEnv the worker would get."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("trace() creates its own fake process group; this process already has one:"
                            " use trace_cells(), which traces in a fresh subprocess")
-    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+    torchrun = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size)}
     distributed.mesh.cache_clear()  # meshes of an earlier group
     with unittest.mock.patch.dict(os.environ, torchrun):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
-            yield DistEnv(rank=0, world_size=world_size, nnodes=1, device=torch.device("cpu"), backend="gloo")
+            yield DistEnv(rank=rank, world_size=world_size, nnodes=1, device=torch.device("cpu"), backend="gloo")
         finally:
             distributed.mesh.cache_clear()
             _destroy_group()
@@ -342,8 +343,9 @@ class _WithPythonParamNorm:
 
 
 @contextmanager
-def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
-    """Each patch stands for a step that needs real data or peers; see the module docstring."""
+def _patched_for_fake_world(cell: CellSpec, stage_metas: list[object]) -> Iterator[None]:
+    """Each patch stands for a step that needs real data or peers; see the module docstring.
+    ``stage_metas``: the forward metadata pipeline stages sent, kept across the ranks traced."""
     patches: list[contextlib.AbstractContextManager[object]] = [
         unittest.mock.patch.object(distributed, "mesh", _outside_fake_mode(distributed.mesh)),
         # FSDP2 over a tensor-parallel model joins the dp and tp sub-meshes into a new mesh.
@@ -353,7 +355,7 @@ def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
         unittest.mock.patch("transformers.masking_utils.find_packed_sequence_indices", _no_op),
     ]
     if cell.strategy.pipelined:
-        patches += _pipeline_metadata_from_this_rank()
+        patches += _pipeline_metadata_from_this_rank(stage_metas)
     if cell.strategy.optimizer in ("lamb", "lamb8bit"):
         import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
         patches.append(unittest.mock.patch.object(torch.ops.bitsandbytes, "optimizer_update_32bit",
@@ -373,16 +375,15 @@ def _patched_for_fake_world(cell: CellSpec) -> Iterator[None]:
         yield
 
 
-def _pipeline_metadata_from_this_rank() -> list[contextlib.AbstractContextManager[object]]:
+def _pipeline_metadata_from_this_rank(sent: list[object]) -> list[contextlib.AbstractContextManager[object]]:
     """A pipeline stage infers its input and gradient shapes from its neighbours' metadata,
     pickled through p2p (recv_object_list reads the bytes with ``.numpy()``). With no peers,
-    a stage's neighbour is answered from this rank: the previous stage sends the hidden state
-    this rank's last stage sent on (every cut between blocks carries the same hidden state),
-    and the next stage sends gradients shaped as this stage's outputs."""
+    a stage's neighbour is answered from what was ``sent``: the previous stage sends the hidden
+    state a stage sent on (every cut between blocks carries the same hidden state; the last
+    rank, which sends none forward, is traced after rank 0 and reads rank 0's), and the next
+    stage sends gradients shaped as this stage's outputs."""
     from torch.distributed.pipelining import _utils
     from torch.distributed.pipelining.stage import PipelineStage
-
-    sent: list[object] = []
 
     def send_meta(stage: PipelineStage, meta: object, dst_stage: int) -> None:
         sent.append(meta)
@@ -500,15 +501,23 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
         nearest = work_stand_in(cell) if stand_in else None
         return {"unavailable": refused} if nearest is None else _with_stand_in({"unavailable": refused}, nearest,
                                                                               trace(nearest))
-    with _fake_group(cell.world_size) as env:
-        try:
-            mode = _fake_world_mode()
-            with mode, _patched_for_fake_world(cell):
-                mem, work = _run(cell, env, mode)
-        except Exception as error:  # an untraceable cell is a result, like an unsupported one
-            return {"unavailable": f"tracing failed: {_condensed(error)}"}
+    # A pipeline's ranks hold different stages: the first and the last (which keeps the
+    # logits) are traced, and the heavier is the prediction, as the record's peak is the
+    # heaviest rank's. The work is rank 0's (the step-time predictor prices its stage).
+    ranks = [0, cell.world_size - 1] if cell.strategy.pipelined and cell.world_size > 1 else [0]
+    stage_metas: list[object] = []
+    traced: list[tuple[memory.StepMemory, DispatchedWork]] = []
+    for rank in ranks:
+        with _fake_group(cell.world_size, rank) as env:
+            try:
+                mode = _fake_world_mode()
+                with mode, _patched_for_fake_world(cell, stage_metas):
+                    traced.append(_run(cell, env, mode))
+            except Exception as error:  # an untraceable cell is a result, like an unsupported one
+                return {"unavailable": f"tracing failed{f' on rank {rank}' if rank else ''}: {_condensed(error)}"}
+    mem = max((m for m, _ in traced), key=lambda m: m.peak_bytes)
     return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
-            "work": work.to_dict()}
+            "work": traced[0][1].to_dict()}
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,

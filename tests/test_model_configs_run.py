@@ -1,6 +1,7 @@
 """Architectures beyond the built-in families, from config files written here, trained for
-real on 2 gloo ranks: each through ddp and fsdp_full, one of each kind through
-deepspeed_zero3 (and, where the layout is LLaMA's, tp and a pipeline), gated against its
+real on 2 gloo ranks: each through fsdp_full (which shards by the blocks the harness finds in
+it; DDP wraps any model whole, and runs on configs in the default suite), a decoder and an
+encoder through deepspeed_zero3 (and, where the layout is LLaMA's, tp and a pipeline), gated against its
 single-process reference, with the analytic and traced predictions recorded beside the
 measurement."""
 
@@ -13,7 +14,7 @@ from harness.results.store import RunStore
 from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
 
-DATA_PARALLEL = ("ddp", "fsdp_full")
+DATA_PARALLEL = ("fsdp_full",)
 # DeepSpeed ZeRO-3 on a decoder and an encoder: its partitioning does not depend on the layout
 # beyond that (the default suite runs it on LLaMA and GPT-2), and each of its cells costs an
 # engine's start-up.

@@ -10,6 +10,7 @@ import torch
 from harness import equivalence, models
 from harness.config import CellSpec, StrategySpec
 from harness.measure import expert_load
+from harness.predict import traced
 from harness.results.store import RunStore
 from harness.runner.matrix import MatrixRun
 from harness.suite_cell import suite_cell
@@ -74,8 +75,11 @@ def test_the_option_is_refused_outside_a_mixture_of_experts_and_with_autoep():
 
 def test_every_data_parallel_strategy_routes_the_references_tokens(tmp_path: Path):
     """Two gloo ranks' counts summed are the one-process reference's, step by step, under DDP
-    (with and without checkpointing) and FSDP2; with the load-balancing loss the DDP cell trains
-    apart (ungated)."""
+    (with and without checkpointing) and FSDP2, each training the reference's model (experts no
+    token was routed to on a rank still get a gradient, zeros: HF keeps each layer's experts in
+    two 3-D parameters, so DDP needs no find_unused_parameters) and traced within ±10 % (the
+    experts' grouped matmul in fp32: traced._grouped_mm_shape); with the load-balancing loss the
+    DDP cell trains apart (ungated)."""
     cells = [_moe("ddp"), _moe("ddp", checkpointing="full"), _moe("fsdp_full")]
     cells.append(_moe("ddp", router_aux_loss_coef=0.01))
     records = MatrixRun(cells, RunStore(tmp_path / "results", "run"), untraced(), device_type="cpu",
@@ -85,6 +89,11 @@ def test_every_data_parallel_strategy_routes_the_references_tokens(tmp_path: Pat
     for cell in cells[:-1]:
         assert records[cell.cell_id]["equivalence"]["passed"]
         assert records[cell.cell_id]["expert_load"]["tokens_per_expert"] == reference["tokens_per_expert"]
+    for cell in (cells[0], cells[2]):
+        predicted = traced.trace(cell)
+        assert predicted.get("peak_bytes"), predicted
+        measured = records[cell.cell_id]["per_rank"][0]["peak_mem_bytes"]
+        assert predicted["peak_bytes"] == pytest.approx(measured, rel=0.10)
     balanced = records[cells[-1].cell_id]
     assert balanced["status"] == "ok" and balanced["equivalence"]["passed"] is None
     assert balanced["expert_load"]["tokens_per_expert"] != reference["tokens_per_expert"]

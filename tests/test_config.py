@@ -179,6 +179,10 @@ def test_a_block_list_is_spelled_one_way():
     fp32 = CellSpec(model="llama-tiny", strategy=StrategySpec(name="fsdp_full", precision="bf16", fp32_blocks="0"))
     assert fp32.reference().strategy.fp32_blocks == "0"  # the same maths: its reference keeps it too
     assert "fp32_blocks" in markers.markers_of(fp32) and "ckpt_partial" in markers.markers_of(cell)
+    # Megatron recomputes every layer of its own model: a subset would be a silent no-op.
+    megatron = CellSpec(model="gpt2-tiny", attention="eager", strategy=StrategySpec(
+        name="megatron", checkpointing="full", checkpoint_every=2))
+    assert "no subset of blocks is wired" in strategies.incompatibility(megatron)
 
 
 @pytest.mark.parametrize("options, message", [

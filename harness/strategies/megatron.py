@@ -106,6 +106,11 @@ def combination_problem(cell: CellSpec) -> str | None:
     if cell.attention != "eager":
         return (f"attention={cell.attention}: Megatron-core's local layer spec computes attention unfused"
                 " (DotProductAttention), which is HF's eager; set attention='eager'")
+    partial = [f"{o}={getattr(cell.strategy, o)!r}" for o in ("checkpoint_every", "checkpoint_blocks")
+               if getattr(cell.strategy, o)]
+    if partial:
+        return (f"{partial[0]}: Megatron's full recompute checkpoints every layer of its own GPTModel"
+                " (recompute_granularity full, uniform): no subset of blocks is wired")
     tp, pp = cell.strategy.layout("tp_degree"), cell.strategy.layout("pp_degree")
     sizes = {"n_heads": spec.required("n_heads"), "n_kv_heads": spec.kv_heads, "ffn": spec.ffn,
              "vocab_size": spec.required("vocab_size")}

@@ -113,7 +113,25 @@ def test_a_killed_run_resumes_into_the_same_run_with_one_record_per_cell(tmp_pat
     assert (tmp_path / "reports" / run_dir.name / "index.html").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_signals_in_the_driver_raise_keyboard_interrupt(monkeypatch):
+    """SIGTERM and SIGINT alike: the driver's handler raises KeyboardInterrupt (so every
+    launch's ``finally`` ends its processes) and keeps the signal for the 128 + N exit status."""
+    from harness.runner.resume import Interrupted
+
+    installed: dict[int, object] = {}
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: installed.__setitem__(sig, handler))
+    monkeypatch.setattr(Interrupted, "signum", None)
+    Interrupted.install()
+    assert set(installed) == {signal.SIGTERM, signal.SIGINT}
+    for sig, handler in installed.items():
+        with pytest.raises(KeyboardInterrupt, match=signal.Signals(sig).name):
+            handler(sig, None)
+        assert Interrupted.signum == sig
+
+
+# SIGTERM (a scheduler's) alone: SIGINT goes through the same handler (runner/resume.py raises
+# KeyboardInterrupt for both), which test_signals_in_the_driver_raise_keyboard_interrupt checks.
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["sigterm"])
 def test_a_terminated_run_keeps_its_cells_exits_nonzero_and_leaves_no_process(tmp_path, sig):
     log = tmp_path / "run.log"
     proc = start_smoke_run(tmp_path, log)

@@ -35,10 +35,6 @@ from harness.predict.formulas.compression import int8_allgather_bytes, sparsifie
 from harness.strategies import ddp, deepspeed_zero  # their rules; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
 
-# DeepSpeed's stage3_max_live_parameters as harness/strategies/deepspeed_zero.py sets it (its
-# default): a model within it stays gathered from forward to backward (measured here: one
-# all-gather per micro-step for the tiny models).
-DS_MAX_LIVE_PARAMETERS = deepspeed_zero.MAX_LIVE_PARAMETERS
 SPARSIFIED = ("topk", "randomk")
 # Bytes of one value in the cell's compute precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -2,10 +2,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
+from harness import faults
 from harness.distributed import DEVICE_ENV_VAR
+from harness.results.store import RunStore
+from harness.runner.launcher import LaunchOptions
+from harness.runner.matrix import MatrixRun
+from launch_options import untraced
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,8 +27,49 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 def smoke_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """``python -m harness run --suite smoke`` end to end (trace, bandwidth sweep, report), once
     a session: its --out folder and the finished process. test_cli reads the whole run;
-    test_reproduce reruns one of its cells. A run costs about 40 s here, so it is not repeated."""
+    test_reproduce reruns one of its cells; test_multinode holds two nodes' records of its
+    cells against it. A run costs about 40 s here, so it is not repeated."""
     out = tmp_path_factory.mktemp("smoke")
     result = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", "smoke", "--out", str(out)],
                             cwd=REPO, capture_output=True, text=True, timeout=900)
     return out, result
+
+
+class SharedMatrix(NamedTuple):
+    store_path: Path
+    records: dict[str, dict]  # by cell id
+
+
+def _shared_run(request: pytest.FixtureRequest, tmp_path_factory, cells_attribute: str,
+                options: LaunchOptions) -> SharedMatrix:
+    """One matrix run (2 gloo ranks) of the cells every selected test module lists in
+    ``cells_attribute`` (a list, or a function of a folder for cells that need files), with
+    the faults its ``MATRIX_FAULTS`` ({cell: fault}) name injected (harness/faults.py). Run
+    apart, each module's cells would cost a launch for their references and another for
+    themselves (and a traced run its tracer's start-up), seconds of imports each here; in one
+    run they share them, and a cell two modules list runs once. Cells of one launch are
+    isolated (tests/test_runs.py checks it), so a cell's record does not depend on its
+    neighbours."""
+    modules = list(dict.fromkeys(item.module for item in request.session.items if hasattr(item, "module")))
+    listed = [getattr(module, cells_attribute) for module in modules if hasattr(module, cells_attribute)]
+    cells = list(dict.fromkeys(cell for cells_of in listed for cell in (
+        cells_of(tmp_path_factory.mktemp("cells")) if callable(cells_of) else cells_of)))
+    injected = {cell.cell_id: fault for module in modules
+                for cell, fault in getattr(module, "MATRIX_FAULTS", {}).items() if cell in cells}
+    store = RunStore(tmp_path_factory.mktemp(cells_attribute.lower()) / "results", "run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(faults.ENV_VAR, ",".join(f"{cell_id}={fault}" for cell_id, fault in injected.items()))
+        records = MatrixRun(cells, store, options, device_type="cpu", device_name=None, progress=print).run()
+    return SharedMatrix(store.path, records)
+
+
+@pytest.fixture(scope="session")
+def shared_matrix(request, tmp_path_factory) -> SharedMatrix:
+    """The modules' ``MATRIX_CELLS``, run untraced (launch_options.py)."""
+    return _shared_run(request, tmp_path_factory, "MATRIX_CELLS", untraced())
+
+
+@pytest.fixture(scope="session")
+def shared_traced_matrix(request, tmp_path_factory) -> SharedMatrix:
+    """The modules' ``TRACED_MATRIX_CELLS``, traced first as every run is."""
+    return _shared_run(request, tmp_path_factory, "TRACED_MATRIX_CELLS", LaunchOptions())

@@ -1,10 +1,14 @@
 """The collective bandwidth sweep: for real on 2 gloo ranks (CPU sizes, 1 KiB .. 16 MiB), its
 nccl-tests arithmetic, its table in the report's environment, and the compute rates the same
-launch measures."""
+launch measures. The sweep read is the smoke suite's run's (tests/conftest.py): a run sweeps
+before its cells, and a launch of its own would cost this module 20 s."""
+
+import json
 
 import pytest
 import torch
 
+from harness import calibration
 from harness.distributed import DistEnv
 from harness.measure import bandwidth
 from harness.measure.comm import busbw_factor
@@ -14,8 +18,12 @@ from harness.runner.launcher import run_bandwidth_sweep
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory):
-    return run_bandwidth_sweep(2, tmp_path_factory.mktemp("bandwidth"), timeout_s=240, engines=("ddp", "pp_gpipe"))
+def swept(smoke_run):
+    out, run = smoke_run
+    assert run.returncode == 0, run.stdout[-3000:]
+    bandwidth_info = json.loads((out / "results" / "latest" / "run.json").read_text())["environment"]["bandwidth"]
+    assert bandwidth_info["scope"] == "2 rank(s) of one node"
+    return bandwidth_info
 
 
 def test_sweep_on_two_gloo_ranks_covers_every_collective_and_size(swept):
@@ -105,14 +113,23 @@ def test_the_same_launch_measures_the_ranks_compute_rates(swept):
 
 
 def test_the_same_launch_times_each_engines_own_step(swept):
-    """harness/calibration.py: llama-tiny's step under each strategy the run's cells use, and
-    what the step-time predictor makes of it (an engine's overhead per op)."""
+    """harness/calibration.py: llama-tiny's step under each strategy the run's cells use (the
+    smoke suite's: DDP, FSDP2, ZeRO-1), and what the step-time predictor makes of it (an
+    engine's overhead per op)."""
     engines = swept["compute_rates"]["engines"]
+    assert set(engines) == {"ddp", "fsdp_full", "zero1"}
     ddp = engines["ddp"]
     assert ddp["cell_id"] == "llama-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0"
     assert 1e-4 < ddp["step_s"] < 5 and ddp["work"]["ops"] > 100
     # Its gradients' one bucket: every parameter's bytes, counted as the trace counts them.
     assert sum(n * calls for n, calls in ddp["work"]["collectives"]["all_reduce"]) == 4 * 188_736
-    assert engines["pp_gpipe"]["unavailable"].startswith("a pipeline's step is its schedule's")
     assert step_time.engine_overhead_per_op("ddp", swept) >= 0
-    assert step_time.engine_overhead_per_op("pp_gpipe", swept) == 0
+
+
+def test_a_pipelines_engine_step_is_not_timed_and_costs_no_overhead():
+    """A pipeline's step is its schedule's: the calibration skips it, with the reason, before
+    any collective (so on one process here), and the predictor adds no engine overhead."""
+    env = DistEnv(rank=0, world_size=2, nnodes=1, device=torch.device("cpu"), backend="gloo")
+    steps = calibration.engine_steps(env, ["pp_gpipe"])
+    assert steps["pp_gpipe"]["unavailable"].startswith("a pipeline's step is its schedule's")
+    assert step_time.engine_overhead_per_op("pp_gpipe", {"compute_rates": {"engines": steps}}) == 0

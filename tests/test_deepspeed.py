@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-1/2/3: the config built from a cell, the capabilities, fp16 refusal, and
-real 2-rank runs (one MatrixRun) gated against the single-process reference, with
+real 2-rank runs (tests/conftest.py's shared matrix run) gated against the single-process reference, with
 DeepSpeed's comms_logger checked against the harness's own communication counter.
 
 The offload cell uses DeepSpeed's CPU Adam, JIT-compiled on first use into
@@ -19,10 +19,7 @@ pytest.importorskip("deepspeed")
 from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.predict import analytic_data_parallel
-from harness.results.store import RunStore
-from harness.runner.matrix import MatrixRun
 from harness.strategies import deepspeed_zero
-from launch_options import untraced
 
 
 def cell(model: str, strategy: str, **options) -> CellSpec:
@@ -160,10 +157,12 @@ CELLS = [
 ]
 
 
+MATRIX_CELLS = CELLS  # run in tests/conftest.py's shared_matrix
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> dict[str, dict]:
-    store = RunStore(tmp_path_factory.mktemp("ds") / "results", "run")
-    return MatrixRun(CELLS, store, untraced(), device_type="cpu", device_name=None, progress=print).run()
+def records(shared_matrix) -> dict[str, dict]:
+    return shared_matrix.records
 
 
 @pytest.mark.parametrize("c", CELLS, ids=lambda c: c.cell_id)

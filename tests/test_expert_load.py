@@ -2,7 +2,6 @@
 load-balancing loss (router_aux_loss_coef): counted once per training forward, the same under
 every data-parallel strategy, and the loss's cells judged outside the gate."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +10,7 @@ from harness import equivalence, models
 from harness.config import CellSpec, StrategySpec
 from harness.measure import expert_load
 from harness.predict import traced
-from harness.results.store import RunStore
-from harness.runner.matrix import MatrixRun
 from harness.suite_cell import suite_cell
-from launch_options import untraced
 
 
 def _moe(strategy: str = "single", checkpointing: str = "none", **options) -> CellSpec:
@@ -73,17 +69,20 @@ def test_the_option_is_refused_outside_a_mixture_of_experts_and_with_autoep():
     assert "AutoEP replaces the routers" in strategies.incompatibility(autoep)
 
 
-def test_every_data_parallel_strategy_routes_the_references_tokens(tmp_path: Path):
+# Run in tests/conftest.py's shared_matrix: DDP with and without checkpointing, FSDP2, and DDP
+# with the load-balancing loss.
+MATRIX_CELLS = [_moe("ddp"), _moe("ddp", checkpointing="full"), _moe("fsdp_full"),
+                _moe("ddp", router_aux_loss_coef=0.01)]
+
+
+def test_every_data_parallel_strategy_routes_the_references_tokens(shared_matrix):
     """Two gloo ranks' counts summed are the one-process reference's, step by step, under DDP
     (with and without checkpointing) and FSDP2, each training the reference's model (experts no
     token was routed to on a rank still get a gradient, zeros: HF keeps each layer's experts in
     two 3-D parameters, so DDP needs no find_unused_parameters) and traced within ±10 % (the
     experts' grouped matmul in fp32: traced._grouped_mm_shape); with the load-balancing loss the
     DDP cell trains apart (ungated)."""
-    cells = [_moe("ddp"), _moe("ddp", checkpointing="full"), _moe("fsdp_full")]
-    cells.append(_moe("ddp", router_aux_loss_coef=0.01))
-    records = MatrixRun(cells, RunStore(tmp_path / "results", "run"), untraced(), device_type="cpu",
-                        device_name=None, progress=print).run()
+    cells, records = MATRIX_CELLS, shared_matrix.records
     reference = records[cells[0].reference().cell_id]["expert_load"]
     assert reference["summed_over_ranks"] and len(reference["imbalance"]) == cells[0].steps
     for cell in cells[:-1]:

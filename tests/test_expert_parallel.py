@@ -11,10 +11,7 @@ pytest.importorskip("deepspeed")
 from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.markers import markers_of
-from harness.results.store import RunStore
-from harness.runner.matrix import MatrixRun
 from harness.strategies import expert_parallel
-from launch_options import untraced
 
 MOE = "moe-tiny"  # 2 MoE layers of 4 experts, top-2
 
@@ -54,11 +51,13 @@ def _bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def test_expert_parallel_trains_the_reference_model_with_half_the_experts_per_rank(tmp_path):
-    plain, checkpointed = ep_cell(), ep_cell(checkpointing="full")
+MATRIX_CELLS = [ep_cell(), ep_cell(checkpointing="full")]  # run in tests/conftest.py's shared_matrix
+
+
+def test_expert_parallel_trains_the_reference_model_with_half_the_experts_per_rank(shared_matrix):
+    plain, checkpointed = MATRIX_CELLS
     assert plain.reference() == checkpointed.reference()
-    records = MatrixRun([plain, checkpointed], RunStore(tmp_path / "results", "run"), untraced(),
-                        device_type="cpu", device_name=None, progress=print).run()
+    records = shared_matrix.records
 
     hf = models.build(models.get_preset(MOE), seed=0).module
     all_bytes = _bytes(hf.parameters())

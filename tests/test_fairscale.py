@@ -1,19 +1,14 @@
-"""FairScale strategies and the optimizer axis in real 2-rank gloo runs, one batched matrix:
-what runs trains the reference's model (the gate passes), FairScale FSDP is recorded
-unsupported on CPU, and ShardedDataParallel zeroed the torch 2 way (set_to_none) trains a
-different model that the gate catches."""
+"""FairScale strategies and the optimizer axis in real 2-rank gloo runs (tests/conftest.py's
+shared matrix run): what runs trains the reference's model (the gate passes), FairScale FSDP
+is recorded unsupported on CPU, and ShardedDataParallel zeroed the torch 2 way
+(set_to_none) trains a different model that the gate catches."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from harness import faults
 from harness.config import CellSpec, StrategySpec
-from harness.results.store import RunStore
-from harness.runner.matrix import MatrixRun
-from launch_options import untraced
 
 
 def gpt2(strategy: str, seed: int = 0, **options) -> CellSpec:
@@ -36,13 +31,14 @@ FSDP = gpt2("fairscale_fsdp")
 SDP_SET_TO_NONE = gpt2("fairscale_sdp", seed=1)
 
 
+# Run in tests/conftest.py's shared_matrix.
+MATRIX_CELLS = [*OK_CELLS, FSDP, SDP_SET_TO_NONE]
+MATRIX_FAULTS = {SDP_SET_TO_NONE: faults.GRADS_SET_TO_NONE}
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> dict[str, dict]:
-    tmp: Path = tmp_path_factory.mktemp("fairscale")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(faults.ENV_VAR, f"{SDP_SET_TO_NONE.cell_id}={faults.GRADS_SET_TO_NONE}")
-        return MatrixRun([*OK_CELLS, FSDP, SDP_SET_TO_NONE], RunStore(tmp / "results", "run"),
-                         untraced(), device_type="cpu", device_name=None, progress=print).run()
+def records(shared_matrix) -> dict[str, dict]:
+    return shared_matrix.records
 
 
 @pytest.mark.parametrize("cell", OK_CELLS, ids=lambda c: c.cell_id)

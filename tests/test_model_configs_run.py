@@ -8,11 +8,8 @@ and traced predictions recorded beside the measurement."""
 import pytest
 
 import model_configs  # tests/ is on sys.path (rootdir conftest, prepend import mode)
-from harness.config import CellSpec, RunOptions, StrategySpec
+from harness.config import CellSpec, StrategySpec
 from harness.models import sources
-from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
-from harness.runner.matrix import MatrixRun
 
 DATA_PARALLEL = ("fsdp_full",)
 # DeepSpeed ZeRO-3 on a decoder and an encoder: its partitioning does not depend on the layout
@@ -29,7 +26,7 @@ SEQ_LEN = 16  # short: the point is that each architecture trains the same model
 RUN = ("mistral", "qwen2", "gpt_neox", "roberta", "deit")
 
 
-def _cells(tmp_path) -> list[CellSpec]:
+def TRACED_MATRIX_CELLS(tmp_path) -> list[CellSpec]:
     cells = []
     for name in RUN:
         model = sources.resolve(str(model_configs.write(tmp_path / "configs", name)))
@@ -41,13 +38,9 @@ def _cells(tmp_path) -> list[CellSpec]:
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("configs_run")
-    cells = _cells(tmp_path)
-    store = RunStore(tmp_path / "results", "run")
-    by_id = MatrixRun(cells, store, LaunchOptions(run=RunOptions()), device_type="cpu", device_name=None,
-                      progress=print).run()
-    return cells, by_id
+def records(shared_traced_matrix, tmp_path_factory):
+    # The same cells again: a config's model is named by its content, not by its file's path.
+    return TRACED_MATRIX_CELLS(tmp_path_factory.mktemp("configs")), shared_traced_matrix.records
 
 
 def test_every_architecture_trains_the_reference_model_under_every_strategy(records):

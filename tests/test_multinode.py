@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from harness import suites
 from harness.cli import main as cli_main
 from harness.config import CellSpec, RunOptions, StrategySpec
 from harness.predict import traced
@@ -30,7 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 # No trace: predictions are not what is compared, and node 1 would wait for node 0's.
 SELECT = ["--suite", "smoke", "--device", "cpu", "-k", "gpt2-tiny and (ddp or fsdp_full) and fp32 and compress_none",
           "--cell-timeout", "120", "--no-trace"]
-CELLS = {"gpt2-tiny/ddp/fp32/ckpt_none/mb2/ws2/seed0", "gpt2-tiny/fsdp_full/fp32/ckpt_none/mb2/ws2/seed0"}
 
 
 def _free_port() -> int:
@@ -78,23 +76,20 @@ def _records(run_dir: Path) -> dict[str, dict]:
     return {r["cell_id"]: r for r in load_records(run_dir)}
 
 
-def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, monkeypatch):
+def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, smoke_run):
     port = _free_port()
     multi = ["--gpus", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     # Node 1 is given no selection and no memory cap: it runs what node 0's plan says, with
     # node 0's cap (a collective check in every rank: a follower without it would hang).
-    started = _two_nodes(multi, tmp_path, [*SELECT, "--mem-cap-gib", "8"], ["--device", "cpu"], "run")
-    # Meanwhile, here: the same cells on one node of two ranks (no trace or report: not compared).
-    monkeypatch.setenv("SHARDBENCH_DEVICE", "cpu")
-    monkeypatch.setattr(traced, "trace_cells", lambda cells, **_: {})
-    smoke = [c for c in suites.cells_of("smoke", 2) if c.cell_id in CELLS]
-    one_store = RunStore(tmp_path / "one", "one")
-    MatrixRun(smoke, one_store, LaunchOptions(run=RunOptions(cell_timeout_s=120)), device_type="cpu", device_name=None,
-              progress=print).run()
-    logs = _finish(started, tmp_path, "run")
+    logs = _finish(_two_nodes(multi, tmp_path, [*SELECT, "--mem-cap-gib", "8"], ["--device", "cpu"], "run"),
+                   tmp_path, "run")
+    # One node of two ranks: the same cells in the smoke suite's run (tests/conftest.py).
+    smoke_out, smoke = smoke_run
+    assert smoke.returncode == 0, smoke.stdout[-3000:]
 
     (n0_run,) = [p for p in (tmp_path / "n0" / "results").iterdir() if not p.is_symlink()]
-    two_nodes, one_node = _records(n0_run), _records(one_store.path)
+    two_nodes = _records(n0_run)
+    one_node = {cell_id: r for cell_id, r in _records(smoke_out / "results" / "latest").items() if cell_id in two_nodes}
     assert sorted(two_nodes) == sorted(one_node) and len(two_nodes) == 3
     for cell_id, record in two_nodes.items():
         other = one_node[cell_id]

@@ -6,7 +6,6 @@ training on real data (harness/data.py): the held-out loss in the record."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +17,6 @@ from harness.equivalence import max_rel_diff, tolerance
 from harness.features import clipping
 from harness.measure import numerics
 from harness.report.html import numerics_rows
-from harness.results.store import RunStore
-from harness.runner.matrix import MatrixRun
-from launch_options import untraced
 
 # The default suite's clipping cells (harness/suites.py says why SGD).
 CLIP = suites.CLIP_GRAD_NORM
@@ -100,7 +96,7 @@ def test_fp16_is_refused_only_with_a_measured_reason():
         assert strategies.incompatibility(gpt2(name, precision="fp16")) is None
 
 
-# --- one run: fp16 with clipping under DDP and FSDP2, and the fault ----------------------------
+# --- the shared run: fp16 with clipping under DDP and FSDP2, and the fault ---------------------
 
 REFERENCE = gpt2("single", precision="fp16", clip_grad_norm=CLIP, micro_batch=4, **SGD)
 UNCLIPPED = gpt2("single", precision="fp16", micro_batch=4, **SGD)
@@ -115,15 +111,15 @@ BYTES_REFERENCE, BYTES_DDP = (CellSpec(model="gpt2-bytes", strategy=StrategySpec
                               for name, world in (("single", 1), ("ddp", 2)))
 
 
+# Run in tests/conftest.py's shared_matrix.
+MATRIX_CELLS = [REFERENCE, UNCLIPPED, DDP, FSDP2, CLIPPED_BEFORE_UNSCALE, SDP_FP16, BYTES_REFERENCE, BYTES_DDP]
+MATRIX_FAULTS = {CLIPPED_BEFORE_UNSCALE: faults.CLIP_BEFORE_UNSCALE}
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> dict[str, dict]:
-    tmp: Path = tmp_path_factory.mktemp("numerics")
+def records(shared_matrix) -> dict[str, dict]:
     assert CLIPPED_BEFORE_UNSCALE.reference() == REFERENCE == DDP.reference() == FSDP2.reference()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(faults.ENV_VAR, f"{CLIPPED_BEFORE_UNSCALE.cell_id}={faults.CLIP_BEFORE_UNSCALE}")
-        cells = [REFERENCE, UNCLIPPED, DDP, FSDP2, CLIPPED_BEFORE_UNSCALE, SDP_FP16, BYTES_REFERENCE, BYTES_DDP]
-        return MatrixRun(cells, RunStore(tmp / "results", "run"), untraced(), device_type="cpu", device_name=None,
-                         progress=print).run()
+    return shared_matrix.records
 
 
 @pytest.mark.parametrize("cell", [DDP, FSDP2], ids=lambda c: c.cell_id)

@@ -1,17 +1,13 @@
 """Pipeline parallelism (harness/strategies/pipeline.py): the hand-written split, the refused
 combinations, and real 2-rank runs of the three schedules against the reference."""
 
-from pathlib import Path
 
 import pytest
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from harness import models, strategies
-from harness.config import CellSpec, RunOptions, StrategySpec
+from harness.config import CellSpec, StrategySpec
 from harness.features import checkpointing
-from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
-from harness.runner.matrix import MatrixRun
 from harness.strategies import pipeline
 
 
@@ -79,13 +75,14 @@ def test_a_2_layer_model_runs_interleaved_on_2_ranks_and_gpipe_on_4():
         assert strategies.incompatibility(cell) is None
 
 
-def test_the_three_schedules_train_the_reference_model_and_1f1b_holds_fewer_activations(tmp_path: Path):
-    cells = [CellSpec(model="llama-tiny", strategy=StrategySpec(name=name))
+SCHEDULES = [CellSpec(model="llama-tiny", strategy=StrategySpec(name=name))
              for name in ("pp_gpipe", "pp_1f1b", "pp_interleaved_1f1b")]
-    tied = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b"))
-    store = RunStore(tmp_path / "results", "run")
-    records = MatrixRun([*cells, tied], store, LaunchOptions(run=RunOptions(no_bandwidth=True)), device_type="cpu",
-                        device_name=None, progress=print).run()
+TIED = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b"))
+TRACED_MATRIX_CELLS = [*SCHEDULES, TIED]  # run, traced, in tests/conftest.py's shared_traced_matrix
+
+
+def test_the_three_schedules_train_the_reference_model_and_1f1b_holds_fewer_activations(shared_traced_matrix):
+    cells, tied, records = SCHEDULES, TIED, shared_traced_matrix.records
     for cell in [*cells, tied]:
         record = records[cell.cell_id]
         assert record["status"] == "ok", record["reason"]

@@ -1,5 +1,5 @@
 """Real multi-process runs (2 gloo ranks under torchrun): the gate, isolation between cells
-of one launch, and faults recorded as results."""
+of one launch, faults recorded as results, and a hung cell ended at its scaled limit."""
 
 from pathlib import Path
 
@@ -7,8 +7,9 @@ import psutil
 import pytest
 
 from harness import faults
-from harness.config import CellSpec, RunOptions, StrategySpec
+from harness.config import CellSpec, StrategySpec
 from harness.results.store import RunStore, load_records
+from harness.runner import timeouts
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
 from launch_options import untraced
@@ -24,15 +25,23 @@ def run_matrix(cells, tmp_path: Path, **run_options) -> dict[str, dict]:
                      progress=print).run()
 
 
-def test_gate_fails_hybrid_shard_without_a_mesh_and_passes_it_with_one(tmp_path):
-    right = gpt2("fsdp1_hybrid")
-    wrong = gpt2("fsdp1_hybrid", hsdp_mesh="fsdp_default")
-    records = run_matrix([right, wrong], tmp_path)
-    assert records[right.cell_id]["equivalence"]["passed"]
-    bad = records[wrong.cell_id]["equivalence"]
-    assert records[wrong.cell_id]["status"] == "ok"  # it runs, measures, and trains the wrong model
+# In the run tests/conftest.py's shared_matrix makes of every module's MATRIX_CELLS: a DDP
+# cell, hybrid-shard FSDP with and without its mesh, and a smaller model's DDP cell (the
+# memory cap's two sizes).
+DDP = gpt2("ddp")
+HYBRID = gpt2("fsdp1_hybrid")
+HYBRID_WITHOUT_MESH = gpt2("fsdp1_hybrid", hsdp_mesh="fsdp_default")
+SMALL = CellSpec(model="mlp-tiny", strategy=StrategySpec(name="ddp"))
+MATRIX_CELLS = [DDP, HYBRID, HYBRID_WITHOUT_MESH, SMALL]
+
+
+def test_gate_fails_hybrid_shard_without_a_mesh_and_passes_it_with_one(shared_matrix):
+    records = shared_matrix.records
+    assert records[HYBRID.cell_id]["equivalence"]["passed"]
+    bad = records[HYBRID_WITHOUT_MESH.cell_id]["equivalence"]
+    assert records[HYBRID_WITHOUT_MESH.cell_id]["status"] == "ok"  # it runs, measures, and trains the wrong model
     assert not bad["passed"] and bad["max_rel_loss_diff"] > 10 * bad["tolerance"]
-    assert bad["reference_cell_id"] == right.reference().cell_id
+    assert bad["reference_cell_id"] == HYBRID.reference().cell_id
 
 
 def _worker_processes(launch_dir: Path) -> list[psutil.Process]:
@@ -57,8 +66,11 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
                                        f"{after_crash.cell_id}={faults.HOST_MEMORY_LOW}")
     outcomes = []
     batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang]
-    # 15 s a cell: the first cell of a launch reports within about 8 s of it; the hang costs all 15.
-    run_batch(batch, LaunchOptions(run=RunOptions(cell_timeout_s=15)), tmp_path, outcomes.append)
+    # Each cell's default limit, scaled to it (runner/timeouts.py), with the start-up allowance
+    # cut from minutes to 15 s: the first cell of a launch reports within about 8 s of it, and
+    # the hang costs the 15 s and its compute allowance.
+    monkeypatch.setattr(timeouts, "START_UP_S", 15.0)
+    run_batch(batch, LaunchOptions(), tmp_path, outcomes.append)
 
     by_order = [(o.cell.cell_id, o.status) for o in outcomes]
     assert by_order == [
@@ -73,7 +85,7 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     # The rank that died, how, and its own Python stack (faulthandler), not torchrun's.
     assert outcomes[4].reason.startswith("rank 1 was killed by SIGSEGV, the first rank to fail")
     assert "Fatal Python error: Segmentation fault" in outcomes[4].reason and "faults.py" in outcomes[4].reason
-    assert "no result after 15 s" in outcomes[6].reason
+    assert "no result after 15 s (the limit: 15 s start-up + 20 × " in outcomes[6].reason, outcomes[6].reason
     # A host short of memory after a good cell: the workers leave, the next cell gets fresh ones.
     launches = sorted(tmp_path.glob("launch-*"))
     assert [d.name for d in launches] == [f"launch-{n:03d}" for n in range(1, 6)]
@@ -82,27 +94,29 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     assert _worker_processes(tmp_path) == [], "a launch left worker processes behind"
 
 
-def test_records_reach_the_store_as_cells_end(tmp_path):
-    cell = gpt2("ddp")
-    run_matrix([cell], tmp_path)
-    records = load_records(tmp_path / "results" / "run")
-    assert [r["cell_id"] for r in records] == [cell.reference().cell_id, cell.cell_id]
-    ok = records[1]
+def test_records_reach_the_store_as_cells_end(shared_matrix):
+    records = load_records(shared_matrix.store_path)
+    # One record a cell, in the order the cells ended (those not launched, unsupported here,
+    # before any): the references' launch first.
+    ids = [r["cell_id"] for r in records]
+    assert sorted(ids) == sorted(shared_matrix.records) and len(set(ids)) == len(ids)
+    world_sizes = [r["cell"]["world_size"] for r in records if r["status"] != "unsupported"]
+    assert world_sizes == sorted(world_sizes) and DDP.reference().cell_id in ids
+    ok = records[ids.index(DDP.cell_id)]
     metrics = ok["metrics"]
     assert metrics["peak_mem_bytes"] == max(r["peak_mem_bytes"] for r in ok["per_rank"])
     assert metrics["peak_mem_bytes"] == sum(metrics["mem_breakdown_bytes"].values())
     assert metrics["mem_breakdown_bytes"]["params"] == ok["model"]["n_params"] * 4  # fp32 replica per rank
     assert metrics["comm_by_op"]["all_reduce"]["bytes"] == ok["model"]["n_params"] * 4  # DDP: all gradients
-    assert len(ok["losses"]) == cell.steps and len(ok["per_rank"]) == 2
-    assert len(ok["per_rank"][0]["step_times_s"]) == cell.timed_steps
+    assert len(ok["losses"]) == DDP.steps and len(ok["per_rank"]) == 2
+    assert len(ok["per_rank"][0]["step_times_s"]) == DDP.timed_steps
     assert metrics["tokens_per_s"] == pytest.approx(metrics["samples_per_s"] * 32)
 
 
-def test_a_cell_over_the_memory_cap_records_oom_with_its_peak_and_the_next_cell_is_unaffected(tmp_path):
-    small, big = CellSpec(model="mlp-tiny", strategy=StrategySpec(name="ddp")), gpt2("ddp")
-    uncapped: list = []
-    run_batch([small, big], LaunchOptions(), tmp_path / "uncapped", uncapped.append)
-    small_peak, big_peak = (max(r["peak_mem_bytes"] for r in o.per_rank) for o in uncapped)
+def test_a_cell_over_the_memory_cap_records_oom_with_its_peak_and_the_next_cell_is_unaffected(tmp_path, shared_matrix):
+    uncapped = shared_matrix.records
+    small, big = SMALL, DDP
+    small_peak, big_peak = (uncapped[c.cell_id]["metrics"]["peak_mem_bytes"] for c in (small, big))
     assert small_peak < big_peak
     cap = (small_peak + big_peak) // 2
     records = run_matrix([big, small], tmp_path, mem_cap_gib=cap / 2**30)  # the references run under the cap too

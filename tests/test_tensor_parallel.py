@@ -1,7 +1,6 @@
 """Tensor parallelism (tp, tp_fsdp): what the plans split, what is refused, and real runs
 through the runner (gloo ranks under torchrun) that must train the reference's model."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +11,6 @@ from torch.distributed.tensor import DTensor
 from harness import distributed, models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
-from harness.results.store import RunStore
-from harness.runner.launcher import LaunchOptions
-from harness.runner.matrix import MatrixRun
 from harness.strategies import tensor_parallel
 
 STEPS = 6  # the fewest a cell accepts: 2 warm-up, 2 probes, 2 timed
@@ -129,13 +125,14 @@ GPT2_TP_FSDP = tp_cell("gpt2-tiny", "tp_fsdp", world_size=4, micro_batch=1)
 GPT2_TP_BF16, GPT2_TP_CKPT = tp_cell("gpt2-tiny", precision="bf16"), tp_cell("gpt2-tiny", checkpointing="full")
 
 
+# Run, traced first as every run is, in tests/conftest.py's shared_traced_matrix: the tp cells
+# at 2 ranks and tp_fsdp at 4, with their references.
+TRACED_MATRIX_CELLS = [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, GPT2_TP_BF16, GPT2_TP_CKPT]
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> dict[str, dict]:
-    """One matrix run (traced first, as every run is) of the tp cells at 2 ranks and tp_fsdp
-    at 4, with their references."""
-    store = RunStore(Path(tmp_path_factory.mktemp("tp")) / "results", "run")
-    return MatrixRun([GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, GPT2_TP_BF16, GPT2_TP_CKPT], store, LaunchOptions(),
-                     device_type="cpu", device_name=None, progress=print).run()
+def records(shared_traced_matrix) -> dict[str, dict]:
+    return shared_traced_matrix.records
 
 
 @pytest.mark.parametrize("cell", [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP], ids=lambda c: c.cell_id)

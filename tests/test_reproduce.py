@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import cli
 from harness.config import CellSpec, StrategySpec
 from harness.results import provenance
 from harness.results.schema import make_record
@@ -47,7 +48,7 @@ def test_harness_code_hash_changes_with_the_code(tmp_path, monkeypatch):
     provenance.harness_code_hash.cache_clear()
 
 
-def test_a_recorded_cell_reproduces_bitwise(smoke_run):
+def test_a_recorded_cell_reproduces_bitwise(smoke_run, capsys):
     tmp_path, run = smoke_run  # the smoke suite's run (tests/conftest.py), CELL among its cells
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     run_dir = (tmp_path / "results" / "latest").resolve()
@@ -62,8 +63,8 @@ def test_a_recorded_cell_reproduces_bitwise(smoke_run):
     assert "peak memory per rank" in again.stdout and "(+0.0%)" in again.stdout
     assert list((run_dir / "reproduce").iterdir())  # the rerun's launch logs, beside the run
 
-    missing = shardbench("reproduce", "latest", "gpt2-tiny/nope", "--out", str(tmp_path))
-    assert missing.returncode == 2 and "no cell 'gpt2-tiny/nope'" in missing.stderr
+    assert cli.main(["reproduce", "latest", "gpt2-tiny/nope", "--out", str(tmp_path)]) == 2
+    assert "no cell 'gpt2-tiny/nope'" in capsys.readouterr().err
 
 
 def test_find_record_gives_the_median_of_the_trials_and_names_a_trial_that_failed(tmp_path):

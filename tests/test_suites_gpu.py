@@ -3,22 +3,19 @@ this CPU host from the predictors alone; the fit check that records ``does_not_f
 of launching; and ``list --device cuda`` showing a GPU node's matrix on a machine without one."""
 
 import dataclasses
-import subprocess
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-from harness import equivalence, suites
+from harness import cli, equivalence, suites
 from harness.config import CellSpec, StrategySpec
+from harness.distributed import DEVICE_ENV_VAR
 from harness.predict import fit
 from harness.results.store import RunStore
 from harness.runner.matrix import MatrixRun, with_references
 from harness.suites_gpu import LARGE_MODEL_GPU_BYTES, MAX_PER_RANK, GpuTarget, sized
 from launch_options import untraced
 
-REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 # (GPUs, memory per GPU): one H200, a node of H100 80GB, a node of A100 40GB.
 SHAPES = {"1x141GB": (1, 141 * 10**9), "8x80GiB": (8, 80 * GIB), "8x40GB": (8, 40 * 10**9)}
@@ -137,11 +134,10 @@ def test_a_cell_whose_reference_does_not_fit_is_measured_but_not_gated():
     assert equivalence.check(cell, [1.0], {"status": "oom", "reason": ""})["passed"] is False
 
 
-def test_list_shows_a_gpu_nodes_matrix_on_a_host_without_gpus():
-    out = subprocess.run([sys.executable, "-m", "harness", "list", "--device", "cuda", "--gpus", "8",
-                          "--gpu-mem", "80GiB"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+def test_list_shows_a_gpu_nodes_matrix_on_a_host_without_gpus(capsys, monkeypatch):
+    monkeypatch.setenv(DEVICE_ENV_VAR, "cpu")  # --device sets it for the process; restored after
+    assert cli.main(["list", "--device", "cuda", "--gpus", "8", "--gpu-mem", "80GiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     ddp_8b = next(line for line in lines if line.startswith("llama3-8b/ddp/bf16/ckpt_none/"))
     assert "does_not_fit: not launched" in ddp_8b
     fsdp_1b = next(line for line in lines if line.startswith("llama-1b/fsdp_full/bf16/ckpt_none/mb"))
@@ -152,6 +148,6 @@ def test_list_shows_a_gpu_nodes_matrix_on_a_host_without_gpus():
     minutes = int(summary.split("rough wall time on ")[1].split(": ")[1].split(" min")[0])
     assert minutes > 0
     # Without --gpu-mem there is no GPU to size for: one line, exit 2.
-    refused = subprocess.run([sys.executable, "-m", "harness", "list", "--device", "cuda", "--gpus", "8"],
-                             cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert cli.main(["list", "--device", "cuda", "--gpus", "8"]) == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1, stderr

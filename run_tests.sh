@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's own tests: ruff and mypy first (so a lint or type error fails CI before the
-# 20-minute suite starts), then tests/ (unit tests, real multi-rank gloo runs, and the smoke
+# 12-minute suite starts), then tests/ (unit tests, real multi-rank gloo runs, and the smoke
 # suite end to end). Same set-up as run_all.sh. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -2,7 +2,6 @@
 load-balancing loss (router_aux_loss_coef): counted once per training forward, the same under
 every data-parallel strategy, and the loss's cells judged outside the gate."""
 
-
 import pytest
 import torch
 

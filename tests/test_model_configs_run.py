@@ -27,6 +27,8 @@ RUN = ("mistral", "qwen2", "gpt_neox", "roberta", "deit")
 
 
 def TRACED_MATRIX_CELLS(tmp_path) -> list[CellSpec]:
+    """The cells tests/conftest.py's shared_traced_matrix runs for this module, their config
+    files written under ``tmp_path`` (a function, not a list, for that reason)."""
     cells = []
     for name in RUN:
         model = sources.resolve(str(model_configs.write(tmp_path / "configs", name)))

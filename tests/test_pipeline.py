@@ -1,7 +1,6 @@
 """Pipeline parallelism (harness/strategies/pipeline.py): the hand-written split, the refused
 combinations, and real 2-rank runs of the three schedules against the reference."""
 
-
 import pytest
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 

@@ -10,7 +10,7 @@ import torch
 
 from harness import calibration
 from harness.distributed import DistEnv
-from harness.measure import bandwidth
+from harness.measure import bandwidth, compute_rate
 from harness.measure.comm import busbw_factor
 from harness.predict import step_time
 from harness.report import html
@@ -107,6 +107,17 @@ def test_the_same_launch_measures_the_ranks_compute_rates(swept):
         for name, curve in measured["matmul_flops_per_s_by_size"].items():
             assert [size for size, _ in curve] == sorted(size for size, _ in curve)
             assert curve[-1][1] == measured["matmul_flops_per_s"][name]
+        # The kernel families by direction and FLOPs per unit, ascending, at each timed shape
+        # (fp16's convolutions on the CPU at the first shape alone).
+        for family, shapes in (("attention", rates["attention_shapes"]), ("convolution", rates["convolution_shapes"])):
+            for name, curves in measured[f"{family}_flops_per_s_by_size"].items():
+                timed = 1 if (family, name) == ("convolution", "fp16") else len(shapes)
+                assert set(curves) == {"forward", "backward"}
+                for curve in curves.values():
+                    assert len(curve) == timed and [size for size, _ in curve] == sorted(size for size, _ in curve)
+                    assert all(1e7 < rate < 1e14 for _, rate in curve)
+        sizes = [size for size, _ in measured["topk_elements_per_s_by_size"]]
+        assert sizes == list(compute_rate.TOPK_ELEMENTS["cpu"])
         working_sets = [size for size, _ in measured["memory_bytes_per_s"]]
         assert working_sets == sorted(working_sets) and working_sets[-1] > 2**25  # past the last-level cache
         assert all(rate > 1e8 for _, rate in measured["memory_bytes_per_s"])

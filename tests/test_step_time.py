@@ -4,10 +4,11 @@ how it is priced (harness/predict/step_time.py), and its ratio beside the measur
 import math
 
 import pytest
+import torch
 
 from harness import models
 from harness.config import CellSpec, StrategySpec
-from harness.measure import compute_rate
+from harness.measure import compute_rate, dispatched_work
 from harness.predict import accuracy, analytic, step_time, traced
 
 MS = 1e-3
@@ -59,6 +60,47 @@ def test_matmuls_are_priced_by_size_and_bytes_at_the_memory_factor():
     assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 1e8 / 10e9 + 9e8 / 100e9 + factor * 1e8 / 10e9)
 
 
+def test_attention_is_priced_by_direction_and_flops_per_head():
+    cell = _cell()
+    work = {**_work(flops=3e8), "attention_flops_by_size": {"forward": [[2**16, 1e8]], "backward": [[2**18, 2e8]]}}
+    calibration = _calibration()
+    rates = calibration["compute_rates"]["concurrent"]
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": work}, calibration, "cpu")
+    # Rates from before attention was timed: at the matmul rate.
+    assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 3e8 / 100e9 + 1e8 / 10e9)
+    rates["attention_flops_per_s_by_size"] = {"fp32": {"forward": [[2**16, 20e9], [2**20, 80e9]],
+                                                       "backward": [[2**16, 2e9], [2**20, 8e9]]}}
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": work}, calibration, "cpu")
+    backward_rate = math.sqrt(2e9 * 8e9)  # 2**18 is halfway between 2**16 and 2**20 in log size
+    assert p["compute_s"] == pytest.approx(1000 * 10e-6 + 1e8 / 20e9 + 2e8 / backward_rate + 1e8 / 10e9)
+
+
+def test_the_cpus_flash_attention_is_counted_as_attention_by_sdpas_formulas():
+    """torch's FLOP registry lacks the CPU's flash attention kernels: counted by its SDPA
+    formulas (forward 4·s²·d a head, backward 10·s²·d), per (sample, head), apart from matmuls."""
+    q, k, v = (torch.randn(2, 4, 32, 16, requires_grad=True) for _ in range(3))
+    with dispatched_work.Counting() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    work = counter.work.to_dict()
+    heads, per_head = 2 * 4, 32 * 32 * 16
+    assert work["attention_flops_by_size"] == {"forward": [[4 * per_head, heads * 4 * per_head]],
+                                               "backward": [[16 * per_head, heads * 10 * per_head]]}
+    assert work["matmul_flops"] == heads * 14 * per_head and work["matmul_flops_by_size"] == []
+
+
+def test_a_topk_selection_is_counted_by_its_elements_and_priced_at_its_own_rate():
+    """Gradient sparsification's top-k: a partial sort, no elementwise op's bytes."""
+    gradient = torch.randn(5000)
+    with dispatched_work.Counting() as counter:
+        gradient.abs().topk(50, sorted=False)
+    work = counter.work.to_dict()
+    assert work["topk_elements_by_size"] == [[8192, 5000]] and work["ops"] == 2
+    assert sum(nbytes for _, nbytes in work["memory_bytes"]) == 2 * 4 * 5000  # abs's alone
+    rates = {"topk_elements_per_s_by_size": [[2**12, 1e9], [2**16, 1e8]]}
+    # 2**13 is a quarter of the way from 2**12 to 2**16 in log size.
+    assert compute_rate.topk_seconds(work, rates) == pytest.approx(5000 / (1e9 * 0.1**0.25))
+
+
 def test_sizes_between_measured_points_are_interpolated_log_log():
     # Halfway between 1 KiB and 1 MiB in log size: the geometric mean of the two times.
     seconds = step_time._call_seconds("all_gather", 2**15, 2, _calibration()["rows"], 2)
@@ -82,6 +124,28 @@ def test_each_collective_is_priced_by_its_own_rows_and_p2p_by_the_intra_node_sen
     # Not swept (gather; all-to-all in a sweep from before it was added): as an all-gather.
     assert step_time._call_seconds("gather", 2**20, 2, rows, 2) == pytest.approx(2**20 / 1e9)
     assert step_time._call_seconds("all_to_all", 2**20, 2, rows, 2) == pytest.approx(2**20 / 1e9)
+
+
+def test_local_sgd_pays_its_averaging_once_a_period():
+    averaging = {"work": _work(collectives={"all_reduce": [[2**20, 1]]})}
+    ddp, local_sgd = _cell(), _cell(local_sgd_period=4)
+    plain = step_time.predict(ddp, analytic.predict(ddp, device_type="cpu"), averaging, _calibration(), "cpu")
+    every_4 = step_time.predict(local_sgd, analytic.predict(local_sgd, device_type="cpu"), averaging,
+                                _calibration(), "cpu")
+    assert every_4["comm_s"] == pytest.approx(plain["comm_s"] / 4) and every_4["compute_s"] == plain["compute_s"]
+
+
+def test_convolutions_are_their_own_kernel_family_priced_per_call():
+    images, weight = torch.randn(4, 8, 6, 6, requires_grad=True), torch.randn(8, 8, 3, 3, requires_grad=True)
+    with dispatched_work.Counting() as counter:
+        torch.nn.functional.conv2d(images, weight, padding=1).sum().backward()
+    work = counter.work.to_dict()
+    forward = 2 * 4 * 8 * 36 * 8 * 9  # 2 · images · out channels · positions · in channels · 3×3
+    assert work["convolution_flops_by_size"] == {"forward": [[2**18, forward]], "backward": [[2**19, 2 * forward]]}
+    assert work["matmul_flops_by_size"] == [] and work["matmul_flops"] == 3 * forward
+    rates = {"convolution_flops_per_s_by_size": {"fp32": {"forward": [[1e3, 1e9]], "backward": [[1e3, 5e8]]}},
+             "matmul_flops_per_s": {"fp32": 1e11}}
+    assert compute_rate.kernel_seconds(work, rates, "fp32") == pytest.approx(forward / 1e9 + 2 * forward / 5e8)
 
 
 def test_one_process_takes_the_rates_measured_alone_and_extra_ranks_share_the_cores():

@@ -12,6 +12,25 @@ the others wait (as the single-process reference runs):
   same for each square size of ``MATMUL_SIZES``: a 32² matmul runs at a few percent of a
   512²'s rate, and a step's matmuls are priced by their own size (log-log between sizes in
   FLOPs a call, the largest's rate above it).
+- ``attention_flops_per_s_by_size``, per precision and direction ("forward", "backward"):
+  [[FLOPs per (sample, head), FLOP/s], ...] of causal scaled-dot-product attention (the
+  kernel torch picks for the device: the CPU's flash attention) on ``ATTENTION_HEADS``
+  (sample, head) pairs at each (sequence, head width) of ``ATTENTION_SHAPES``; the backward's
+  time is the forward-and-backward call's less the forward's. The kernels run at rates of
+  their own, far from a matmul's of the same FLOPs: on this project's CPU host a bf16
+  attention backward at 32 tokens of width 16 to 24 (the tiny and byte-level presets) runs at
+  2-4 GFLOP/s against fp32's 20-30 and a bf16 matmul's hundreds: two fifths of a bf16
+  byte-level GPT-2 step (torch's FLOP registry lacks the CPU's flash attention kernels, which
+  dispatched_work counts by SDPA's formulas).
+- ``convolution_flops_per_s_by_size``, the same for a 3×3 convolution (per call, by its
+  FLOPs) of ``CONVOLUTION_BATCH`` images at each (channels, side) of ``CONVOLUTION_SHAPES``: a
+  small convnet's convolutions run at half a matmul's rate of the same FLOPs. On the CPU fp16's
+  only at the first shape, a rate for every size: without fp16 units its backward takes 30 ms
+  there and 430 ms at the second.
+- ``topk_elements_per_s_by_size``: [[elements, elements/s], ...], an unsorted top-k of a
+  hundredth of an fp32 vector's entries (gradient sparsification's density), at each size of
+  ``TOPK_ELEMENTS``: a partial sort, which on the CPU reads its input at a thirtieth of the
+  STREAM add's bandwidth.
 - ``memory_bytes_per_s``: [[working set, bytes/s], ...], an out-of-place add of two fp32
   vectors (STREAM's "add": three vectors' bytes a call, the working set) at each of
   ``STREAM_ELEMENTS``, from a first-level cache's size to beyond any last-level cache's: an
@@ -23,18 +42,16 @@ the others wait (as the single-process reference runs):
   step's work counted once by a dispatch mode (measure/dispatched_work.py: its ops, its
   matmuls' FLOPs by torch's formulas and by call size, its other ops' bytes by size). The fp32
   step is timed at two batch sizes (``OP_COST_SAMPLES``): what grows with the batch is the
-  work that has a size, the matmuls, priced at the rates above for their sizes
-  (``matmul_seconds``), and the other ops' bytes, priced at the STREAM add's bandwidth
+  work that has a size, the matmuls and attention kernels, priced at the rates above for
+  their sizes (``kernel_seconds``), and the other ops' bytes, priced at the STREAM add's bandwidth
   (``memory_seconds``). What the larger step took beyond the smaller one and its matmuls'
   growth, over its bytes' priced growth, is ``memory_factor``: a model's elementwise ops run
   several times slower per byte than an add into a buffer that exists (each allocates its
   output, and GELU, softmax and the norms do math on every byte; profiled op by op, of the
   7.4 ms llama-tiny's fp32 step gains from 2 to 16 samples the matmuls are 3.1 ms and the
   elementwise ops most of the rest). It is fitted on fp32 alone and holds for every
-  precision: in bf16 the same growth is mostly CPU flash attention's backward (8 of 14.5 ms
-  on this project's AVX512-BF16 host), whose FLOPs the matmul rate prices, and a factor
-  fitted there (24) priced real-size bf16 steps 5-6 times too slow. What is left of each
-  precision's smaller step once its matmuls and its bytes (at that factor) are taken off,
+  precision. What is left of each
+  precision's smaller step once its matmuls, attention and bytes (at that factor) are taken off,
   divided by its ops, is ``op_s``: dispatch, autocast's and autograd's bookkeeping and the
   Python of transformers' modules around each op (a plain Sequential of Linear, LayerNorm and
   GELU modules, an op per module call, costs 5-6 µs). The engines' own hooks are not in it.
@@ -50,7 +67,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,12 +75,22 @@ import torch.distributed as dist
 
 from harness import models
 from harness.distributed import DistEnv
-from harness.measure.dispatched_work import Counting
+from harness.measure.dispatched_work import KERNEL_FAMILIES, Counting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATMUL_SIZE = {"cpu": 512, "cuda": 8192}
 # Larger CPU sizes are left out: a 1024² bf16 matmul on a CPU without bf16 units takes ~2 s.
 MATMUL_SIZES = {"cpu": (32, 64, 128, 256, 512), "cuda": (512, 1024, 2048, 4096, 8192)}
+# (sequence, head width) of the attention timings: the tiny presets' heads, then a real model's
+# at the real-size suite's sequence length.
+ATTENTION_SHAPES = {"cpu": ((32, 16), (64, 32), (256, 64)),
+                    "cuda": ((512, 128), (1024, 128), (4096, 128))}
+ATTENTION_HEADS = {"cpu": 8, "cuda": 32}  # (sample, head) pairs a call: a few samples' worth
+# (channels, image side) of the 3×3 convolution timings, on CONVOLUTION_BATCH images a call.
+CONVOLUTION_SHAPES = {"cpu": ((32, 8), (64, 16)), "cuda": ((128, 56), (256, 28), (512, 14))}
+CONVOLUTION_BATCH = {"cpu": 8, "cuda": 64}
+KERNEL_ITERS = 2  # attention and top-k calls of milliseconds: two a timing, the median of REPEATS
+TOPK_ELEMENTS = {"cpu": (2**12, 2**16, 2**20), "cuda": (2**20, 2**24, 2**27)}
 STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2**k for k in range(16, 29, 3))}
 WARMUP, ITERS, REPEATS = 2, 5, 5
 OP_COST_MODEL = "llama-tiny"
@@ -133,11 +160,37 @@ def rate_at_size(points: list[list[float]], size: float) -> float:
 def matmul_seconds(work: dict[str, Any], rates: dict[str, Any], precision: str) -> float:
     """The time of a step's matmul FLOPs (DispatchedWork.to_dict's) at ``rates`` (one scope of
     ``measure``'s): each call size's FLOPs at the rate measured for that size; work or rates
-    recorded before matmuls had sizes, every FLOP at the one matmul rate."""
+    recorded before matmuls had sizes, every FLOP but the kernel families' at the one matmul rate."""
     by_size = rates.get("matmul_flops_per_s_by_size", {}).get(precision)
     if by_size and "matmul_flops_by_size" in work:
         return float(sum(flops / rate_at_size(by_size, size) for size, flops in work["matmul_flops_by_size"]))
-    return float(work["matmul_flops"]) / float(rates["matmul_flops_per_s"][precision])
+    families = sum(flops for family in KERNEL_FAMILIES
+                   for sizes in work.get(f"{family}_flops_by_size", {}).values() for _, flops in sizes)
+    return float(work["matmul_flops"] - families) / float(rates["matmul_flops_per_s"][precision])
+
+
+def family_seconds(work: dict[str, Any], rates: dict[str, Any], precision: str, family: str) -> float:
+    """The time of a step's kernels of one of dispatched_work.KERNEL_FAMILIES: each direction's
+    FLOPs per unit size at the rate measured for that direction and size; rates measured before
+    the family was timed price them at the matmul rate."""
+    curves = rates.get(f"{family}_flops_per_s_by_size", {}).get(precision)
+    return float(sum(flops / (rate_at_size(curves[direction], size) if curves
+                              else rates["matmul_flops_per_s"][precision])
+                     for direction, sizes in work.get(f"{family}_flops_by_size", {}).items()
+                     for size, flops in sizes))
+
+
+def topk_seconds(work: dict[str, Any], rates: dict[str, Any]) -> float:
+    """The time of a step's top-k selections, each size's elements at the rate measured for it."""
+    return float(sum(elements / rate_at_size(rates["topk_elements_per_s_by_size"], size)
+                     for size, elements in work.get("topk_elements_by_size", [])))
+
+
+def kernel_seconds(work: dict[str, Any], rates: dict[str, Any], precision: str) -> float:
+    """The time of a step's work that is priced by its own kernels' rates rather than by the
+    bytes it moves: its matmuls, attention kernels, convolutions and top-k selections."""
+    return (matmul_seconds(work, rates, precision) + topk_seconds(work, rates)
+            + sum(family_seconds(work, rates, precision, family) for family in KERNEL_FAMILIES))
 
 
 def memory_seconds(work: dict[str, Any], rates: dict[str, Any]) -> float:
@@ -195,6 +248,65 @@ def _matmul_rates(dtype: torch.dtype, kind: str, device: torch.device, env: Dist
     return curve
 
 
+# A kernel family's calls to time, each with how many units (dispatched_work.kernel_family) it covers.
+Cases = Iterator[tuple[Callable[[], torch.Tensor], int]]
+
+
+def _attention_cases(dtype: torch.dtype, kind: str, device: torch.device) -> Cases:
+    """Causal SDPA on ATTENTION_HEADS (sample, head) pairs at each of ATTENTION_SHAPES."""
+    for sequence, width in ATTENTION_SHAPES[kind]:
+        shape = (1, ATTENTION_HEADS[kind], sequence, width)
+        q, k, v = (torch.ones(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+        yield functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True), shape[1]
+
+
+def _convolution_cases(dtype: torch.dtype, kind: str, device: torch.device) -> Cases:
+    """A 3×3 convolution of CONVOLUTION_BATCH images at each of CONVOLUTION_SHAPES; on the CPU
+    fp16's at the first only (module docstring)."""
+    shapes = CONVOLUTION_SHAPES[kind][:1] if kind == "cpu" and dtype == torch.float16 else CONVOLUTION_SHAPES[kind]
+    for channels, side in shapes:
+        images = torch.ones(CONVOLUTION_BATCH[kind], channels, side, side, dtype=dtype, device=device,
+                            requires_grad=True)
+        weight = torch.ones(channels, channels, 3, 3, dtype=dtype, device=device, requires_grad=True)
+        yield functools.partial(torch.nn.functional.conv2d, images, weight, padding=1), 1
+
+
+_FAMILY_CASES = {"attention": _attention_cases, "convolution": _convolution_cases}
+
+
+def _forward_backward(forward: Callable[[], torch.Tensor], gradient: torch.Tensor) -> None:
+    forward().backward(gradient)
+
+
+def _family_rates(family: str, dtype: torch.dtype, kind: str, device: torch.device, env: DistEnv,
+                  alone: bool) -> dict[str, list[list[float]]]:
+    """{"forward", "backward": [[FLOPs per unit, FLOP/s], ...]} of one of
+    dispatched_work.KERNEL_FAMILIES, at its cases' shapes (module docstring)."""
+    curves: dict[str, list[list[float]]] = {"forward": [], "backward": []}
+    for forward, units in _FAMILY_CASES[family](dtype, kind, device):
+        gradient = torch.ones_like(forward())
+        with Counting() as counter:
+            forward().backward(gradient)
+        flops = counter.work.family_flops_by_size[family]
+        forward_s = seconds_per_call(forward, device, env, alone, KERNEL_ITERS)
+        both_s = seconds_per_call(functools.partial(_forward_backward, forward, gradient), device, env, alone,
+                                  KERNEL_ITERS)
+        for direction, seconds in (("forward", forward_s), ("backward", max(both_s - forward_s, both_s / 10))):
+            total = sum(flops[direction].values())
+            curves[direction].append([total / units, total / seconds])
+    return curves
+
+
+def _topk_rates(kind: str, device: torch.device, env: DistEnv, alone: bool) -> list[list[float]]:
+    curve = []
+    for size in TOPK_ELEMENTS[kind]:
+        vector = torch.randn(size, generator=torch.Generator().manual_seed(0)).to(device)
+        seconds = seconds_per_call(functools.partial(torch.topk, vector, size // 100, sorted=False), device, env,
+                                   alone, KERNEL_ITERS)
+        curve.append([size, size / seconds])
+    return curve
+
+
 def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: DistEnv,
             alone: bool) -> list[list[float]]:
     def add(size: int) -> float:
@@ -214,17 +326,17 @@ def _memory_factor(steps: dict[str, tuple[Callable[[], None], dict[str, Any]]], 
     """``memory_factor``, [[op size, factor], ...], from the fp32 steps (module docstring):
     the decoder's growth from OP_COST_SAMPLES' fewer to more samples, at the larger step's
     typical op size; then the wide decoder's step less its ops (at the op cost the smaller
-    step leaves at that factor) and its matmuls, at its own."""
+    step leaves at that factor) and its matmuls and attention, at its own."""
     small, large, wide = (steps[key] for key in ("small", "large", "wide"))
     seconds = {key: _step_seconds(steps[key][0], device, env, alone) for key in steps}
-    matmuls = {key: matmul_seconds(steps[key][1], rates, "fp32") for key in steps}
+    kernels = {key: kernel_seconds(steps[key][1], rates, "fp32") for key in steps}
     stream = {key: sum(t for _, t in _stream_seconds_by_size(steps[key][1], rates)) for key in steps}
     # Never below 1: the STREAM add is the fastest the host moves bytes, and noisy timings
     # must not price them faster still.
-    narrow = max(1.0, (seconds["large"] - seconds["small"] - (matmuls["large"] - matmuls["small"]))
+    narrow = max(1.0, (seconds["large"] - seconds["small"] - (kernels["large"] - kernels["small"]))
                  / (stream["large"] - stream["small"]))
-    op_s = _op_cost_at(seconds["small"], small[1], matmuls["small"], narrow * stream["small"])
-    broad = max(1.0, (seconds["wide"] - wide[1]["ops"] * op_s - matmuls["wide"]) / stream["wide"])
+    op_s = _op_cost_at(seconds["small"], small[1], kernels["small"], narrow * stream["small"])
+    broad = max(1.0, (seconds["wide"] - wide[1]["ops"] * op_s - kernels["wide"]) / stream["wide"])
     return sorted([[_typical_op_size(large[1]), narrow], [_typical_op_size(wide[1]), broad]])
 
 
@@ -232,12 +344,12 @@ def _op_cost(step: Callable[[], None], work: dict[str, Any], rates: dict[str, An
              device: torch.device, env: DistEnv, alone: bool) -> float:
     """``op_s`` of one precision from its step at the fewer samples (module docstring)."""
     seconds = _step_seconds(step, device, env, alone)
-    return _op_cost_at(seconds, work, matmul_seconds(work, rates, precision), memory_seconds(work, rates))
+    return _op_cost_at(seconds, work, kernel_seconds(work, rates, precision), memory_seconds(work, rates))
 
 
-def _op_cost_at(seconds: float, work: dict[str, Any], matmuls: float, memory: float) -> float:
+def _op_cost_at(seconds: float, work: dict[str, Any], kernels: float, memory: float) -> float:
     # Never below a tenth of the step, so noise cannot zero the op cost.
-    return float(max(seconds - matmuls - memory, seconds / 10) / work["ops"])
+    return float(max(seconds - kernels - memory, seconds / 10) / work["ops"])
 
 
 def _step_seconds(step: Callable[[], None], device: torch.device, env: DistEnv, alone: bool) -> float:
@@ -262,11 +374,18 @@ def measure(env: DistEnv) -> dict[str, Any]:
         by_size = {name: _matmul_rates(dtype, kind, device, env, alone) for name, dtype in PRECISIONS.items()}
         rates[scope] = {"matmul_flops_per_s": {name: curve[-1][1] for name, curve in by_size.items()},
                         "matmul_flops_per_s_by_size": by_size,
+                        **{f"{family}_flops_per_s_by_size":
+                           {name: _family_rates(family, dtype, kind, device, env, alone)
+                            for name, dtype in PRECISIONS.items()} for family in KERNEL_FAMILIES},
+                        "topk_elements_per_s_by_size": _topk_rates(kind, device, env, alone),
                         "memory_bytes_per_s": _stream(vectors, device, env, alone)}
         rates[scope]["memory_factor"] = _memory_factor(fp32_steps, rates[scope], device, env, alone)
         rates[scope]["op_s"] = {name: _op_cost(*steps[name], rates[scope], name, device, env, alone)
                                 for name in PRECISIONS}
     return {**rates, "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
+            "attention_shapes": [list(shape) for shape in ATTENTION_SHAPES[kind]],
+            "convolution_shapes": [list(shape) for shape in CONVOLUTION_SHAPES[kind]],
+            "attention_heads": ATTENTION_HEADS[kind],
             "op_cost_model": OP_COST_MODEL, "op_cost_samples": list(OP_COST_SAMPLES),
             "tiny_step_ops": {name: work["ops"] for name, (_, work) in steps.items()},
             "tiny_step_matmul_flops": {name: work["matmul_flops"] for name, (_, work) in steps.items()},

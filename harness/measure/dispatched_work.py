@@ -9,10 +9,21 @@ collectives. Per op the counter adds:
 
 - one to ``ops`` (what each op costs to dispatch, whatever its size);
 - its FLOPs where torch's own FLOP formulas know the op (``torch.utils.flop_counter``:
-  the matmuls, convolutions and attention kernels, forward and backward) to ``matmul_flops``,
-  and by the call's FLOPs rounded up to a power of two to ``matmul_flops_by_size`` (a small
-  matmul runs far below a large one's rate, so each size is priced at the rate measured for
-  it);
+  the matmuls, convolutions and attention kernels, forward and backward; the CPU's flash
+  attention kernels, which the registry lacks, by its SDPA formulas) to ``matmul_flops``, and
+  by size, for the predictor prices each size at the rate measured for it:
+  - a matmul's by the call's FLOPs rounded up to a power of two to ``matmul_flops_by_size``
+    (a small matmul runs far below a large one's rate);
+  - a family's of kernels that run at rates of their own (``KERNEL_FAMILIES``), forward and
+    backward apart, to ``<family>_flops_by_size``: attention by its FLOPs per (sample, head)
+    (the kernels loop over samples and heads; each head's sequence and width set the rate:
+    on a CPU a bf16 step's flash attention backward runs at a hundredth of a bf16 matmul's
+    rate at a small model's sizes), convolutions by the call's FLOPs (a small convnet's run
+    at half a matmul's rate of the same FLOPs);
+- a top-k selection's input elements, by their count rounded up to a power of two, to
+  ``topk_elements_by_size`` (gradient sparsification's selection: a partial sort, thirty
+  times slower per byte than an elementwise op on this project's CPU host, priced at the
+  rate measured for it);
 - otherwise the bytes of its tensor inputs and outputs to ``memory_bytes``, by the op's
   size rounded up to a power of two (an elementwise op reads and writes memory at the
   bandwidth of the level of cache or memory its tensors fit in, so each size is priced at the
@@ -38,7 +49,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from harness.measure import comm
 
@@ -49,11 +60,49 @@ def dispatches_a_kernel(func: torch._ops.OpOverload) -> bool:
     return func.namespace != "prim"
 
 
+def _cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                               **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _cpu_flash_attention_backward_flops(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                        value: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+
+
+_FLOP_FORMULAS = {**flop_registry,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                      _cpu_flash_attention_backward_flops}
+
+
 def op_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float | None:
-    """The op's FLOPs by torch's own formulas (matmuls, convolutions, attention kernels), or
-    None for an op they do not cover."""
-    formula = flop_registry.get(func.overloadpacket)
+    """The op's FLOPs by torch's own formulas (matmuls, convolutions, attention kernels; the
+    CPU's flash attention by SDPA's), or None for an op they do not cover."""
+    formula = _FLOP_FORMULAS.get(func.overloadpacket)
     return None if formula is None else float(formula(*args, **kwargs, out_val=out))
+
+
+KERNEL_FAMILIES = ("attention", "convolution")
+
+
+def kernel_family(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> tuple[str, int] | None:
+    """The KERNEL_FAMILIES member an op with FLOPs belongs to and how many units its call
+    covers (its FLOPs are keyed per unit), or None for a matmul. An attention call's units are
+    its (sample, head) pairs: its first tensor (the query, or the output's gradient) is [batch,
+    heads, sequence, width] for SDPA's kernels and [batch, sequence, heads, width] for the flash
+    and memory-efficient kernels beneath them. A convolution's call is its unit."""
+    name = func.overloadpacket.__name__
+    if "attention" in name:
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        return "attention", int(first.shape[0] * first.shape[1 if name.startswith("_scaled_dot_product") else 2])
+    if "convolution" in name:
+        return "convolution", 1
+    return None
+
+
+def direction(func: torch._ops.OpOverload) -> str:
+    return "backward" if "backward" in func.overloadpacket.__name__ else "forward"
 
 
 @dataclasses.dataclass
@@ -61,6 +110,11 @@ class DispatchedWork:
     ops: int = 0
     matmul_flops: float = 0.0
     matmul_flops_by_size: Counter[int] = dataclasses.field(default_factory=Counter)  # call FLOPs (power of 2) -> FLOPs
+    # family -> "forward" or "backward" -> FLOPs per unit (power of 2) -> FLOPs
+    family_flops_by_size: defaultdict[str, defaultdict[str, Counter[int]]] = dataclasses.field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(Counter)))
+    # elements (power of 2) -> elements
+    topk_elements_by_size: Counter[int] = dataclasses.field(default_factory=Counter)
     memory_bytes: Counter[int] = dataclasses.field(default_factory=Counter)  # op size (power of 2) -> bytes
     collectives: defaultdict[str, Counter[int]] = dataclasses.field(default_factory=lambda: defaultdict(Counter))
 
@@ -73,10 +127,18 @@ class DispatchedWork:
             kind, nbytes, _ = call
             self.collectives[kind][nbytes] += 1
             return
+        if func.overloadpacket is torch.ops.aten.topk:
+            elements = args[0].numel()
+            self.topk_elements_by_size[_power_of_two_above(elements)] += elements
+            return
         flops = op_flops(func, args, kwargs, out)
         if flops is not None:
             self.matmul_flops += flops
-            if flops:
+            family = kernel_family(func, args)
+            if flops and family:
+                name, units = family
+                self.family_flops_by_size[name][direction(func)][_power_of_two_above(flops / units)] += int(flops)
+            elif flops:
                 self.matmul_flops_by_size[_power_of_two_above(flops)] += int(flops)
         elif not func.is_view:
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
@@ -86,10 +148,16 @@ class DispatchedWork:
 
     def to_dict(self) -> dict[str, Any]:
         """The trace record's ``work``: ``matmul_flops_by_size`` as [[call FLOPs, FLOPs], ...],
-        ``memory_bytes`` as [[op size, bytes], ...] and collectives as {kind: [[bytes per
-        call, calls], ...]}, each sorted by size."""
+        ``<family>_flops_by_size`` for each of KERNEL_FAMILIES as {direction: [[FLOPs per
+        unit, FLOPs], ...]}, ``topk_elements_by_size`` as [[elements a call, elements], ...], ``memory_bytes`` as
+        [[op size, bytes], ...] and collectives as {kind: [[bytes per call, calls], ...]}, each
+        sorted by size."""
         return {"ops": self.ops, "matmul_flops": self.matmul_flops,
-                "matmul_flops_by_size": _pairs(self.matmul_flops_by_size), "memory_bytes": _pairs(self.memory_bytes),
+                "matmul_flops_by_size": _pairs(self.matmul_flops_by_size),
+                **{f"{name}_flops_by_size": {way: _pairs(sizes) for way, sizes in by_direction.items()}
+                   for name in KERNEL_FAMILIES for by_direction in [self.family_flops_by_size[name]]},
+                "topk_elements_by_size": _pairs(self.topk_elements_by_size),
+                "memory_bytes": _pairs(self.memory_bytes),
                 "collectives": {kind: _pairs(sizes) for kind, sizes in self.collectives.items()}}
 
 

@@ -19,7 +19,9 @@ The work (per rank, one optimizer step):
 The rates (harness/measure/compute_rate.py and the bandwidth sweep, both measured in the
 run's own calibration launch; the record names which was used):
 - compute = ops × (op_s + the engine's overhead) + each matmul size's FLOPs ÷ the matmul rate
-  measured for that size + each op size's bytes ÷ the memory bandwidth measured for that
+  measured for that size + each attention kernel's FLOPs ÷ the rate measured for its direction
+  and FLOPs per head + each top-k's elements ÷ the rate measured for its size + each op size's
+  bytes ÷ the memory bandwidth measured for that
   working set × memory_factor at that size, all at the cell's precision; memory_factor is how
   much slower per byte a model step's elementwise ops ran than the STREAM add (compute_rate's
   docstring). The engine's overhead per op (``engine_overhead_per_op``, CPU runs): what the
@@ -37,7 +39,9 @@ run's own calibration launch; the record names which was used):
   sweep of another world size). A send or a recv is priced as the sweep's send/recv between
   ranks of one node. Collectives the sweep does not run (gather, scatter, reduce; and
   broadcast, all-to-all and send/recv in a run swept before they were added) are priced as
-  an all-gather of the same bytes.
+  an all-gather of the same bytes. Local SGD's traced step is an averaging step, whose
+  collectives are sent every ``local_sgd_period``-th step and none between: a step's share,
+  a period's time over its steps.
 - overlap: on the CPU none — gloo's threads compute the reductions on the cores the ranks
   compute on, so a collective in flight takes its time from the step. On CUDA the
   collectives run on their own stream: a data-parallel engine's gradient reductions overlap
@@ -96,7 +100,8 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     overhead = (engine_overhead_per_op(engine, calibration)
                 if device_type == "cpu" and cell.world_size > 1 else 0.0)
     compute = _compute_seconds(work, rates, cell.strategy.precision, overhead) / share
-    comm_by_op = {kind: seconds / share
+    sent_every = cell.strategy.local_sgd_period or 1
+    comm_by_op = {kind: seconds / share / sent_every
                   for kind, seconds in _comm_seconds_by_op(work, cell.world_size, calibration).items()}
     comm = sum(comm_by_op.values())
     exposed = comm if device_type != "cuda" else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration)
@@ -126,9 +131,10 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
 
 
 def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: float) -> float:
-    """ops × (op_s + the engine's overhead) + matmuls + bytes at memory_factor (module docstring)."""
+    """ops × (op_s + the engine's overhead) + matmuls, attention and top-k + bytes at
+    memory_factor (module docstring)."""
     return (work["ops"] * (rates["op_s"][precision] + overhead_per_op)
-            + compute_rate.matmul_seconds(work, rates, precision) + compute_rate.memory_seconds(work, rates))
+            + compute_rate.kernel_seconds(work, rates, precision) + compute_rate.memory_seconds(work, rates))
 
 
 def _comm_seconds_by_op(work: dict, world_size: int, calibration: dict) -> dict[str, float]:

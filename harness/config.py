@@ -565,6 +565,12 @@ class CellSpec:
         parts += [f"mb{self.micro_batch}", f"ws{self.world_size}", f"seed{self.seed}"]
         return "/".join(parts)
 
+    @property
+    def evaluates_first(self) -> bool:
+        """Whether the held-out loss is taken before the first step (harness/training.py):
+        every cell on real data."""
+        return self.data != "synthetic"
+
     def reference(self) -> CellSpec:
         """The single-process run this cell must train identically to.
 

@@ -7,6 +7,7 @@ harness.strategies.deepspeed_zero.EXTENSIONS_CACHE (~/.cache/shardbench/torch_ex
 or $TORCH_EXTENSIONS_DIR; run_all.sh's set-up builds it ahead): without the build, this file takes ~80-160 s longer.
 """
 
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -157,7 +158,11 @@ CELLS = [
 ]
 
 
-MATRIX_CELLS = CELLS  # run in tests/conftest.py's shared_matrix
+# On real data the held-out loss is taken before the first step: a forward without backward,
+# after which ZeRO-3 gathers every parameter but the persistent ones twice a step.
+EVALUATES_FIRST = CellSpec(model="gpt2-bytes", strategy=StrategySpec(name="deepspeed_zero3"), data="stdlib_bytes")
+
+MATRIX_CELLS = [*CELLS, EVALUATES_FIRST]  # run in tests/conftest.py's shared_matrix
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +216,17 @@ def test_estimates_buckets_and_optimizer_are_recorded(records, c):
             expected = "DeepSpeedCPUAdam"
         assert engine["optimizer"] == expected
         assert engine["config"].get("zero_allow_untested_optimizer", False) == (c.strategy.optimizer != "adamw")
+
+
+def test_an_evaluation_before_the_first_step_makes_zero3_gather_twice(records):
+    """predict/analytic_data_parallel.ds_live_numel: nothing stays gathered into backward."""
+    record = records[EVALUATES_FIRST.cell_id]
+    assert record["status"] == "ok", record["reason"]
+    layout = models.param_layout(EVALUATES_FIRST.model_spec)
+    persistent = analytic_data_parallel.persistent_numel(EVALUATES_FIRST, layout)
+    measured = record["metrics"]["comm_by_op"]["all_gather"]["bytes"]
+    assert measured == 4 * (2 * (layout.numel - persistent) + persistent)
+    predicted = analytic_data_parallel.comm_bytes_per_step(EVALUATES_FIRST, layout)["all_gather"]
+    untested = dataclasses.replace(EVALUATES_FIRST, data="synthetic")
+    assert predicted == measured and analytic_data_parallel.comm_bytes_per_step(untested, layout)["all_gather"] == (
+        4 * layout.numel)

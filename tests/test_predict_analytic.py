@@ -431,6 +431,40 @@ def test_plan_traced_refuses_a_leading_candidate_whose_trace_does_not_fit():
     assert not refused["fits"] and "peak 1.0 GiB traced" in plan.recommendation_text(result)
 
 
+def test_plan_traced_refuses_a_candidate_whose_trace_fails_as_a_real_run_does():
+    req = plan.PlanRequest(model="llama-1b", gpus=8, gpu_mem_bytes=80 * 2**30)
+    untraced = plan.plan(req)["recommended"]
+
+    def trace(cells):
+        return {c.cell_id: ({"unavailable": "tracing failed: x", "fails": "tracing failed: x"}
+                            if c.cell_id == untraced["cell"].cell_id else {"peak_bytes": 2**30, "breakdown_bytes": {}})
+                for c in cells}
+
+    label = plan.config_label(untraced["cell"])
+    result = plan.plan(req, trace=trace, named=label)
+    refused = next(r for r in result["rows"] if r["cell"] == untraced["cell"])
+    assert not refused["fits"] and result["recommended"]["cell"] != untraced["cell"]
+    assert f"Your {label} fails (its trace raises what a real run raises)." in plan.recommendation_text(result)
+    assert f"Traced {label}: fails, as a real run does: tracing failed: x" in plan.as_table(result, markdown=False)
+
+
+def test_zero3_with_selective_checkpointing_beyond_its_reuse_distance_fails_as_traced(monkeypatch):
+    """Beyond the reuse distance ZeRO-3 fetches inside a block's recompute what the block's
+    forward found gathered, which torch's selective checkpointing refuses: at real size
+    (llama-1b) and on gpt2-tiny with the distance cut to 1,000 elements and 20,000 live
+    parameters, where a real 2-rank run fails with the same error (traced.FAILS_FOR_REAL)."""
+    pytest.importorskip("deepspeed")
+    from harness.strategies import deepspeed_zero
+
+    monkeypatch.setattr(deepspeed_zero, "MAX_REUSE_DISTANCE", 1_000)
+    monkeypatch.setattr(deepspeed_zero, "MAX_LIVE_PARAMETERS", 20_000)
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="deepspeed_zero3", checkpointing="selective"))
+    result = traced.trace(cell)
+    assert "not found in storage" in result["fails"] and result["fails"] == result["unavailable"]
+    monkeypatch.setattr(deepspeed_zero, "MAX_LIVE_PARAMETERS", 100_000)  # a partial residency that steps
+    assert "peak_bytes" in traced.trace(cell)
+
+
 # --- tensor parallelism (Shoeybi et al. 2019) ----------------------------------------------------
 
 def test_tp_model_states_split_only_the_sharded_layers():

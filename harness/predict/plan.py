@@ -15,7 +15,9 @@ practitioner would try them — no offload before offload, less recomputation be
 per-category peak of the real model and strategy at the real world size, for models up to
 about 10B parameters on a CPU host), the ``TRACED_CANDIDATES`` fastest fitting
 configurations and the one the user names (``--config``); a traced peak over the usable
-memory is not a fit, and the next fastest is traced until the recommendation's trace fits.
+memory is not a fit, nor is a configuration whose trace raises what a real run raises too
+(traced.FAILS_FOR_REAL: DeepSpeed ZeRO-3 with selective checkpointing at real size), and the
+next fastest is traced until the recommendation's trace fits.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def plan(req: PlanRequest, trace: Callable[[list[CellSpec]], dict[str, dict]] | 
             results = trace([r["cell"] for r in batch])
             for r in batch:
                 r["traced"] = results[r["cell"].cell_id]
-                if r["traced"].get("peak_bytes", 0) > fit.USABLE_FRACTION * req.gpu_mem_bytes:
+                if ("fails" in r["traced"]
+                        or r["traced"].get("peak_bytes", 0) > fit.USABLE_FRACTION * req.gpu_mem_bytes):
                     r["fits"] = False
             pending = []
     fitting = sorted((r for r in rows if r["fits"]), key=_preference)
@@ -166,7 +169,8 @@ def recommendation_text(result: dict) -> str:
         text += f" {config_label(runner_up['cell'])} would be {_slower(runner_up, best):.2f}× slower."
     named = result.get("named")
     if named is not None and named is not best:
-        verdict = "fits" if named["fits"] else "does not fit"
+        verdict = ("fits" if named["fits"] else "fails (its trace raises what a real run raises)"
+                   if "fails" in (named["traced"] or {}) else "does not fit")
         text += (f" Your {config_label(named['cell'])} {verdict}"
                  + (f" and would be {_slower(named, best):.2f}× slower." if named["fits"] else "."))
     return (text + ("" if s.offload == "none" else " Offload costs host-device bandwidth every step.")
@@ -256,6 +260,8 @@ def as_table(result: dict, markdown: bool) -> str:
               " traced: the FakeTensorMode peak, for the configurations --traced traced)",
               "", recommendation_text(result)]
     for r in result["rows"]:
-        if r["traced"] is not None and "peak_bytes" not in r["traced"]:
+        if r["traced"] is not None and "fails" in r["traced"]:
+            lines.append(f"Traced {config_label(r['cell'])}: fails, as a real run does: {r['traced']['fails']}")
+        elif r["traced"] is not None and "peak_bytes" not in r["traced"]:
             lines.append(f"Traced {config_label(r['cell'])}: unavailable: {r['traced'].get('unavailable', '?')}")
     return "\n".join(lines)

@@ -90,7 +90,9 @@ data, segfaults on fake tensors: refused before it can take the process down); D
 AutoEP (``_AUTOEP``). Their records keep the analytic peak alone; for the step time these
 two trace a stand-in, the nearest cell that traces (``work_stand_in``), whose dispatched work
 the record keeps as ``stand_in``. Anything else that raises while tracing gives its
-exception and the frame that raised it, condensed.
+exception and the frame that raised it, condensed; where it is an error the step's own code
+raises whatever the tensors hold (``FAILS_FOR_REAL``), the result also says ``"fails"``: a
+real run of the configuration fails the same way, and planning must not call it a fit.
 
 ``trace`` needs a process without a process group (it makes and destroys a fake one);
 ``trace_cells`` runs it for a list of cells in one fresh subprocess
@@ -423,6 +425,21 @@ def _run(cell: CellSpec, env: DistEnv, mode) -> tuple[memory.StepMemory, Dispatc
     return session.tracked_step(cell.warmup_steps)[1], mode.work
 
 
+# Messages of errors a real run raises too. torch's selective checkpointing refuses a
+# recompute that issues an op its forward did not: DeepSpeed ZeRO-3 fetching, inside a
+# block's recompute, a parameter that block's forward found gathered, as it does at real
+# size (llama-1b, llama3-8b) beyond its reuse distance. Reproduced for real: gpt2-tiny on 2
+# gloo ranks with stage3_max_reuse_distance 1,000 and stage3_max_live_parameters 20,000
+# fails at its first step with this error, as its trace does; at seven other settings
+# (everything kept, nothing kept, partial residencies) the trace and the real run both step.
+FAILS_FOR_REAL = ("encountered during backward but not found in storage",)
+
+
+def _failure(error: BaseException, rank: int) -> dict:
+    reason = f"tracing failed{f' on rank {rank}' if rank else ''}: {_condensed(error)}"
+    return {"unavailable": reason, **({"fails": reason} if any(m in str(error) for m in FAILS_FOR_REAL) else {})}
+
+
 def _condensed(error: BaseException) -> str:
     """``Type: first line of the message (at file:line that raised) [<- its cause]``, one line."""
     parts: list[str] = []
@@ -514,7 +531,7 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
                 with mode, _patched_for_fake_world(cell, stage_metas):
                     traced.append(_run(cell, env, mode))
             except Exception as error:  # an untraceable cell is a result, like an unsupported one
-                return {"unavailable": f"tracing failed{f' on rank {rank}' if rank else ''}: {_condensed(error)}"}
+                return _failure(error, rank)
     mem = max((m for m, _ in traced), key=lambda m: m.peak_bytes)
     return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
             "work": traced[0][1].to_dict()}

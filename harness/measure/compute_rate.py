@@ -43,16 +43,15 @@ the others wait (as the single-process reference runs):
   matmuls' FLOPs by torch's formulas and by call size, its other ops' bytes by size). The fp32
   step is timed at two batch sizes (``OP_COST_SAMPLES``): what grows with the batch is the
   work that has a size, the matmuls and attention kernels, priced at the rates above for
-  their sizes (``kernel_seconds``), and the other ops' bytes, priced at the STREAM add's bandwidth
-  (``memory_seconds``). What the larger step took beyond the smaller one and its matmuls'
-  growth, over its bytes' priced growth, is ``memory_factor``: a model's elementwise ops run
+  their sizes (``kernel_seconds``), and the other ops' bytes, priced at the STREAM add's
+  bandwidth (``memory_seconds``). What the larger step took beyond the smaller one and its
+  kernels' growth, over its bytes' priced growth, is ``memory_factor``: a model's elementwise ops run
   several times slower per byte than an add into a buffer that exists (each allocates its
   output, and GELU, softmax and the norms do math on every byte; profiled op by op, of the
   7.4 ms llama-tiny's fp32 step gains from 2 to 16 samples the matmuls are 3.1 ms and the
   elementwise ops most of the rest). It is fitted on fp32 alone and holds for every
-  precision. What is left of each
-  precision's smaller step once its matmuls, attention and bytes (at that factor) are taken off,
-  divided by its ops, is ``op_s``: dispatch, autocast's and autograd's bookkeeping and the
+  precision. What is left of each precision's smaller step once its kernels and its bytes (at
+  that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's and autograd's bookkeeping and the
   Python of transformers' modules around each op (a plain Sequential of Linear, LayerNorm and
   GELU modules, an op per module call, costs 5-6 µs). The engines' own hooks are not in it.
 

@@ -19,7 +19,7 @@ the others wait (as the single-process reference runs):
   time is the forward-and-backward call's less the forward's. The kernels run at rates of
   their own, far from a matmul's of the same FLOPs: on this project's CPU host a bf16
   attention backward at 32 tokens of width 16 to 24 (the tiny and byte-level presets) runs at
-  2-4 GFLOP/s against fp32's 20-30 and a bf16 matmul's hundreds: two fifths of a bf16
+  1.5-4 GFLOP/s against fp32's 17-30 and a bf16 matmul's hundreds: two fifths of a bf16
   byte-level GPT-2 step (torch's FLOP registry lacks the CPU's flash attention kernels, which
   dispatched_work counts by SDPA's formulas).
 - ``convolution_flops_per_s_by_size``, the same for a 3×3 convolution (per call, by its
@@ -45,15 +45,16 @@ the others wait (as the single-process reference runs):
   work that has a size, the matmuls and attention kernels, priced at the rates above for
   their sizes (``kernel_seconds``), and the other ops' bytes, priced at the STREAM add's
   bandwidth (``memory_seconds``). What the larger step took beyond the smaller one and its
-  kernels' growth, over its bytes' priced growth, is ``memory_factor``: a model's elementwise ops run
-  several times slower per byte than an add into a buffer that exists (each allocates its
-  output, and GELU, softmax and the norms do math on every byte; profiled op by op, of the
-  7.4 ms llama-tiny's fp32 step gains from 2 to 16 samples the matmuls are 3.1 ms and the
-  elementwise ops most of the rest). It is fitted on fp32 alone and holds for every
-  precision. What is left of each precision's smaller step once its kernels and its bytes (at
-  that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's and autograd's bookkeeping and the
-  Python of transformers' modules around each op (a plain Sequential of Linear, LayerNorm and
-  GELU modules, an op per module call, costs 5-6 µs). The engines' own hooks are not in it.
+  kernels' growth, over its bytes' priced growth, is ``memory_factor``: a model's
+  elementwise ops run several times slower per byte than an add into a buffer that exists
+  (each allocates its output, and GELU, softmax and the norms do math on every byte; profiled
+  op by op, of the 7.4 ms llama-tiny's fp32 step gains from 2 to 16 samples the matmuls are
+  3.1 ms and the elementwise ops most of the rest). It is fitted on fp32 alone and holds for
+  every precision. What is left of each precision's smaller step once its kernels and its
+  bytes (at that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's
+  and autograd's bookkeeping and the Python of transformers' modules around each op (a plain
+  Sequential of Linear, LayerNorm and GELU modules, an op per module call, costs 5-6 µs). The
+  engines' own hooks are not in it.
 
 Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` untimed ones.
 """
@@ -325,7 +326,7 @@ def _memory_factor(steps: dict[str, tuple[Callable[[], None], dict[str, Any]]], 
     """``memory_factor``, [[op size, factor], ...], from the fp32 steps (module docstring):
     the decoder's growth from OP_COST_SAMPLES' fewer to more samples, at the larger step's
     typical op size; then the wide decoder's step less its ops (at the op cost the smaller
-    step leaves at that factor) and its matmuls and attention, at its own."""
+    step leaves at that factor) and its kernels (kernel_seconds), at its own."""
     small, large, wide = (steps[key] for key in ("small", "large", "wide"))
     seconds = {key: _step_seconds(steps[key][0], device, env, alone) for key in steps}
     kernels = {key: kernel_seconds(steps[key][1], rates, "fp32") for key in steps}

@@ -101,7 +101,7 @@ def kernel_family(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> tuple[s
     return None
 
 
-def direction(func: torch._ops.OpOverload) -> str:
+def _direction(func: torch._ops.OpOverload) -> str:
     return "backward" if "backward" in func.overloadpacket.__name__ else "forward"
 
 
@@ -137,7 +137,7 @@ class DispatchedWork:
             family = kernel_family(func, args)
             if flops and family:
                 name, units = family
-                self.family_flops_by_size[name][direction(func)][_power_of_two_above(flops / units)] += int(flops)
+                self.family_flops_by_size[name][_direction(func)][_power_of_two_above(flops / units)] += int(flops)
             elif flops:
                 self.matmul_flops_by_size[_power_of_two_above(flops)] += int(flops)
         elif not func.is_view:

@@ -19,9 +19,9 @@ The work (per rank, one optimizer step):
 The rates (harness/measure/compute_rate.py and the bandwidth sweep, both measured in the
 run's own calibration launch; the record names which was used):
 - compute = ops × (op_s + the engine's overhead) + each matmul size's FLOPs ÷ the matmul rate
-  measured for that size + each attention kernel's FLOPs ÷ the rate measured for its direction
-  and FLOPs per head + each top-k's elements ÷ the rate measured for its size + each op size's
-  bytes ÷ the memory bandwidth measured for that
+  measured for that size + each attention kernel's and convolution's FLOPs ÷ the rate
+  measured for its direction and FLOPs per head or per call + each top-k's elements ÷ the rate
+  measured for its size + each op size's bytes ÷ the memory bandwidth measured for that
   working set × memory_factor at that size, all at the cell's precision; memory_factor is how
   much slower per byte a model step's elementwise ops ran than the STREAM add (compute_rate's
   docstring). The engine's overhead per op (``engine_overhead_per_op``, CPU runs): what the
@@ -131,8 +131,8 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
 
 
 def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: float) -> float:
-    """ops × (op_s + the engine's overhead) + matmuls, attention and top-k + bytes at
-    memory_factor (module docstring)."""
+    """ops × (op_s + the engine's overhead) + matmuls, attention, convolutions and top-k +
+    bytes at memory_factor (module docstring)."""
     return (work["ops"] * (rates["op_s"][precision] + overhead_per_op)
             + compute_rate.kernel_seconds(work, rates, precision) + compute_rate.memory_seconds(work, rates))
 

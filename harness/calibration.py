@@ -2,7 +2,8 @@
 (harness/runner/launcher.py ``run_bandwidth_sweep``), measuring what the step-time predictor
 (harness/predict/step_time.py) prices a step at:
 
-- the collective bandwidth sweep (measure/bandwidth.py);
+- the collective bandwidth sweep (measure/bandwidth.py), on two ranks or more (a one-rank
+  launch records ``no_sweep``, why, and its compute rates alone);
 - the ranks' compute rates (measure/compute_rate.py);
 - each engine's own step (``engine_steps``): for every strategy the run's distributed cells
   use, a training step of compute_rate.OP_COST_MODEL under it (fp32, 2 samples a rank; the
@@ -40,6 +41,7 @@ from harness.measure import bandwidth, compute_rate
 from harness.measure.dispatched_work import Counting
 
 ENGINE_STEP_SAMPLES = 2  # per rank: the default suite's micro-batch
+ONE_RANK_NO_SWEEP = "a bandwidth sweep needs at least 2 ranks; this run has 1"
 
 
 def engine_step_cell(name: str, world_size: int) -> CellSpec:
@@ -91,7 +93,10 @@ def main() -> None:
     parser.add_argument("--engines", default="", help="comma-separated strategies whose steps to time")
     args = parser.parse_args()
     env = init_from_torchrun()
-    rows = bandwidth.sweep(env, bandwidth.message_sizes(env.device.type))
+    # One rank has no peer to time a collective with, but its compute rates and the
+    # reference's step still price every cell of a one-GPU run (all of them world size 1).
+    no_sweep = ONE_RANK_NO_SWEEP if env.world_size < 2 else None
+    rows = [] if no_sweep else bandwidth.sweep(env, bandwidth.message_sizes(env.device.type))
     rates = None
     if not args.collectives_only:
         # As the worker does before each cell (runner/worker.release_memory): what the imports
@@ -110,6 +115,7 @@ def main() -> None:
             "repeats": bandwidth.REPEATS,
             "nnodes": env.nnodes,
             "rows": rows,
+            **({"no_sweep": no_sweep} if no_sweep else {}),
             **({"compute_rates": rates} if rates is not None else {}),
         }))
     dist.destroy_process_group()

@@ -304,11 +304,9 @@ def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float, nodes:
     bandwidth sweep with the compute rates and the steps of ``engines`` (strategies), or,
     given ``nodes`` of several, this node's share of a sweep across them, which every node
     launches alike (``rdzv_id``; collectives only). Its
-    JSON, or {"error": why} when it could not run (one rank has nothing to communicate with; a
-    launch that failed or outlived ``timeout_s``, with its log's tail). A sweep that fails
-    costs the run its bandwidth table, never its cells."""
-    if world_size < 2:
-        return {"error": f"a bandwidth sweep needs at least 2 ranks; this run has {world_size}"}
+    JSON (one rank: its compute rates, and ``no_sweep``: it has nothing to communicate with), or
+    {"error": why} when it could not run (a launch that failed or outlived ``timeout_s``, with
+    its log's tail). A sweep that fails costs the run its bandwidth table, never its cells."""
     workdir.mkdir(parents=True, exist_ok=True)
     out, log_file = workdir / "bandwidth.json", workdir / "log.txt"
     across = nodes_of(world_size, nodes) > 1

@@ -245,3 +245,13 @@ def test_the_trace_counts_what_the_step_dispatches():
     # Full checkpointing runs each block's forward again.
     assert works[ckpt.cell_id]["matmul_flops"] > works[ddp.cell_id]["matmul_flops"] * 1.1
     assert works[ckpt.cell_id]["ops"] > works[ddp.cell_id]["ops"]
+
+
+def test_a_distributed_cell_without_a_sweep_says_why():
+    """One rank per node measures compute rates but times no collective (harness/calibration.py)."""
+    calibration = {**_calibration(), "rows": [], "no_sweep": "a bandwidth sweep needs at least 2 ranks"}
+    cell = _cell()
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"),
+                          {"work": _work(collectives={"all_reduce": [[2**20, 1]]})}, calibration, "cpu")
+    assert p == {"unavailable": "no collective timings to price its communication at:"
+                                " a bandwidth sweep needs at least 2 ranks"}

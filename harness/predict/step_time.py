@@ -96,6 +96,8 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     else:
         return {"unavailable": f"no work to price: not traced ({traced.get('unavailable')}) and no analytic"
                                f" prediction ({analytic['unavailable']})"}
+    if cell.world_size > 1 and any(work["collectives"].values()) and not calibration["rows"]:
+        return {"unavailable": f"no collective timings to price its communication at: {calibration.get('no_sweep')}"}
     rates, share = _rates(cell, calibration, device_type)
     overhead = (engine_overhead_per_op(engine, calibration)
                 if device_type == "cpu" and cell.world_size > 1 else 0.0)

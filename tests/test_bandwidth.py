@@ -103,6 +103,7 @@ def test_the_same_launch_measures_the_ranks_compute_rates(swept):
     """harness/measure/compute_rate.py: what the step-time predictor prices a step at."""
     rates = swept["compute_rates"]
     assert rates["world_size"] == 2 and min(rates["tiny_step_ops"].values()) > 100
+    assert "no dense datasheet peak for a cpu device" in rates["no_datasheet_peak"]
     for scope in ("concurrent", "alone"):
         measured = rates[scope]
         assert set(measured["matmul_flops_per_s"]) == {"fp32", "bf16", "fp16"}
@@ -156,3 +157,18 @@ def test_a_pipelines_engine_step_is_not_timed_and_costs_no_overhead():
     steps = calibration.engine_steps(env, ["pp_gpipe"])
     assert steps["pp_gpipe"]["unavailable"].startswith("a pipeline's step is its schedule's")
     assert step_time.engine_overhead_per_op("pp_gpipe", {"compute_rates": {"engines": steps}}) == 0
+
+
+def test_a_known_gpus_matmul_rate_is_recorded_as_its_datasheet_efficiency(monkeypatch):
+    """What a plan prices a GPU at (predict/rough_time.py): the measured rate over the
+    datasheet's dense peak, fp32 against TF32's where the process lets matmuls use it."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    measured = {"bf16": 494.5e12, "fp16": 593.4e12, "fp32": 33.5e12}
+    efficiency = compute_rate.datasheet_efficiency(torch.device("cuda"), measured)
+    assert efficiency["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert efficiency["matmul_efficiency"] == pytest.approx({"bf16": 0.5, "fp16": 0.6, "fp32": 0.5})
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    tf32 = compute_rate.datasheet_efficiency(torch.device("cuda"), measured)
+    assert tf32["matmul_efficiency"]["fp32"] == pytest.approx(33.5e12 / 494.5e12)
+    assert compute_rate.datasheet_efficiency(torch.device("cpu"), measured) == {
+        "device_name": None, "no_datasheet_peak": "measure/flops.py has no dense datasheet peak for a cpu device"}

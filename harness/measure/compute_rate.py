@@ -12,6 +12,11 @@ the others wait (as the single-process reference runs):
   same for each square size of ``MATMUL_SIZES``: a 32² matmul runs at a few percent of a
   512²'s rate, and a step's matmuls are priced by their own size (log-log between sizes in
   FLOPs a call, the largest's rate above it).
+- ``matmul_efficiency``, per precision: the largest matmul's rate (every rank busy) over the
+  device's dense datasheet peak (``datasheet_peak_flops_per_s``, measure/flops.py, by the
+  ``device_name`` CUDA reports), the efficiency a plan prices a GPU at where it has this
+  run's calibration (predict/rough_time.py); a device flops.py does not list, any CPU among
+  them, records ``no_datasheet_peak`` instead.
 - ``attention_flops_per_s_by_size``, per precision and direction ("forward", "backward"):
   [[FLOPs per (sample, head), FLOP/s], ...] of causal scaled-dot-product attention (the
   kernel torch picks for the device: the CPU's flash attention) on ``ATTENTION_HEADS``
@@ -75,6 +80,7 @@ import torch.distributed as dist
 
 from harness import models
 from harness.distributed import DistEnv
+from harness.measure import flops
 from harness.measure.dispatched_work import KERNEL_FAMILIES, Counting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -358,6 +364,23 @@ def _step_seconds(step: Callable[[], None], device: torch.device, env: DistEnv, 
     return seconds_per_call(step, device, env, alone, iters=10)
 
 
+def datasheet_efficiency(device: torch.device, matmul_flops_per_s: dict[str, float]) -> dict[str, Any]:
+    """{"device_name", "datasheet_peak_flops_per_s", "matmul_efficiency"}: each precision's
+    largest matmul rate as a fraction of the device's dense datasheet peak (measure/flops.py;
+    fp32 the TF32 peak where this process's matmuls use TF32), what a GPU plan prices a GPU it
+    has not measured at (predict/rough_time.py); {"no_datasheet_peak": why} for a device
+    flops.py does not list (any CPU)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peaks = {precision: flops.peak_flops(name, flops.compute_precision(precision,
+                                                                       torch.get_float32_matmul_precision()))
+             for precision in matmul_flops_per_s}
+    if not all(peaks.values()):
+        return {"device_name": name, "no_datasheet_peak":
+                f"measure/flops.py has no dense datasheet peak for {name or 'a ' + device.type + ' device'}"}
+    return {"device_name": name, "datasheet_peak_flops_per_s": peaks,
+            "matmul_efficiency": {precision: rate / peaks[precision] for precision, rate in matmul_flops_per_s.items()}}
+
+
 def measure(env: DistEnv) -> dict[str, Any]:
     """The rates, {"concurrent": {...}, "alone": {...}}, each {"matmul_flops_per_s":
     {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "memory_factor"},
@@ -382,7 +405,8 @@ def measure(env: DistEnv) -> dict[str, Any]:
         rates[scope]["memory_factor"] = _memory_factor(fp32_steps, rates[scope], device, env, alone)
         rates[scope]["op_s"] = {name: _op_cost(*steps[name], rates[scope], name, device, env, alone)
                                 for name in PRECISIONS}
-    return {**rates, "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
+    return {**rates, **datasheet_efficiency(device, rates["concurrent"]["matmul_flops_per_s"]),
+            "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
             "attention_shapes": [list(shape) for shape in ATTENTION_SHAPES[kind]],
             "convolution_shapes": [list(shape) for shape in CONVOLUTION_SHAPES[kind]],
             "attention_heads": ATTENTION_HEADS[kind],

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--config", default=None, metavar="LABEL",
                      help="a configuration to hold beside the recommendation, as the table labels it,"
                           " e.g. fsdp_full/bf16/ckpt_full")
+    pln.add_argument("--calibration", default=None, metavar="RUN",
+                     help="price steps at the rates a run measured (its results directory, its run.json, or"
+                          " harness.calibration's JSON) instead of datasheet assumptions")
     pln.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     pln.set_defaults(func=cmd_plan)
     rpr = sub.add_parser("reproduce", help="rerun one recorded cell from its record and compare")

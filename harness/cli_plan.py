@@ -4,6 +4,8 @@ combination, and the one to rent the GPUs for (harness/predict/plan.py)."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from harness.cli_common import UsageError
 
@@ -24,13 +26,19 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
                                precision=args.precision, optimizer=args.optimizer)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    from harness.predict import rough_time
+
+    try:
+        rates = None if args.calibration is None else rough_time.measured(*_calibration(args.calibration))
+    except ValueError as error:
+        raise UsageError(f"--calibration {error}") from None
     trace = None
     if args.traced:
         from harness.predict import traced as tracer
 
         trace = tracer.trace_cells
     try:
-        result = plan.plan(req, trace=trace, named=args.config)
+        result = plan.plan(req, trace=trace, named=args.config, rates=rates)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.format == "json":
@@ -38,3 +46,18 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         print(plan.as_table(result, markdown=args.format == "markdown"))
     return 0
+
+
+def _calibration(path: str) -> tuple[dict, str]:
+    """(the calibration, its name) from a run's results directory, its run.json, or the JSON
+    ``python -m harness.calibration --out`` wrote; ValueError naming ``path`` otherwise."""
+    file = Path(path) / "run.json" if Path(path).is_dir() else Path(path)
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read {file}: {error}") from None
+    if isinstance(data, dict) and isinstance(data.get("environment"), dict):
+        return data["environment"].get("bandwidth") or {}, f"{path} (run {data.get('run_id', '?')})"
+    if isinstance(data, dict) and "compute_rates" in data:
+        return data, path
+    raise ValueError(f"{path}: neither a run's run.json nor a calibration's JSON (no compute_rates)")

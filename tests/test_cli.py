@@ -57,6 +57,9 @@ SUITE_FILES = {
                          f"{REPO / 'suites/configs/mistral-tiny.json'}', num_hidden_layers = true }}\n"),
     "deep.toml": ("[[cells]]\nstrategy = 'ddp'\nmodel = { config = '"
                   f"{REPO / 'suites/configs/mistral-tiny.json'}', num_hidden_layers = 100000000 }}\n"),
+    # plan --calibration's: a JSON that is neither, and a run that measured no rates.
+    "rates.json": '{"rows": []}',
+    "unswept.json": '{"run_id": "r1", "environment": {"bandwidth": {"skipped": "--no-bandwidth"}}}',
     # 50 × 50 = 2,500 cells, over the default --max-cells.
     "too_many.toml": ("[[cells]]\nmodel = 'gpt2-tiny'\nstrategy = 'ddp'\n"
                       f"seed = {list(range(50))}\nmicro_batch = {list(range(1, 51))}\n"),
@@ -130,6 +133,12 @@ SUITE_FILES = {
          "--gpu-mem '512KiB': must be between 1 MiB and 16 TiB per GPU"),
         (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--optimizer", "adam9"],
          "--optimizer adam9: choose one of adamw, adam8bit"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--calibration", "{files}/nope"],
+         "/nope: cannot read "),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--calibration", "{files}/rates.json"],
+         "/rates.json: neither a run's run.json nor a calibration's JSON (no compute_rates)"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--calibration",
+          "{files}/unswept.json"], "/unswept.json (run r1) measured no compute rates: --no-bandwidth"),
         (["run", "--mem-cap-gib", "80GB"], "argument --mem-cap-gib: invalid float value: '80GB'"),
         (["run", "--repeat", "0"], "--repeat 0: must be 1 or more trials per cell"),
         (["run", "--suite", "{files}/missing.toml"], "missing.toml: cannot read it ([Errno 2] No such file"),
@@ -270,6 +279,16 @@ def test_plan_prints_every_candidate_and_a_recommendation(capsys):
     assert plan["recommended"] in configs and plan["recommendation"].startswith("Recommended:")
     best = next(row for row in plan["rows"] if row["config"] == plan["recommended"])
     assert best["fits"] and best["predicted"]["peak_bytes"] <= 40e9
+
+
+def test_plan_prices_steps_at_a_runs_calibration(smoke_run, capsys):
+    out, _ = smoke_run
+    run = out / "results" / "latest"
+    assert cli.main(["plan", "--model", "gpt2-124m", "--gpus", "2", "--gpu-mem", "24GiB", "--seq", "256",
+                     "--calibration", str(run), "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rates"]["source"].startswith(f"this cpu host, measured by {run} (run ")
+    assert plan["rates"]["device_type"] == "cpu" and all(row["step_time"]["step_time_s"] > 0 for row in plan["rows"])
 
 
 def test_plan_for_one_gpu_runs_the_model_whole(capsys):

@@ -71,6 +71,8 @@ from harness.predict import (  # noqa: E402
     analytic_parallel,
     formulas,
     plan,
+    rough_time,
+    step_time,
     traced,
 )
 from harness.predict.analytic_data_parallel import activation_bytes, optimizer_state_bytes  # noqa: E402
@@ -184,7 +186,6 @@ def test_activation_offload_moves_what_the_blocks_save_and_brings_one_block_back
     """checkpointing=offload (save_on_cpu around each block): on a GPU the blocks' saved
     tensors are on the host, one block's back in its backward; nothing is recomputed, and the
     copies cross PCIe twice."""
-    from harness.predict import step_time
 
     none, full, offload = (_cell("fsdp_full", precision="bf16", checkpointing=c) for c in ("none", "full", "offload"))
     predicted = {c.strategy.checkpointing: analytic.predict(c, device_type="cuda") for c in (none, full, offload)}
@@ -907,3 +908,45 @@ def test_plan_configurations_at_real_size_match_their_trace():
     for cell in cells:
         predicted = analytic.predict(cell, device_type="cpu")["peak_bytes"]
         assert predicted == pytest.approx(results[cell.cell_id]["peak_bytes"], rel=0.05), cell.cell_id
+
+
+def _measured_calibration(device_type: str, flops_per_s: float, rows: list[dict],
+                          memory_bytes_per_s: float = 1e12) -> dict:
+    """A run's environment.bandwidth: every precision's matmuls at ``flops_per_s``, memory at
+    ``memory_bytes_per_s``, no per-op cost."""
+    rates = {"matmul_flops_per_s": dict.fromkeys(("fp32", "bf16", "fp16"), flops_per_s),
+             "memory_bytes_per_s": [[1, memory_bytes_per_s]], "op_s": dict.fromkeys(("fp32", "bf16", "fp16"), 0.0)}
+    return {"device_type": device_type, "world_size": 2, "rows": rows,
+            "compute_rates": {"concurrent": rates, "alone": rates, "world_size": 2}}
+
+
+def test_plan_prices_steps_at_a_runs_own_calibration():
+    """plan --calibration: a run's measured rates in place of the datasheet's assumptions."""
+    req = plan.PlanRequest(model="llama-1b", gpus=8, gpu_mem_bytes=80 * 2**30)
+    rows = [{"op": op, "bytes": 2**k, "time_s": 1e-4 + 2**k / 1e11} for op in ("all_reduce", "all_gather",
+                                                                                 "reduce_scatter")
+            for k in (10, 30)]
+    on_cpu = _measured_calibration("cpu", 1e12, rows)
+    result = plan.plan(req, rates=rough_time.measured(on_cpu, "run A"))
+    assert result["rates"].source == "this cpu host, measured by run A"
+    for row in result["rows"]:
+        cell = row["cell"]
+        expected = step_time.predict(cell, analytic.predict(cell, device_type="cpu"),
+                                     {"unavailable": "planned, not traced"}, on_cpu, "cpu")
+        assert row["step_time"] == expected and row["mfu"] is None  # no datasheet peak for a CPU
+    # One GPU's run: its own compute rates, NVLink collectives assumed (it timed none), and an
+    # MFU against its own datasheet peak.
+    one_gpu = {**_measured_calibration("cuda", 2 * rough_time.ASSUMED_MFU * 989e12, [], rough_time.ASSUMED_HBM_BW),
+               "no_sweep": "a bandwidth sweep needs at least 2 ranks; this run has 1"}
+    one_gpu["compute_rates"].update(device_name="NVIDIA H100 80GB HBM3", matmul_efficiency={"bf16": 0.8})
+    rates = rough_time.measured(one_gpu, "run B")
+    assert rates.source == ("NVIDIA H100 80GB HBM3, measured by run B (bf16 matmuls at 80% of its datasheet peak);"
+                            " collectives assumed (300 GB/s bus bandwidth): a bandwidth sweep needs at least 2"
+                            " ranks; this run has 1")
+    measured, assumed = (plan.plan(req, rates=rates, named="ddp/bf16/ckpt_none")["named"],
+                         plan.plan(req, named="ddp/bf16/ckpt_none")["named"])
+    assert measured["step_time"]["comm_s"] == pytest.approx(assumed["step_time"]["comm_s"], rel=1e-3)
+    assert measured["step_time"]["compute_s"] < assumed["step_time"]["compute_s"]  # twice the matmul rate
+    assert measured["mfu"] > assumed["mfu"]
+    with pytest.raises(ValueError, match="run C measured no compute rates: a bandwidth sweep needs"):
+        rough_time.measured({"error": "a bandwidth sweep needs 2 ranks\nlog tail"}, "run C")

@@ -181,10 +181,32 @@ def test_an_untraced_cell_is_priced_from_the_analytic_work_and_says_so():
     a = analytic.predict(cell, device_type="cpu")
     p = step_time.predict(cell, a, {"unavailable": "not traced: --no-trace"}, _calibration(), "cpu")
     assert p["work"] == "analytic (not traced: --no-trace)"
-    work = step_time.analytic_work(cell, a)
+    work = step_time.analytic_work(cell, a, "cpu")
     # One forward more under full checkpointing; no op count.
     assert work["matmul_flops"] == pytest.approx(models.flops_per_sample(cell.model_spec) * cell.micro_batch * 4 / 3)
     assert work["ops"] == 0 and work["collectives"] == {"all_reduce": [[a["comm_bytes_by_op"]["all_reduce"], 1]]}
+
+
+@pytest.mark.parametrize("name, device_type, sharded", [("ddp", "cpu", False), ("fsdp_full", "cpu", True),
+                                                         ("deepspeed_zero2", "cuda", True)])
+def test_the_analytic_optimizer_step_is_its_counted_bytes_over_the_ranks_elements(name, device_type, sharded):
+    """Where the step is not traced, the optimizer's traffic is its own step's, counted on one
+    tensor with the implementation torch picks on the device, over the elements the rank steps."""
+    cell = _cell(name)
+    a = analytic.predict(cell, device_type=device_type)
+    per_element = dispatched_work.optimizer_step_work("adamw", device_type)["bytes_per_element"]
+    # torch's AdamW: a per-tensor loop on the CPU (84 B an element), foreach on CUDA (56).
+    assert per_element == pytest.approx({"cpu": 84, "cuda": 56}[device_type], rel=1e-3)
+    numel = models.param_layout(cell.model_spec).numel
+    optimizer_traffic = per_element * numel / (cell.world_size if sharded else 1)
+    work = step_time.analytic_work(cell, a, device_type)
+    assert any(nbytes == pytest.approx(optimizer_traffic) for _, nbytes in work["memory_bytes"])
+
+
+def test_an_offloaded_optimizer_steps_on_the_host_not_in_the_devices_traffic():
+    cell = _cell("deepspeed_zero2", offload="optimizer")
+    work = step_time.analytic_work(cell, analytic.predict(cell, device_type="cuda"), "cuda")
+    assert len(work["memory_bytes"]) == 1  # the activations' alone (_offload_seconds prices the host's step)
 
 
 

@@ -367,18 +367,19 @@ def _step_seconds(step: Callable[[], None], device: torch.device, env: DistEnv, 
 def datasheet_efficiency(device: torch.device, matmul_flops_per_s: dict[str, float]) -> dict[str, Any]:
     """{"device_name", "datasheet_peak_flops_per_s", "matmul_efficiency"}: each precision's
     largest matmul rate as a fraction of the device's dense datasheet peak (measure/flops.py;
-    fp32 the TF32 peak where this process's matmuls use TF32), what a GPU plan prices a GPU it
-    has not measured at (predict/rough_time.py); {"no_datasheet_peak": why} for a device
+    fp32 the TF32 peak where this process's matmuls use TF32), which a plan priced at this
+    run's rates states (predict/rough_time.py); {"no_datasheet_peak": why} for a device
     flops.py does not list (any CPU)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    peaks = {precision: flops.peak_flops(name, flops.compute_precision(precision,
-                                                                       torch.get_float32_matmul_precision()))
+    matmul_precision = torch.get_float32_matmul_precision()
+    peaks = {precision: flops.peak_flops(name, flops.compute_precision(precision, matmul_precision))
              for precision in matmul_flops_per_s}
-    if not all(peaks.values()):
+    known = {precision: peak for precision, peak in peaks.items() if peak}
+    if len(known) < len(peaks):
         return {"device_name": name, "no_datasheet_peak":
                 f"measure/flops.py has no dense datasheet peak for {name or 'a ' + device.type + ' device'}"}
-    return {"device_name": name, "datasheet_peak_flops_per_s": peaks,
-            "matmul_efficiency": {precision: rate / peaks[precision] for precision, rate in matmul_flops_per_s.items()}}
+    return {"device_name": name, "datasheet_peak_flops_per_s": known,
+            "matmul_efficiency": {precision: rate / known[precision] for precision, rate in matmul_flops_per_s.items()}}
 
 
 def measure(env: DistEnv) -> dict[str, Any]:

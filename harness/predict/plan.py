@@ -5,11 +5,12 @@ For one model, GPU count and memory budget, every strategy and sensible option c
 precision and optimizer, with the analytic predictor's peak per GPU and its breakdown,
 whether it fits, the communication per step, and the predicted step time, tokens/s and MFU
 (harness/predict/rough_time.py: the step-time predictor at datasheet rates, each assumption
-stated there). A configuration fits when its
-peak is within ``fit.USABLE_FRACTION`` of the GPU's memory (the rest is the headroom the
-CUDA context, NCCL and the allocator's fragmentation take). The recommendation is the
-fastest fitting configuration by the predicted step time; between equal times, the order a
-practitioner would try them — no offload before offload, less recomputation before more.
+stated there, or, with ``--calibration``, at the rates a run measured on the user's own
+device). A configuration fits when its peak is within ``fit.USABLE_FRACTION`` of the GPU's
+memory (the rest is the headroom the CUDA context, NCCL and the allocator's fragmentation
+take). The recommendation is the fastest fitting configuration by the predicted step time;
+between equal times, the order a practitioner would try them — no offload before offload,
+less recomputation before more.
 
 ``--traced`` also traces, under FakeTensorMode (harness/predict/traced.py: exact
 per-category peak of the real model and strategy at the real world size, for models up to
@@ -106,12 +107,12 @@ def _preference(row: dict) -> tuple:
             row["predicted"]["comm_volume_per_step"], row["predicted"]["peak_bytes"])
 
 
-def _row(cell: CellSpec, req: PlanRequest) -> dict:
-    predicted = analytic.predict(cell, nodes=req.nodes)
-    step = rough_time.step_seconds(cell, None, predicted)
+def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates) -> dict:
+    predicted = analytic.predict(cell, nodes=req.nodes, device_type=rates.device_type)
+    step = rough_time.step_seconds(cell, rates, predicted)
     seconds = step.get("step_time_s")
     spec = cell.model_spec
-    peak = flops.peak_flops(rough_time.ASSUMED_GPU, flops.compute_precision(req.precision, "high"))
+    peak = flops.peak_flops(rates.gpu_name, flops.compute_precision(req.precision, "high"))
     model_flops = models.flops_per_sample(spec) * cell.global_batch / cell.world_size
     return {"cell": cell, "predicted": predicted, "step_time": step,
             "tokens_per_s": cell.global_batch * spec.tokens_per_sample / seconds if seconds else None,
@@ -120,11 +121,13 @@ def _row(cell: CellSpec, req: PlanRequest) -> dict:
 
 
 def plan(req: PlanRequest, trace: Callable[[list[CellSpec]], dict[str, dict]] | None = None,
-         named: str | None = None) -> dict:
+         named: str | None = None, rates: rough_time.Rates | None = None) -> dict:
     """Every candidate's row, the recommendation, and the row of the ``named``
-    configuration (a label as the table prints it). With ``trace`` (cells -> {cell_id:
+    configuration (a label as the table prints it), each step priced at ``rates`` (a run's
+    calibration; rough_time's assumptions when None). With ``trace`` (cells -> {cell_id:
     traced}), the leading candidates and the named one are traced (module docstring)."""
-    rows = [_row(cell, req) for cell in candidates(req)]
+    rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus)
+    rows = [_row(cell, req, rates) for cell in candidates(req)]
     by_label = {config_label(r["cell"]): r for r in rows}
     if named is not None and named not in by_label:
         raise ValueError(f"--config {named}: not a candidate here; choose one of {', '.join(sorted(by_label))}")
@@ -144,7 +147,7 @@ def plan(req: PlanRequest, trace: Callable[[list[CellSpec]], dict[str, dict]] | 
                     r["fits"] = False
             pending = []
     fitting = sorted((r for r in rows if r["fits"]), key=_preference)
-    return {"request": req, "rows": sorted(rows, key=lambda r: r["predicted"]["peak_bytes"]),
+    return {"request": req, "rates": rates, "rows": sorted(rows, key=lambda r: r["predicted"]["peak_bytes"]),
             "recommended": fitting[0] if fitting else None,
             "named": by_label.get(named) if named is not None else None}
 
@@ -214,8 +217,8 @@ def as_json(result: dict) -> str:
                   "mfu": r["mfu"], "traced": r["traced"]} for r in result["rows"]],
         "recommended": config_label(result["recommended"]["cell"]) if result["recommended"] else None,
         "recommendation": recommendation_text(result),
-        "rates": {"gpu": rough_time.ASSUMED_GPU, "mfu": rough_time.ASSUMED_MFU, "bus_bw": rough_time.ASSUMED_BUS_BW,
-                  "usable_fraction": fit.USABLE_FRACTION},
+        "rates": {"source": result["rates"].source, "device_type": result["rates"].device_type,
+                  "gpu": result["rates"].gpu_name, "usable_fraction": fit.USABLE_FRACTION},
     }, indent=2)
 
 
@@ -230,8 +233,7 @@ def as_table(result: dict, markdown: bool) -> str:
             f" micro-batch {req.micro_batch}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each"
             f" ({fit.USABLE_FRACTION:.0%} usable), {req.precision}, {req.optimizer}. Memory: analytic predictor"
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
-            f" {rough_time.ASSUMED_GPU} (assumed: {rough_time.ASSUMED_MFU:.0%} MFU,"
-            f" {rough_time.ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth).")
+            f" {result['rates'].source}.")
     cols = ("config", "fits", "peak", "params", "grads", "optimizer", "buffers", "activations", "transient",
             "offloaded", "comm/step", "step s", "tokens/s", "MFU", "traced")
     lines = [head, ""]

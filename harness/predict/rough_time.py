@@ -2,8 +2,7 @@
 priced at datasheet rates instead of a run's calibration. What ``plan`` ranks by and what
 ``list`` adds up for a GPU target, written down before anything runs.
 
-The rates, each an assumption stated here (a GPU run's own calibration replaces them: its
-bandwidth launch measures the same quantities):
+The rates, each an assumption stated here (``assumed``):
 - matmuls at ``ASSUMED_MFU`` of the GPU's dense datasheet peak (measure/flops.py): the model
   FLOPs fraction well-tuned dense training reaches on H100 (torchtitan's Llama-3 8B: 38-42 %),
   standing in for every kernel of forward and backward;
@@ -15,9 +14,16 @@ bandwidth launch measures the same quantities):
 Per cell, ``CELL_START_S`` (the model built and sharded, the warm-up's first-step compiles
 and allocations) on top of its steps. A GPU that measure/flops.py does not know is priced as
 ``ASSUMED_GPU``.
+
+A run's own calibration replaces them (``measured``, ``plan --calibration``): its launch
+measured the same quantities on the user's device (harness/calibration.py), the matmul rate
+as an efficiency of the GPU's datasheet peak among them (measure/compute_rate.py). A one-GPU
+run's launch times no collective: on CUDA its plan keeps the assumed collectives, saying so.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from harness.config import CellSpec
 from harness.measure import flops
@@ -34,31 +40,65 @@ _PRECISIONS = ("fp32", "bf16", "fp16")
 _SIZES = tuple(2**k for k in range(10, 41, 2))  # 1 KiB .. 1 TiB
 
 
-def assumed_calibration(gpu_name: str | None, world_size: int) -> dict:
-    """A run's ``environment.bandwidth`` (sweep rows and compute rates) from the assumptions
-    above, for ``world_size`` GPUs of ``gpu_name``."""
+@dataclass(frozen=True, kw_only=True)
+class Rates:
+    """What a plan prices steps at: a calibration in run.json's ``environment.bandwidth``
+    form, the device type it describes, the GPU whose datasheet peak an MFU is taken against
+    (None: no MFU), and where the rates come from, in words."""
+
+    calibration: dict
+    device_type: str
+    gpu_name: str | None
+    source: str
+
+
+def assumed(gpu_name: str | None = None, world_size: int = 2) -> Rates:
+    """The module docstring's assumptions, for ``world_size`` GPUs of ``gpu_name``."""
     known = gpu_name if flops.peak_flops(gpu_name, "bf16") else ASSUMED_GPU
     rates = {"matmul_flops_per_s": {p: (flops.peak_flops(known, flops.compute_precision(p, "high")) or 0.0)
                                     * ASSUMED_MFU for p in _PRECISIONS},
              "memory_bytes_per_s": [[1, ASSUMED_HBM_BW]], "op_s": dict.fromkeys(_PRECISIONS, 0.0)}
-    ranks = max(world_size, 2)
-    rows = [{"op": op, "bytes": size,
-             "time_s": ASSUMED_LATENCY_S + size * busbw_factor(op, ranks) / ASSUMED_BUS_BW}
+    calibration = {"world_size": max(world_size, 2), "rows": _assumed_rows(max(world_size, 2)),
+                   "compute_rates": {"concurrent": rates, "alone": rates, "world_size": max(world_size, 2)}}
+    return Rates(calibration=calibration, device_type="cuda", gpu_name=known,
+                 source=f"{known} (assumed: {ASSUMED_MFU:.0%} MFU, {ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth)")
+
+
+def measured(calibration: dict, run: str) -> Rates:
+    """A run's calibration (``environment.bandwidth``; ``run`` names it); ValueError where it
+    measured no compute rates."""
+    rates = calibration.get("compute_rates")
+    if not rates:
+        why = calibration.get("error") or calibration.get("skipped") or "no compute_rates in it"
+        raise ValueError(f"{run} measured no compute rates: {why.splitlines()[0]}")
+    device_type = calibration.get("device_type", "cpu")
+    device = rates.get("device_name") or f"this {device_type} host"
+    efficiency = rates.get("matmul_efficiency", {}).get("bf16")
+    source = f"{device}, measured by {run}" + (f" (bf16 matmuls at {efficiency:.0%} of its datasheet peak)"
+                                                 if efficiency else "")
+    if not calibration.get("rows") and device_type == "cuda":
+        # One GPU timed no collective; the others' rates are still this device's own.
+        calibration = {**calibration, "rows": _assumed_rows(2), "world_size": 2}
+        source += (f"; collectives assumed ({ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth):"
+                   f" {calibration.get('no_sweep', 'it timed none')}")
+    return Rates(calibration=calibration, device_type=device_type, gpu_name=rates.get("device_name"), source=source)
+
+
+def _assumed_rows(ranks: int) -> list[dict]:
+    return [{"op": op, "bytes": size, "time_s": ASSUMED_LATENCY_S + size * busbw_factor(op, ranks) / ASSUMED_BUS_BW}
             for op in ("all_reduce", "all_gather", "reduce_scatter") for size in _SIZES]
-    return {"world_size": ranks, "rows": rows,
-            "compute_rates": {"concurrent": rates, "alone": rates, "world_size": ranks}, "assumed_gpu": known}
 
 
-def step_seconds(cell: CellSpec, gpu_name: str | None, predicted: dict | None = None) -> dict:
-    """The cell's predicted step on ``gpu_name`` (step_time.predict's entry), from its
-    analytic prediction (``predicted``, computed here when not given)."""
+def step_seconds(cell: CellSpec, rates: Rates, predicted: dict | None = None) -> dict:
+    """The cell's predicted step at ``rates`` (step_time.predict's entry), from its analytic
+    prediction (``predicted``, computed here when not given)."""
     predicted = predicted if predicted is not None else analytic.predict(cell)
-    return step_time.predict(cell, predicted, {"unavailable": "planned, not traced"},
-                             assumed_calibration(gpu_name, cell.world_size), "cuda")
+    return step_time.predict(cell, predicted, {"unavailable": "planned, not traced"}, rates.calibration,
+                             rates.device_type)
 
 
 def cell_seconds(cell: CellSpec, gpu_name: str | None) -> float | None:
     """The cell's rough wall time on ``gpu_name``, its steps and its start; None where the
     step has no prediction (a model the analytic predictor does not describe)."""
-    step = step_seconds(cell, gpu_name)
+    step = step_seconds(cell, assumed(gpu_name, cell.world_size))
     return CELL_START_S + cell.steps * step["step_time_s"] if "step_time_s" in step else None

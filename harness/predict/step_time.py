@@ -67,15 +67,16 @@ import math
 
 from harness import models, strategies
 from harness.config import CellSpec
-from harness.measure import compute_rate
+from harness.measure import compute_rate, dispatched_work
 from harness.measure.comm import busbw_factor
+from harness.predict import analytic_data_parallel
 from harness.strategies import pipeline
 
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16 host-device copies as measured by bandwidthTest, ~25 of 32 GB/s
 HOST_MEMORY_BYTES_PER_S = 50e9  # a server socket's sustained stream bandwidth per GPU's share
 # A collective kind as the record counts it -> the sweep's row that prices it.
 _SWEPT_AS = {"send": "send_recv", "recv": "send_recv"}
-_OPTIMIZER_BYTES_PER_ELEMENT = 28  # AdamW in fp32: reads p, g, m, v and writes p, m, v
+_HOST_ADAM_BYTES_PER_ELEMENT = 28  # an offloaded step, fused (DeepSpeedCPUAdam): reads p, g, m, v, writes p, m, v
 
 
 def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | None, device_type: str) -> dict:
@@ -92,7 +93,8 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
         source = f"traced stand-in {traced['stand_in']['cell_id']} ({traced['unavailable']})"
         engine = traced["stand_in"].get("strategy", engine)  # the work is the stand-in's step
     elif "unavailable" not in analytic:
-        work, source = analytic_work(cell, analytic), f"analytic ({traced.get('unavailable', 'not traced')})"
+        work = analytic_work(cell, analytic, device_type)
+        source = f"analytic ({traced.get('unavailable', 'not traced')})"
     else:
         return {"unavailable": f"no work to price: not traced ({traced.get('unavailable')}) and no analytic"
                                f" prediction ({analytic['unavailable']})"}
@@ -145,25 +147,38 @@ def _comm_seconds_by_op(work: dict, world_size: int, calibration: dict) -> dict[
             for kind, sizes in work["collectives"].items()}
 
 
-def analytic_work(cell: CellSpec, analytic: dict) -> dict:
+def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
     """The work of the module docstring's analytic case, in dispatched_work's format."""
     s = cell.strategy
     samples = cell.micro_batch * s.accumulation * (s.layout("pp_microbatches") if s.pipelined else 1)
     recompute = 4 / 3 if s.checkpointing == "full" else 1.0
-    split = pipeline.n_stages(s.name, cell.world_size) if s.pipelined else _model_split(cell)
-    flops = models.flops_per_sample(cell.model_spec) * samples * recompute / split
-    states = analytic["model_states_bytes"]
-    optimizer_elements = states["optimizer"] / 8 if states["optimizer"] else 0.0  # two fp32 moments each
+    flops = models.flops_per_sample(cell.model_spec) * samples * recompute / _model_split(cell)
     acts = analytic["activation_bytes"]
     # Every activation is written in forward and read twice in backward, the recomputed ones
     # written once more: checkpointing keeps fewer of them, it does not compute fewer.
     recomputed = cell.model_spec.n_layers * analytic.get("transient_bytes", {}).get("recompute", 0.0)
     activation_traffic = 3 * (acts["layers"] + recomputed + acts["logits"]) + recomputed
-    optimizer_traffic = optimizer_elements * _OPTIMIZER_BYTES_PER_ELEMENT
+    optimizer_traffic = (_optimizer_elements(cell, analytic)
+                         * dispatched_work.optimizer_step_work(s.optimizer, device_type)["bytes_per_element"])
     # Each stream at the working set of all of it: a first-order figure for want of op sizes.
     return {"ops": 0, "matmul_flops": flops,
             "memory_bytes": [[b, b] for b in sorted((optimizer_traffic, activation_traffic)) if b],
             "collectives": {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
+
+
+def _optimizer_elements(cell: CellSpec, analytic: dict) -> float:
+    """The parameter elements the rank's optimizer steps on the device: its shard of the
+    model's where the engine shards the optimizer, its stage's or tensor slice's where the
+    model is split; none where the optimizer is offloaded (``_offload_seconds`` prices it)."""
+    if (analytic.get("offloaded_bytes") or {}).get("optimizer"):
+        return 0.0
+    numel = models.param_layout(cell.model_spec).numel
+    engine = strategies.get(cell.strategy.name).engine_model
+    if engine.analytic == "context_parallel":
+        return numel  # every rank holds the whole model and splits the sequence
+    if engine.analytic != "data_parallel":
+        return numel / _model_split(cell)
+    return numel / analytic_data_parallel.shard_degree(cell) if "optimizer" in engine.sharded else numel
 
 
 def _with_analytic_collectives(work: dict, analytic: dict) -> dict:
@@ -173,7 +188,10 @@ def _with_analytic_collectives(work: dict, analytic: dict) -> dict:
 
 
 def _model_split(cell: CellSpec) -> int:
-    """How many ranks share one sample's FLOPs: the tensor- or context-parallel degree."""
+    """How many ranks share one sample's FLOPs and the model's parameters: the pipeline's
+    stages, or the tensor- or context-parallel degree."""
+    if cell.strategy.pipelined:
+        return pipeline.n_stages(cell.strategy.name, cell.world_size)
     kind = strategies.get(cell.strategy.name).engine_model.analytic
     if kind in ("tensor_parallel", "context_parallel"):
         return cell.world_size // max(1, cell.strategy.data_parallel_size(cell.world_size))
@@ -245,6 +263,6 @@ def _offload_seconds(cell: CellSpec, analytic: dict) -> float:
     # Activation offload copies what the blocks save to the host in forward and back in
     # backward, every micro-step.
     activations = offloaded.get("activations", 0.0) * cell.strategy.accumulation
-    host_step = optimizer / 8 * _OPTIMIZER_BYTES_PER_ELEMENT / HOST_MEMORY_BYTES_PER_S if optimizer else 0.0
+    host_step = optimizer / 8 * _HOST_ADAM_BYTES_PER_ELEMENT / HOST_MEMORY_BYTES_PER_S if optimizer else 0.0
     return (2 * params + grads + 2 * activations) / PCIE_BYTES_PER_S + host_step
 

@@ -4,7 +4,9 @@ combination, and the one to rent the GPUs for (harness/predict/plan.py)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import sys
 from pathlib import Path
 
 from harness.cli_common import UsageError
@@ -32,13 +34,17 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         rates = None if args.calibration is None else rough_time.measured(*_calibration(args.calibration))
     except ValueError as error:
         raise UsageError(f"--calibration {error}") from None
-    trace = None
-    if args.traced:
-        from harness.predict import traced as tracer
+    from harness.predict import traced as tracer
 
-        trace = tracer.trace_cells
+    work_trace = None
+    if rates is not None:
+        # Seconds a configuration: say so before the terminal goes quiet.
+        print(f"plan: tracing each configuration at 1 and 2 blocks, to price its step at {rates.source}",
+              file=sys.stderr, flush=True)
+        work_trace = functools.partial(tracer.trace_cells, progress=_progress)
     try:
-        result = plan.plan(req, trace=trace, named=args.config, rates=rates)
+        result = plan.plan(req, trace=tracer.trace_cells if args.traced else None, named=args.config, rates=rates,
+                           work_trace=work_trace)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.format == "json":
@@ -61,3 +67,7 @@ def _calibration(path: str) -> tuple[dict, str]:
     if isinstance(data, dict) and "compute_rates" in data:
         return data, path
     raise ValueError(f"{path}: neither a run's run.json nor a calibration's JSON (no compute_rates)")
+
+
+def _progress(traced: int, total: int) -> None:
+    print(f"plan: {traced} of {total} traced", file=sys.stderr, flush=True)

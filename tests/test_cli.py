@@ -284,11 +284,14 @@ def test_plan_prints_every_candidate_and_a_recommendation(capsys):
 def test_plan_prices_steps_at_a_runs_calibration(smoke_run, capsys):
     out, _ = smoke_run
     run = out / "results" / "latest"
-    assert cli.main(["plan", "--model", "gpt2-124m", "--gpus", "2", "--gpu-mem", "24GiB", "--seq", "256",
+    assert cli.main(["plan", "--model", "gpt2-tiny", "--gpus", "2", "--gpu-mem", "1GiB",
                      "--calibration", str(run), "--format", "json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["rates"]["source"].startswith(f"this cpu host, measured by {run} (run ")
     assert plan["rates"]["device_type"] == "cpu" and all(row["step_time"]["step_time_s"] > 0 for row in plan["rows"])
+    # Each configuration's work traced at 1 and 2 blocks (predict/plan_work.py), none offloading activations.
+    assert all(row["step_time"]["work"].startswith("traced stand-in gpt2-tiny-2-blocks/") for row in plan["rows"])
+    assert not any("ckpt_offload" in row["config"] for row in plan["rows"])
 
 
 def test_plan_for_one_gpu_runs_the_model_whole(capsys):

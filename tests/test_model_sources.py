@@ -64,6 +64,13 @@ def test_the_same_config_from_another_file_is_the_same_model_and_an_override_is_
     assert copy.name == resolved["mistral"].name
     deeper = sources.resolve({"config": str(model_configs.write(tmp_path, "mistral")), "num_hidden_layers": 4})
     assert deeper.n_layers == 4 and deeper.name != copy.name and deeper.hf.config["num_hidden_layers"] == 4
+    # What a plan traces of a real model (predict/plan_work.py): the same config at another depth.
+    assert sources.at_depth(copy, 4) == deeper
+
+
+def test_a_factorys_model_keeps_the_depth_its_code_gives_it():
+    with pytest.raises(ValueError, match="a factory's model has the depth its code gives it"):
+        sources.at_depth(sources.resolve("factory_model:classifier"), 1)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -19,6 +19,7 @@ each rank's RNG, which would break the equivalence with the one-process referenc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -63,6 +64,18 @@ def resolve(model: str | dict[str, Any], where: str = "model") -> str | ModelSpe
         return _resolve_factory(model, where)
     raise ValueError(f"{where}: unknown model {model!r}: not a preset ({', '.join(PRESETS)}), a config.json file"
                      " nor a package.module:function factory")
+
+
+def at_depth(spec: ModelSpec, n_layers: int) -> ModelSpec:
+    """``spec`` with ``n_layers`` repeated blocks and all else kept, a config's re-resolved
+    (a plan traces a real model's first blocks: predict/plan_work.py); ValueError for a
+    factory's model, whose depth is its code's."""
+    if spec.family == "factory":
+        raise ValueError(f"{spec.name}: a factory's model has the depth its code gives it")
+    if spec.hf is None:
+        return dataclasses.replace(spec, n_layers=n_layers, name=f"{spec.name}-{n_layers}-blocks")
+    config = json.loads(spec.hf.config_json) | {"num_hidden_layers": n_layers}
+    return _spec(spec.hf.source, spec.hf.model_type, spec.hf.task, config, spec.name)
 
 
 @functools.cache

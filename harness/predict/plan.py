@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from typing import get_args
 
 from harness import models, strategies
 from harness.config import MAX_COUNT, CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
 from harness.measure import flops
-from harness.predict import analytic, fit, rough_time
+from harness.predict import analytic, fit, plan_work, rough_time
 
 # The data-parallel and sharded strategies the formulas describe, as their engines'
 # maintainers recommend them (no superseded engine), the reference aside.
@@ -107,9 +106,9 @@ def _preference(row: dict) -> tuple:
             row["predicted"]["comm_volume_per_step"], row["predicted"]["peak_bytes"])
 
 
-def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates) -> dict:
+def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates, work: dict | None) -> dict:
     predicted = analytic.predict(cell, nodes=req.nodes, device_type=rates.device_type)
-    step = rough_time.step_seconds(cell, rates, predicted)
+    step = rough_time.step_seconds(cell, rates, predicted, work)
     seconds = step.get("step_time_s")
     spec = cell.model_spec
     peak = flops.peak_flops(rates.gpu_name, flops.compute_precision(req.precision, "high"))
@@ -120,14 +119,19 @@ def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates) -> dict:
             "fits": predicted["peak_bytes"] <= fit.USABLE_FRACTION * req.gpu_mem_bytes, "traced": None}
 
 
-def plan(req: PlanRequest, trace: Callable[[list[CellSpec]], dict[str, dict]] | None = None,
-         named: str | None = None, rates: rough_time.Rates | None = None) -> dict:
+def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | None = None,
+         rates: rough_time.Rates | None = None, work_trace: plan_work.Trace | None = None) -> dict:
     """Every candidate's row, the recommendation, and the row of the ``named``
     configuration (a label as the table prints it), each step priced at ``rates`` (a run's
     calibration; rough_time's assumptions when None). With ``trace`` (cells -> {cell_id:
-    traced}), the leading candidates and the named one are traced (module docstring)."""
+    traced}), the leading candidates and the named one are traced (module docstring); with
+    ``work_trace`` (the same kind of function), each candidate's step work is traced at one
+    and two blocks and extrapolated (predict/plan_work.py), for a run's rates."""
     rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus)
-    rows = [_row(cell, req, rates) for cell in candidates(req)]
+    # A CPU host's rates price what a CPU runs (no activation offload: its tensors are on the host).
+    cells = [c for c in candidates(req) if strategies.unsupported_reason(c, rates.device_type) is None]
+    works = plan_work.stand_ins(cells, work_trace, rates.device_type, req.nodes) if work_trace else {}
+    rows = [_row(cell, req, rates, works.get(cell.cell_id)) for cell in cells]
     by_label = {config_label(r["cell"]): r for r in rows}
     if named is not None and named not in by_label:
         raise ValueError(f"--config {named}: not a candidate here; choose one of {', '.join(sorted(by_label))}")

@@ -89,11 +89,12 @@ def _assumed_rows(ranks: int) -> list[dict]:
             for op in ("all_reduce", "all_gather", "reduce_scatter") for size in _SIZES]
 
 
-def step_seconds(cell: CellSpec, rates: Rates, predicted: dict | None = None) -> dict:
+def step_seconds(cell: CellSpec, rates: Rates, predicted: dict | None = None, work: dict | None = None) -> dict:
     """The cell's predicted step at ``rates`` (step_time.predict's entry), from its analytic
-    prediction (``predicted``, computed here when not given)."""
+    prediction (``predicted``, computed here when not given) and ``work`` where it has some
+    beside it (predict/plan_work.py's stand-in)."""
     predicted = predicted if predicted is not None else analytic.predict(cell)
-    return step_time.predict(cell, predicted, {"unavailable": "planned, not traced"}, rates.calibration,
+    return step_time.predict(cell, predicted, work or {"unavailable": "planned, not traced"}, rates.calibration,
                              rates.device_type)
 
 

@@ -158,7 +158,7 @@ def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
     # written once more: checkpointing keeps fewer of them, it does not compute fewer.
     recomputed = cell.model_spec.n_layers * analytic.get("transient_bytes", {}).get("recompute", 0.0)
     activation_traffic = 3 * (acts["layers"] + recomputed + acts["logits"]) + recomputed
-    optimizer_traffic = (_optimizer_elements(cell, analytic)
+    optimizer_traffic = (optimizer_elements(cell, analytic)
                          * dispatched_work.optimizer_step_work(s.optimizer, device_type)["bytes_per_element"])
     # Each stream at the working set of all of it: a first-order figure for want of op sizes.
     return {"ops": 0, "matmul_flops": flops,
@@ -166,7 +166,7 @@ def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
             "collectives": {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
 
 
-def _optimizer_elements(cell: CellSpec, analytic: dict) -> float:
+def optimizer_elements(cell: CellSpec, analytic: dict) -> float:
     """The parameter elements the rank's optimizer steps on the device: its shard of the
     model's where the engine shards the optimizer, its stage's or tensor slice's where the
     model is split; none where the optimizer is offloaded (``_offload_seconds`` prices it)."""

@@ -101,6 +101,11 @@ def test_the_example_suite_files_are_valid():
     assert [(c.strategy.name, c.router_aux_loss_coef) for c in moe] == [("single", 0.01), ("ddp", 0.01),
                                                                          ("single", None)]
     assert {(c.steps, c.lr) for c in moe} == {(40, 0.01)}
+    # The one-GPU checks, at the --gpus 1 their headers run them with.
+    for name in ("device_check.toml", "device_check_memory.toml"):
+        path = suites.SUITE_FILE_EXAMPLES / name
+        assert "--gpus 1 --suite" in path.read_text()
+        assert {c.world_size for c in suites.cells_of(str(path), 1)} == {1}
 
 
 def test_a_suite_file_table_without_cells_is_refused(tmp_path):
@@ -133,3 +138,4 @@ def test_a_cpu_cell_too_slow_at_the_measured_rate_is_unsupported_with_the_arithm
     assert timeouts.too_slow_reason(real["bf16"], "cuda") is None
     tiny = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", precision="bf16"))
     assert timeouts.too_slow_reason(tiny, "cpu") is None
+

@@ -29,7 +29,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 # (torch's save_on_cpu, pinned: features/checkpointing.py).
 Checkpointing = Literal["none", "full", "selective", "offload"]
 Offload = Literal["none", "params", "optimizer", "optimizer_params"]
-Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd", "lamb", "lamb8bit"]
+Optimizer = Literal["adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd", "lamb", "lamb8bit",
+                    "fused_lamb"]
 Compression = Literal["none", "fp16", "bf16", "powersgd", "int8_tensor", "int8_channel", "topk", "randomk"]
 LossScaling = Literal["dynamic", "none"]
 HsdpMesh = Literal["explicit", "fsdp_default"]

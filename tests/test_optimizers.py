@@ -189,3 +189,19 @@ def test_lamb_state_is_its_formula_and_sharding_engines_refuse_it(name):
         assert why is not None and "optimizer" in why, (strategy, why)
     assert "trust ratio" in strategies.incompatibility(
         CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="deepspeed_zero2", optimizer=name)))
+
+
+def test_deepspeeds_fused_lamb_is_refused_on_the_cpu_with_what_loading_it_raises():
+    from harness.predict.analytic_data_parallel import optimizer_state_bytes
+
+    with pytest.raises(ValueError) as raised:
+        optimizers.make(_params(), "fused_lamb", 1e-3)
+    assert f"'{raised.value}'" in optimizers.FUSED_LAMB_ON_CPU
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp", optimizer="fused_lamb"))
+    assert strategies.unsupported_reason(cell, "cpu").endswith(optimizers.FUSED_LAMB_ON_CPU)
+    assert strategies.unsupported_reason(cell, "cuda") is None
+    # Its state (deepspeed/ops/lamb/fused_lamb.py): exp_avg and exp_avg_sq like each parameter,
+    # the step count a Python int; no per-tensor norm as bitsandbytes keeps.
+    assert optimizer_state_bytes([(64, 128), (64,)], "fused_lamb") == 8 * (64 * 128 + 64)
+    assert "trust ratio" in strategies.incompatibility(
+        CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="deepspeed_zero2", optimizer="fused_lamb")))

@@ -17,6 +17,12 @@
   block-wise 8-bit state, and one fp32 update norm per tensor. The trust ratio is a per-tensor
   norm, so an engine that hands the optimizer flat shards (FSDP1, DeepSpeed ZeRO) or DTensor
   shards (FSDP2) computes another update: only the strategies that step whole tensors take it.
+- ``fused_lamb``: DeepSpeed's FusedLamb (``deepspeed.ops.lamb``: LAMB's two fp32 moments and
+  trust ratio in one CUDA kernel over the parameter list, its coefficient clamped to
+  [0.01, 10]) with its defaults and the cell's lr, handed to whichever engine steps whole
+  tensors (the reference too). A CUDA op only: on the CPU its constructor, loading the op,
+  raises "This op had not been implemented on CPU backend.", so ``unsupported_reason``
+  refuses it there.
 - ``sgd``: torch.optim.SGD with heavy-ball momentum ``SGD_MOMENTUM`` (0.9, the value of the
   ResNet and transformer recipes that use SGD) and the cell's lr: one fp32 momentum buffer per
   parameter, 4 B per parameter of state where AdamW holds 8.
@@ -34,12 +40,14 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import ParamsT  # parameters, or parameter groups (tensor parallel's)
 
-NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd", "lamb", "lamb8bit")
+NAMES = ("adamw", "adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd", "lamb", "lamb8bit", "fused_lamb")
 SGD_MOMENTUM = 0.9
 BITSANDBYTES = frozenset({"adam8bit", "adamw8bit", "paged_adamw8bit", "lamb", "lamb8bit"})
 # Optimizers whose update uses each tensor's norm (LAMB's trust ratio): refused where the
 # optimizer sees shards instead of whole tensors.
-PER_TENSOR_NORM = frozenset({"lamb", "lamb8bit"})
+PER_TENSOR_NORM = frozenset({"lamb", "lamb8bit", "fused_lamb"})
+# Optimizers whose step is a CUDA kernel with no CPU path at all (not even a slow one).
+CUDA_KERNEL_ONLY = frozenset({"fused_lamb"})
 PER_TENSOR_NORM_NOTE = ("LAMB's trust ratio is each tensor's weight norm over its update's: on the shards this engine"
                         " hands the optimizer it would be the shard's, a different update than the reference's")
 
@@ -48,6 +56,9 @@ PAGED_ON_CPU = (
     " to the non-paged optimizer ('Paged optimizers are not supported on CPU. Falling back to"
     " non-paged optimizer behavior.'), so the cell would measure adamw8bit under another name"
 )
+
+FUSED_LAMB_ON_CPU = ("DeepSpeed's FusedLamb is a CUDA kernel: on the CPU loading it raises 'This op had not been"
+                     " implemented on CPU backend.'")
 
 
 def optimizer_class_and_kwargs(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], dict]:
@@ -65,6 +76,10 @@ def optimizer_class_and_kwargs(name: str, lr: float) -> tuple[type[torch.optim.O
                "paged_adamw8bit": bnb_optim.PagedAdamW8bit, "lamb": bnb_optim.LAMB,
                "lamb8bit": bnb_optim.LAMB8bit}[name]
         return cls, {"lr": lr}
+    if name == "fused_lamb":
+        from deepspeed.ops.lamb import FusedLamb
+
+        return FusedLamb, {"lr": lr}
     raise ValueError(f"optimizer={name!r}: choose one of {', '.join(NAMES)}")
 
 
@@ -77,4 +92,6 @@ def unsupported_reason(name: str, device_type: str) -> str | None:
     """Why this hardware cannot run optimizer ``name`` as itself, or None."""
     if name == "paged_adamw8bit" and device_type != "cuda":
         return PAGED_ON_CPU
+    if name in CUDA_KERNEL_ONLY and device_type != "cuda":
+        return FUSED_LAMB_ON_CPU
     return None

@@ -85,6 +85,8 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]] | tuple[tuple[int, ...],
         return adamw_state_bytes(shapes)
     if optimizer in ("lamb", "lamb8bit"):
         return lamb_state_bytes(shapes, eight_bit=optimizer == "lamb8bit")
+    if optimizer == "fused_lamb":  # DeepSpeed's FusedLamb: the two fp32 moments, its step count a Python int
+        return lamb_state_bytes(shapes, eight_bit=False, update_norms=False)
     if optimizer in BITSANDBYTES:
         return blockwise_8bit_state_bytes(shapes)
     if optimizer == "adafactor":

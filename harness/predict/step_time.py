@@ -67,6 +67,7 @@ import math
 
 from harness import models, strategies
 from harness.config import CellSpec
+from harness.features import optimizers
 from harness.measure import compute_rate, dispatched_work
 from harness.measure.comm import busbw_factor
 from harness.predict import analytic_data_parallel
@@ -158,12 +159,22 @@ def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
     # written once more: checkpointing keeps fewer of them, it does not compute fewer.
     recomputed = cell.model_spec.n_layers * analytic.get("transient_bytes", {}).get("recompute", 0.0)
     activation_traffic = 3 * (acts["layers"] + recomputed + acts["logits"]) + recomputed
-    optimizer_traffic = (optimizer_elements(cell, analytic)
-                         * dispatched_work.optimizer_step_work(s.optimizer, device_type)["bytes_per_element"])
+    optimizer_traffic = optimizer_elements(cell, analytic) * _optimizer_bytes_per_element(s.optimizer, device_type)
     # Each stream at the working set of all of it: a first-order figure for want of op sizes.
     return {"ops": 0, "matmul_flops": flops,
             "memory_bytes": [[b, b] for b in sorted((optimizer_traffic, activation_traffic)) if b],
             "collectives": {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
+
+
+def _optimizer_bytes_per_element(name: str, device_type: str) -> float:
+    """What the optimizer's step reads and writes per parameter element: its step counted
+    (dispatched_work.optimizer_step_work); for a CUDA kernel the CPU cannot step (DeepSpeed's
+    FusedLamb), one fused pass: the parameter, its gradient and its state read once, the
+    parameter and the state written once."""
+    if name in optimizers.CUDA_KERNEL_ONLY:
+        state = analytic_data_parallel.optimizer_state_bytes(((1,),), name)
+        return 3 * 4 + 2 * state
+    return dispatched_work.optimizer_step_work(name, device_type)["bytes_per_element"]
 
 
 def optimizer_elements(cell: CellSpec, analytic: dict) -> float:

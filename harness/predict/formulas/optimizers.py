@@ -37,13 +37,13 @@ def blockwise_8bit_state_bytes(shapes: Shapes) -> float:
     return total + (_BNB_QMAP_BYTES if any_8bit else 0)
 
 
-def lamb_state_bytes(shapes: Shapes, eight_bit: bool) -> float:
+def lamb_state_bytes(shapes: Shapes, eight_bit: bool, update_norms: bool = True) -> float:
     """LAMB's state (You et al. 2020, Algorithm 2: Adam's two moments, and a per-tensor trust
-    ratio computed each step) as bitsandbytes keeps it: the two moments in fp32 (8 B per
-    parameter) or block-wise 8-bit (``blockwise_8bit_state_bytes``), and one fp32 update norm
-    per tensor (``unorm_vec``)."""
+    ratio computed each step): the two moments in fp32 (8 B per parameter) or block-wise 8-bit
+    (``blockwise_8bit_state_bytes``), and, as bitsandbytes keeps it, one fp32 update norm per
+    tensor (``unorm_vec``; DeepSpeed's FusedLamb keeps none: ``update_norms``)."""
     moments = blockwise_8bit_state_bytes(shapes) if eight_bit else sum((8 * math.prod(s) for s in shapes), 0.0)
-    return moments + 4 * len(shapes)
+    return moments + (4 * len(shapes) if update_norms else 0)
 
 
 def adafactor_state_bytes(shapes: Shapes) -> float:

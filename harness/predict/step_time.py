@@ -11,10 +11,12 @@ The work (per rank, one optimizer step):
   each collective kind the stand-in does not issue added as the cell's analytic bytes in one
   call;
 - analytic otherwise (``analytic_work``): the PaLM FLOPs of the rank's samples (one forward
-  more under full checkpointing), the optimizer's and the activations' memory traffic (the
-  recomputed activations' once more), and
-  the analytic bytes per collective as one call each; no op count (what dispatch costs is
-  then missing, which on the CPU's tiny presets is most of a step).
+  more under full checkpointing), the activations' memory traffic (the recomputed ones' once
+  more), the optimizer's (its own step's bytes per element as counted with the implementation
+  torch picks on the device, dispatched_work.optimizer_step_work, over the elements the rank
+  steps), and the analytic bytes per collective as one call each; no op count (what dispatch
+  costs is then missing, which on the CPU's tiny presets is most of a step). A plan priced at
+  a run's rates traces its configurations' first blocks instead (predict/plan_work.py).
 
 The rates (harness/measure/compute_rate.py and the bandwidth sweep, both measured in the
 run's own calibration launch; the record names which was used):

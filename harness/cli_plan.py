@@ -30,10 +30,14 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         raise UsageError(str(error)) from None
     from harness.predict import rough_time
 
-    try:
-        rates = None if args.calibration is None else rough_time.measured(*_calibration(args.calibration))
-    except ValueError as error:
-        raise UsageError(f"--calibration {error}") from None
+    rates, measured = None, None
+    if args.calibration is not None:
+        try:
+            calibration, name, run_dir = _calibration(args.calibration)
+            rates = rough_time.measured(calibration, name)
+        except ValueError as error:
+            raise UsageError(f"--calibration {error}") from None
+        measured = _measured_steps(run_dir) if run_dir is not None else None
     from harness.predict import traced as tracer
 
     work_trace = None
@@ -44,7 +48,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         work_trace = functools.partial(tracer.trace_cells, progress=_progress)
     try:
         result = plan.plan(req, trace=tracer.trace_cells if args.traced else None, named=args.config, rates=rates,
-                           work_trace=work_trace)
+                           work_trace=work_trace, measured=measured)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.format == "json":
@@ -54,19 +58,28 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _calibration(path: str) -> tuple[dict, str]:
-    """(the calibration, its name) from a run's results directory, its run.json, or the JSON
-    ``python -m harness.calibration --out`` wrote; ValueError naming ``path`` otherwise."""
+def _calibration(path: str) -> tuple[dict, str, Path | None]:
+    """(the calibration, its name, the run's directory or None) from a run's results
+    directory, its run.json, or the JSON ``python -m harness.calibration --out`` wrote;
+    ValueError naming ``path`` otherwise."""
     file = Path(path) / "run.json" if Path(path).is_dir() else Path(path)
     try:
         data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: cannot read {file}: {error}") from None
     if isinstance(data, dict) and isinstance(data.get("environment"), dict):
-        return data["environment"].get("bandwidth") or {}, f"{path} (run {data.get('run_id', '?')})"
+        return data["environment"].get("bandwidth") or {}, f"{path} (run {data.get('run_id', '?')})", file.parent
     if isinstance(data, dict) and "compute_rates" in data:
-        return data, path
+        return data, path, None
     raise ValueError(f"{path}: neither a run's run.json nor a calibration's JSON (no compute_rates)")
+
+
+def _measured_steps(run_dir: Path) -> dict[str, float]:
+    """cell_id -> the median step the run measured, for its ok cells."""
+    from harness.results import store, trials
+
+    return {r["cell_id"]: r["metrics"]["step_time_s"] for r in trials.aggregate(store.load_records(run_dir))
+            if r["status"] == "ok" and r["metrics"].get("step_time_s")}
 
 
 def _progress(traced: int, total: int) -> None:

@@ -284,14 +284,20 @@ def test_plan_prints_every_candidate_and_a_recommendation(capsys):
 def test_plan_prices_steps_at_a_runs_calibration(smoke_run, capsys):
     out, _ = smoke_run
     run = out / "results" / "latest"
-    assert cli.main(["plan", "--model", "gpt2-tiny", "--gpus", "2", "--gpu-mem", "1GiB",
-                     "--calibration", str(run), "--format", "json"]) == 0
+    assert cli.main(["plan", "--model", "gpt2-tiny", "--gpus", "2", "--gpu-mem", "1GiB", "--micro-batch", "2",
+                     "--precision", "fp32", "--calibration", str(run), "--format", "json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["rates"]["source"].startswith(f"this cpu host, measured by {run} (run ")
     assert plan["rates"]["device_type"] == "cpu" and all(row["step_time"]["step_time_s"] > 0 for row in plan["rows"])
     # Each configuration's work traced at 1 and 2 blocks (predict/plan_work.py), none offloading activations.
     assert all(row["step_time"]["work"].startswith("traced stand-in gpt2-tiny-2-blocks/") for row in plan["rows"])
     assert not any("ckpt_offload" in row["config"] for row in plan["rows"])
+    # The smoke run measured two of these configurations: each is held beside its prediction.
+    records = {r["cell_id"]: r for r in map(json.loads, (run / "cells.jsonl").read_text().splitlines())}
+    beside = {row["config"]: row["measured_step_time_s"] for row in plan["rows"] if row["measured_step_time_s"]}
+    assert beside == {f"{name}/fp32/ckpt_none": records[f"gpt2-tiny/{name}/fp32/ckpt_none/mb2/ws2/seed0"]["metrics"]
+                      ["step_time_s"] for name in ("ddp", "fsdp_full")}
+    assert plan["against_measured"]["count"] == 2
 
 
 def test_plan_for_one_gpu_runs_the_model_whole(capsys):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from typing import get_args
 
 from harness import models, strategies
@@ -120,18 +121,22 @@ def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates, work: dict |
 
 
 def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | None = None,
-         rates: rough_time.Rates | None = None, work_trace: plan_work.Trace | None = None) -> dict:
+         rates: rough_time.Rates | None = None, work_trace: plan_work.Trace | None = None,
+         measured: dict[str, float] | None = None) -> dict:
     """Every candidate's row, the recommendation, and the row of the ``named``
     configuration (a label as the table prints it), each step priced at ``rates`` (a run's
     calibration; rough_time's assumptions when None). With ``trace`` (cells -> {cell_id:
     traced}), the leading candidates and the named one are traced (module docstring); with
     ``work_trace`` (the same kind of function), each candidate's step work is traced at one
-    and two blocks and extrapolated (predict/plan_work.py), for a run's rates."""
+    and two blocks and extrapolated (predict/plan_work.py), for a run's rates; ``measured``
+    (cell_id -> step seconds, the calibrating run's own cells) goes beside the prediction of
+    each configuration that run measured."""
     rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus)
     # A CPU host's rates price what a CPU runs (no activation offload: its tensors are on the host).
     cells = [c for c in candidates(req) if strategies.unsupported_reason(c, rates.device_type) is None]
     works = plan_work.stand_ins(cells, work_trace, rates.device_type, req.nodes) if work_trace else {}
-    rows = [_row(cell, req, rates, works.get(cell.cell_id)) for cell in cells]
+    rows = [{**_row(cell, req, rates, works.get(cell.cell_id)),
+             "measured_step_time_s": (measured or {}).get(cell.cell_id)} for cell in cells]
     by_label = {config_label(r["cell"]): r for r in rows}
     if named is not None and named not in by_label:
         raise ValueError(f"--config {named}: not a candidate here; choose one of {', '.join(sorted(by_label))}")
@@ -187,6 +192,20 @@ def recommendation_text(result: dict) -> str:
                else f" {s.checkpointing.capitalize()} checkpointing trades compute for memory."))
 
 
+def against_measured(result: dict) -> dict | None:
+    """{"count", "median", "min", "max"} of the predicted step over the measured, over the
+    configurations the calibrating run measured; None where it measured none of them."""
+    ratios = sorted(r["step_time"]["step_time_s"] / r["measured_step_time_s"] for r in result["rows"]
+                    if r["measured_step_time_s"] and "step_time_s" in r["step_time"])
+    if not ratios:
+        return None
+    return {"count": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
 def _step_text(row: dict) -> str:
     step = row["step_time"]
     if "step_time_s" not in step:
@@ -218,9 +237,11 @@ def as_json(result: dict) -> str:
         "request": {**dataclasses.asdict(req), "model": spec_json(req.model)},
         "rows": [{"config": config_label(r["cell"]), "cell": r["cell"].to_dict(), "fits": r["fits"],
                   "predicted": r["predicted"], "step_time": r["step_time"], "tokens_per_s": r["tokens_per_s"],
-                  "mfu": r["mfu"], "traced": r["traced"]} for r in result["rows"]],
+                  "mfu": r["mfu"], "traced": r["traced"], "measured_step_time_s": r["measured_step_time_s"]}
+                 for r in result["rows"]],
         "recommended": config_label(result["recommended"]["cell"]) if result["recommended"] else None,
         "recommendation": recommendation_text(result),
+        "against_measured": against_measured(result),
         "rates": {"source": result["rates"].source, "device_type": result["rates"].device_type,
                   "gpu": result["rates"].gpu_name, "usable_fraction": fit.USABLE_FRACTION},
     }, indent=2)
@@ -238,8 +259,9 @@ def as_table(result: dict, markdown: bool) -> str:
             f" ({fit.USABLE_FRACTION:.0%} usable), {req.precision}, {req.optimizer}. Memory: analytic predictor"
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
             f" {result['rates'].source}.")
+    beside = against_measured(result)
     cols = ("config", "fits", "peak", "params", "grads", "optimizer", "buffers", "activations", "transient",
-            "offloaded", "comm/step", "step s", "tokens/s", "MFU", "traced")
+            "offloaded", "comm/step", "step s", "tokens/s", "MFU", "traced", *(("measured s",) if beside else ()))
     lines = [head, ""]
     if markdown:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -257,14 +279,19 @@ def as_table(result: dict, markdown: bool) -> str:
         traced = (r["traced"] or {}).get("peak_bytes")
         cells = [_gib(v).replace(" GiB", "") for v in values] + [
             "-" if step is None else f"{step:.3g}", "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
-            "-" if r["mfu"] is None else f"{r['mfu']:.0%}", "-" if traced is None else _gib(traced).replace(" GiB", "")]
+            "-" if r["mfu"] is None else f"{r['mfu']:.0%}", "-" if traced is None else _gib(traced).replace(" GiB", ""),
+            *((_seconds(r["measured_step_time_s"]),) if beside else ())]
         if markdown:
             lines.append(f"| {config_label(r['cell'])} | {fits} | " + " | ".join(cells) + " |")
         else:
             lines.append(f"{config_label(r['cell']):<52} {fits:<4} " + " ".join(f"{c:>11}" for c in cells))
     lines += ["", "(GiB; comm/step: bytes each GPU moves per step, an all-reduce counted twice as in ZeRO §7;"
-              " traced: the FakeTensorMode peak, for the configurations --traced traced)",
+              " traced: the FakeTensorMode peak, for the configurations --traced traced"
+              + ("; measured s: the step the calibrating run measured" if beside else "") + ")",
               "", recommendation_text(result)]
+    if beside:
+        lines.append(f"The calibrating run measured {beside['count']} of these configurations: the predicted step"
+                     f" over the measured, median {beside['median']:.3f} ({beside['min']:.3f}-{beside['max']:.3f}).")
     for r in result["rows"]:
         if r["traced"] is not None and "fails" in r["traced"]:
             lines.append(f"Traced {config_label(r['cell'])}: fails, as a real run does: {r['traced']['fails']}")

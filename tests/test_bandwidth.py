@@ -97,6 +97,10 @@ def test_report_shows_the_sweep_or_why_there_is_none(swept):
     assert "1,048,576" in page and "2 rank(s) of one node" in page
     none = template.render(env=html._environment({"environment": {"bandwidth": {"error": "needs 2 ranks"}}}))
     assert "No sweep: needs 2 ranks" in none
+    # The compute rates the same launch measured, and why there is no datasheet efficiency on a CPU.
+    matmul = swept["compute_rates"]["concurrent"]["matmul_flops_per_s"]["fp32"]
+    assert f"<dt>matmul fp32</dt><dd>{matmul / 1e9:.1f} GFLOP/s at 512²</dd>" in page
+    assert "<dd>none: measure/flops.py has no dense datasheet peak for a cpu device</dd>" in page
 
 
 def test_the_same_launch_measures_the_ranks_compute_rates(swept):
@@ -170,5 +174,10 @@ def test_a_known_gpus_matmul_rate_is_recorded_as_its_datasheet_efficiency(monkey
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     tf32 = compute_rate.datasheet_efficiency(torch.device("cuda"), measured)
     assert tf32["matmul_efficiency"]["fp32"] == pytest.approx(33.5e12 / 494.5e12)
+    rates = {"concurrent": {"matmul_flops_per_s": measured, "op_s": {}}, "matmul_size": 8192, **efficiency}
+    page = html.ENV.get_template("_env.html.j2").render(
+        env=html._environment({"environment": {"bandwidth": {"error": "one GPU", "compute_rates": rates}}}))
+    assert ("<dt>matmul bf16</dt><dd>494500.0 GFLOP/s at 8192², 50 % of the NVIDIA H100 80GB HBM3's dense"
+            " datasheet peak</dd>") in page
     assert compute_rate.datasheet_efficiency(torch.device("cpu"), measured) == {
         "device_name": None, "no_datasheet_peak": "measure/flops.py has no dense datasheet peak for a cpu device"}

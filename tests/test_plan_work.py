@@ -23,7 +23,11 @@ def test_each_block_beyond_the_first_adds_the_seconds_increment():
     assert (work["ops"], work["matmul_flops"]) == (100 + 11 * 50, 10.0 + 11 * 6.0)
     assert work["matmul_flops_by_size"] == [[2**20, 76.0]] and work["memory_bytes"] == [[2**16, 4300.0]]
     assert work["attention_flops_by_size"] == {"forward": [[2**10, 48.0]]}
-    assert work["collectives"] == {}  # the analytic bytes stand in: buckets are not linear in depth
+    # 3 calls of 1 MiB at each depth: their count and bytes grow alike, spread evenly.
+    assert work["collectives"] == {"all_reduce": [[2**20, 3.0]]}
+    two["collectives"] = {"all_reduce": [[2**20, 3], [2**19, 2]], "broadcast": [[64, 1]]}
+    grown = plan_work.extrapolated(one, two, 3)["collectives"]
+    assert grown["all_reduce"] == [[(3 * 2**20 + 4 * 2**19) / 7, 7.0]] and grown["broadcast"] == [[64, 2.0]]
 
 
 def test_a_model_of_identical_blocks_is_its_first_two_extrapolated():

@@ -6,9 +6,10 @@ count, FLOP size class, kernel family and byte size class of the step grows by t
 block's increment for each further block: exact for a model of identical blocks (gpt2-124m's
 fp32 step at 256 tokens, traced whole and from 1 and 2 blocks: the same ops, FLOPs and bytes).
 
-The collectives are not extrapolated: a bucketed engine's calls are not linear in depth (DDP
-fills 25 MB buckets, two blocks of a real model fill a few). The analytic model's bytes
-stand in for them, one call per kind (step_time's rule for a stand-in's work).
+A collective kind's calls grow the same way in number and in bytes, the bytes spread evenly
+over the calls: a bucketed engine's call sizes are not linear in depth (DDP fills 25 MB
+buckets, two blocks of a real model a few), their count and their sum are (every engine here
+moves bytes in proportion to the parameters, or to the activations, of each block).
 
 Configurations that dispatch alike on the device share their traces: activation offload
 recomputes nothing (traced as no checkpointing; step_time prices its copies), and offload
@@ -83,7 +84,7 @@ def _at_depth(cell: CellSpec, n_layers: int) -> CellSpec:
 
 def extrapolated(one: dict, two: dict, n_layers: int) -> dict:
     """The work of ``n_layers`` blocks from the work of one (``one``) and of two (``two``), in
-    dispatched_work's format, without collectives (module docstring)."""
+    dispatched_work's format (module docstring)."""
 
     def grown(a: float, b: float) -> float:
         return max(0.0, a + (n_layers - 1) * (b - a))
@@ -95,12 +96,24 @@ def extrapolated(one: dict, two: dict, n_layers: int) -> dict:
     work = {"ops": grown(one["ops"], two["ops"]), "matmul_flops": grown(one["matmul_flops"], two["matmul_flops"]),
             "matmul_flops_by_size": by_size(one["matmul_flops_by_size"], two["matmul_flops_by_size"]),
             "topk_elements_by_size": by_size(one["topk_elements_by_size"], two["topk_elements_by_size"]),
-            "memory_bytes": by_size(one["memory_bytes"], two["memory_bytes"]), "collectives": {}}
+            "memory_bytes": by_size(one["memory_bytes"], two["memory_bytes"]),
+            "collectives": {kind: _calls(one["collectives"].get(kind, []), two["collectives"].get(kind, []), grown)
+                            for kind in sorted({*one["collectives"], *two["collectives"]})}}
     for family in KERNEL_FAMILIES:
         a, b = one[f"{family}_flops_by_size"], two[f"{family}_flops_by_size"]
         work[f"{family}_flops_by_size"] = {direction: by_size(a.get(direction, []), b.get(direction, []))
                                            for direction in sorted({*a, *b})}
     return work
+
+
+def _calls(one: list, two: list, grown: Callable[[float, float], float]) -> list[list[float]]:
+    """One collective kind's calls at the model's depth, as [[bytes a call, calls]]: its call
+    count and its bytes each grown block by block, the bytes spread evenly over the calls (a
+    bucketed engine's calls differ in size, and which sizes grow with depth does not
+    extrapolate; their count and their sum do)."""
+    calls = grown(sum(n for _, n in one), sum(n for _, n in two))
+    nbytes = grown(sum(size * n for size, n in one), sum(size * n for size, n in two))
+    return [[nbytes / calls, calls]] if calls >= 1 and nbytes > 0 else []
 
 
 def _without_offloaded_optimizer(cell: CellSpec, work: dict, device_type: str, nodes: int) -> dict:

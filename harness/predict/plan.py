@@ -6,11 +6,12 @@ precision and optimizer, with the analytic predictor's peak per GPU and its brea
 whether it fits, the communication per step, and the predicted step time, tokens/s and MFU
 (harness/predict/rough_time.py: the step-time predictor at datasheet rates, each assumption
 stated there, or, with ``--calibration``, at the rates a run measured on the user's own
-device). A configuration fits when its peak is within ``fit.USABLE_FRACTION`` of the GPU's
-memory (the rest is the headroom the CUDA context, NCCL and the allocator's fragmentation
-take). The recommendation is the fastest fitting configuration by the predicted step time;
-between equal times, the order a practitioner would try them — no offload before offload,
-less recomputation before more.
+device, each configuration's work traced from its first blocks, predict/plan_work.py, and the
+run's own measured step beside each configuration it ran). A configuration fits when its
+peak is within ``fit.USABLE_FRACTION`` of the GPU's memory (the rest is the headroom the CUDA
+context, NCCL and the allocator's fragmentation take). The recommendation is the fastest
+fitting configuration by the predicted step time; between equal times, the order a
+practitioner would try them — no offload before offload, less recomputation before more.
 
 ``--traced`` also traces, under FakeTensorMode (harness/predict/traced.py: exact
 per-category peak of the real model and strategy at the real world size, for models up to

@@ -176,8 +176,8 @@ def default(world_size: int) -> list[CellSpec]:
     # torch's ZeRO-1 (its per-tensor trust ratio refuses flat and DTensor shards).
     cells += [_cell("gpt2-tiny", s, world_size, optimizer=o) for o in ("lamb", "lamb8bit") for s in ("single", "ddp")]
     cells.append(_cell("gpt2-tiny", "zero1", world_size, optimizer="lamb8bit"))
-    # DeepSpeed's fused LAMB, a CUDA kernel (unsupported here), under DDP.
-    cells.append(_cell("gpt2-tiny", "ddp", world_size, optimizer="fused_lamb"))
+    # DeepSpeed's fused LAMB, a CUDA kernel (unsupported here), under DDP and its reference.
+    cells += [_cell("gpt2-tiny", s, world_size, optimizer="fused_lamb") for s in ("single", "ddp")]
     # SGD with momentum (half AdamW's state) under DDP and FSDP2's DTensor shards.
     cells += [_cell("gpt2-tiny", s, world_size, optimizer="sgd") for s in ("single", "ddp", "fsdp_full")]
     # The other model families, and a model of one's own: a Mistral config.json.

@@ -17,7 +17,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from harness.config import parse_bytes
     from harness.features.precision import DTYPES
     from harness.models import sources
-    from harness.predict import plan
+    from harness.predict import plan, rough_time
+    from harness.predict import traced as tracer
 
     if args.precision not in DTYPES:
         raise UsageError(f"--precision {args.precision}: choose one of {', '.join(DTYPES)}")
@@ -28,8 +29,6 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
                                precision=args.precision, optimizer=args.optimizer)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    from harness.predict import rough_time
-
     rates, measured = None, None
     if args.calibration is not None:
         try:
@@ -38,8 +37,6 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         except ValueError as error:
             raise UsageError(f"--calibration {error}") from None
         measured = _measured_steps(run_dir) if run_dir is not None else None
-    from harness.predict import traced as tracer
-
     work_trace = None
     if rates is not None:
         # Seconds a configuration: say so before the terminal goes quiet.

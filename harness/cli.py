@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("what", nargs="?", default="cells",
                      help=f"cells (default: the selection's), or what suites and -m accept: {', '.join(CATALOGUES)}")
     add_run_options(lst.add_argument, "cli", only=SELECTION, suite_names=suites.SUITES)
+    lst.add_argument("--calibration", default=None, metavar="RUN",
+                     help="time a GPU target (--device cuda --gpus N --gpu-mem M) at the rates a CUDA run measured"
+                          " (its results directory, its run.json, or harness.calibration's JSON) instead of"
+                          " datasheet assumptions")
     lst.set_defaults(func=cmd_list)
     rep = sub.add_parser("report", help="rebuild a run's HTML report from its results")
     rep.add_argument("run", help=RUN_HELP)

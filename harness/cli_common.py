@@ -5,9 +5,14 @@ command is given."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.config import RunOptions
+
+if TYPE_CHECKING:
+    from harness.predict.rough_time import Rates
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXIT_USAGE = 2
@@ -34,3 +39,27 @@ def recorded_run(out: Path | None, run: str) -> Path:
         return resolve_run((out or REPO_ROOT) / "results", run)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def measured_rates(path: str) -> tuple[Rates, Path | None]:
+    """--calibration's rates: those a run measured (its results directory or its run.json) or
+    ``python -m harness.calibration --out`` wrote, and the run's directory (None for the
+    latter); UsageError naming ``path`` where it is neither or measured no compute rates."""
+    from harness.predict import rough_time
+
+    file = Path(path) / "run.json" if Path(path).is_dir() else Path(path)
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"--calibration {path}: cannot read {file}: {error}") from None
+    if isinstance(data, dict) and isinstance(data.get("environment"), dict):
+        calibration, name, run_dir = (data["environment"].get("bandwidth") or {},
+                                      f"{path} (run {data.get('run_id', '?')})", file.parent)
+    elif isinstance(data, dict) and "compute_rates" in data:
+        calibration, name, run_dir = data, path, None
+    else:
+        raise UsageError(f"--calibration {path}: neither a run's run.json nor a calibration's JSON (no compute_rates)")
+    try:
+        return rough_time.measured(calibration, name), run_dir
+    except ValueError as error:
+        raise UsageError(f"--calibration {error}") from None

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from harness import cli_catalogue, markers, suites, suites_gpu
-from harness.cli_common import UsageError, run_options
+from harness.cli_common import UsageError, measured_rates, run_options
 from harness.cli_selection import SUITES_DIR, check_selection, pytest_args
 from harness.config import CellSpec
 from harness.predict import fit, rough_time
@@ -42,6 +42,8 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
         print(cli_catalogue.render(args.what))
         return 0
     options = check_selection(run_options(args), listing=True)
+    gpu = suites_gpu.target(options.gpu_mem_bytes)
+    rates = _rates(args.calibration, gpu)
     if options.suite in suites.BENCHMARK_SUITES:
         print(f"suite {options.suite} benchmarks the harness itself (suites/test_perf.py): run it with"
               f" ./run_all.sh --suite {options.suite}")
@@ -52,7 +54,6 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"shardbench: error: collecting {SUITES_DIR} failed (pytest exit {int(code)});"
               f" `pytest {SUITES_DIR} --collect-only` shows why", file=sys.stderr)
         return int(code)
-    gpu = suites_gpu.target(options.gpu_mem_bytes)
     added = [c for c in with_references(collector.cells) if c not in collector.cells]
     # On a GPU target, each cell's fit, checked once for its line and the summary.
     fits = {} if gpu is None else {c.cell_id: fit.check(c, gpu.memory_bytes) for c in collector.cells + added}
@@ -64,8 +65,23 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"{cell.cell_id:<62} (reference, added to gate the selection){_fit_note(cell, gpu, fits)}")
     print(f"{len(collector.cells)} cells selected, {len(added)} references added")
     if gpu is not None:
-        print(_gpu_summary(collector.cells + added, gpu, fits))
+        print(_gpu_summary(collector.cells + added, gpu, fits, rates))
     return 0
+
+
+def _rates(calibration: str | None, gpu: suites_gpu.GpuTarget | None) -> rough_time.Rates | None:
+    """--calibration's rates for a GPU target's rough time (None: the datasheet assumptions);
+    UsageError where there is no GPU target to time or the run measured no GPU."""
+    if calibration is None:
+        return None
+    if gpu is None:
+        raise UsageError("--calibration prices a GPU target's rough wall time: give it with --device cuda --gpus N"
+                         " --gpu-mem M")
+    rates, _ = measured_rates(calibration)
+    if rates.device_type != "cuda":
+        raise UsageError(f"--calibration {calibration}: it measured a {rates.device_type} host, not a GPU; a GPU"
+                         " target's rough time needs a CUDA run's rates")
+    return rates
 
 
 def _fit_note(cell: CellSpec, gpu: suites_gpu.GpuTarget | None, fits: dict[str, fit.Fit | None]) -> str:
@@ -79,14 +95,16 @@ def _fit_note(cell: CellSpec, gpu: suites_gpu.GpuTarget | None, fits: dict[str, 
     return f"  [predicted {checked.predicted_peak_bytes / 2**30:.1f} GiB per rank: {verdict}]"
 
 
-def _gpu_summary(cells: list[CellSpec], gpu: suites_gpu.GpuTarget, fits: dict[str, fit.Fit | None]) -> str:
+def _gpu_summary(cells: list[CellSpec], gpu: suites_gpu.GpuTarget, fits: dict[str, fit.Fit | None],
+                 rates: rough_time.Rates | None) -> str:
+    """The cells launched on the target and their rough wall time, at ``rates`` (a run's
+    calibration) or else the datasheet assumptions for the target's GPU."""
     launched = [c for c in cells if (f := fits[c.cell_id]) is None or f.fits]
-    timed = [rough_time.cell_seconds(c, gpu.name) for c in launched]
+    timed = [rough_time.cell_seconds(c, rates or rough_time.assumed(gpu.name, c.world_size)) for c in launched]
     seconds = sum(t for t in timed if t is not None)
     unpriced = sum(t is None for t in timed)
-    on = gpu.name or f"{rough_time.ASSUMED_GPU} (assumed)"
+    on = (rates or rough_time.assumed(gpu.name)).source
     return (f"{len(launched)} of {len(cells)} cells predicted to fit {gpu.memory_bytes / 2**30:.1f} GiB per GPU"
-            f" ({fit.USABLE_FRACTION:.0%} usable); rough wall time on {on}: {seconds / 60:.0f} min"
+            f" ({fit.USABLE_FRACTION:.0%} usable); rough wall time {seconds / 60:.0f} min on {on}"
             + (f" ({unpriced} cells without a step-time prediction not included)" if unpriced else "")
-            + f" (harness/predict/rough_time.py: {rough_time.ASSUMED_MFU:.0%} MFU,"
-            f" {rough_time.ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth, {rough_time.CELL_START_S:.0f} s per cell)")
+            + f" (harness/predict/rough_time.py, {rough_time.CELL_START_S:.0f} s per cell to start)")

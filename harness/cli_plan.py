@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from pathlib import Path
 
-from harness.cli_common import UsageError
+from harness.cli_common import UsageError, measured_rates
 
 
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -17,7 +16,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     from harness.config import parse_bytes
     from harness.features.precision import DTYPES
     from harness.models import sources
-    from harness.predict import plan, rough_time
+    from harness.predict import plan
     from harness.predict import traced as tracer
 
     if args.precision not in DTYPES:
@@ -29,16 +28,10 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
                                precision=args.precision, optimizer=args.optimizer)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    rates, measured = None, None
+    rates, measured, work_trace = None, None, None
     if args.calibration is not None:
-        try:
-            calibration, name, run_dir = _calibration(args.calibration)
-            rates = rough_time.measured(calibration, name)
-        except ValueError as error:
-            raise UsageError(f"--calibration {error}") from None
+        rates, run_dir = measured_rates(args.calibration)
         measured = _measured_steps(run_dir) if run_dir is not None else None
-    work_trace = None
-    if rates is not None:
         # Seconds a configuration: say so before the terminal goes quiet.
         print(f"plan: tracing each configuration at 1 and 2 blocks, to price its step at {rates.source}",
               file=sys.stderr, flush=True)
@@ -53,22 +46,6 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         print(plan.as_table(result, markdown=args.format == "markdown"))
     return 0
-
-
-def _calibration(path: str) -> tuple[dict, str, Path | None]:
-    """(the calibration, its name, the run's directory or None) from a run's results
-    directory, its run.json, or the JSON ``python -m harness.calibration --out`` wrote;
-    ValueError naming ``path`` otherwise."""
-    file = Path(path) / "run.json" if Path(path).is_dir() else Path(path)
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: cannot read {file}: {error}") from None
-    if isinstance(data, dict) and isinstance(data.get("environment"), dict):
-        return data["environment"].get("bandwidth") or {}, f"{path} (run {data.get('run_id', '?')})", file.parent
-    if isinstance(data, dict) and "compute_rates" in data:
-        return data, path, None
-    raise ValueError(f"{path}: neither a run's run.json nor a calibration's JSON (no compute_rates)")
 
 
 def _measured_steps(run_dir: Path) -> dict[str, float]:

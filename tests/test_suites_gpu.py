@@ -144,10 +144,54 @@ def test_list_shows_a_gpu_nodes_matrix_on_a_host_without_gpus(capsys, monkeypatc
     assert "GiB per rank: fits]" in fsdp_1b
     assert any("(reference, added to gate the selection)" in line for line in lines)
     summary = lines[-1]
-    assert "cells predicted to fit 80.0 GiB per GPU" in summary and "rough wall time on" in summary
-    minutes = int(summary.split("rough wall time on ")[1].split(": ")[1].split(" min")[0])
-    assert minutes > 0
+    assert "cells predicted to fit 80.0 GiB per GPU" in summary
+    assert "min on NVIDIA H100 80GB HBM3 (assumed: 40% MFU, 300 GB/s bus bandwidth)" in summary
+    assert _minutes(summary) > 0
     # Without --gpu-mem there is no GPU to size for: one line, exit 2.
     assert cli.main(["list", "--device", "cuda", "--gpus", "8"]) == 2
     stderr = capsys.readouterr().err
     assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def _one_gpu_calibration(device_type: str, matmul_flops_per_s: float) -> dict:
+    """What harness.calibration writes for one device: its compute rates, no sweep."""
+    rates = {"matmul_flops_per_s": dict.fromkeys(("fp32", "bf16", "fp16"), matmul_flops_per_s),
+             "memory_bytes_per_s": [[1, 2.7e12]], "op_s": dict.fromkeys(("fp32", "bf16", "fp16"), 0.0)}
+    return {"device_type": device_type, "world_size": 1, "rows": [], "no_sweep": "one rank",
+            "compute_rates": {"concurrent": rates, "alone": rates, "world_size": 1,
+                              "device_name": "NVIDIA H100 80GB HBM3"}}
+
+
+def _minutes(summary: str) -> int:
+    return int(summary.split("rough wall time ")[1].split(" min")[0])
+
+
+def _rough_minutes(capsys, argv: list[str]) -> tuple[int, str]:
+    assert cli.main(argv) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    return _minutes(summary), summary
+
+
+def test_list_times_a_gpu_matrix_at_a_runs_calibration(tmp_path, capsys, monkeypatch):
+    """list --calibration: a one-GPU run's measured rates price the node's rough wall time in
+    place of the datasheet's 40 % MFU (its collectives stay assumed: it timed none)."""
+    import json
+
+    monkeypatch.setenv(DEVICE_ENV_VAR, "cpu")
+    target = ["list", "--device", "cuda", "--gpus", "8", "--gpu-mem", "80GiB", "-k", "llama3-8b"]
+    datasheet, _ = _rough_minutes(capsys, target)
+    fast, slow, on_cpu = (tmp_path / "fast.json", tmp_path / "slow.json", tmp_path / "cpu.json")
+    fast.write_text(json.dumps(_one_gpu_calibration("cuda", 4e15)))  # matmuls faster than any H100
+    slow.write_text(json.dumps(_one_gpu_calibration("cuda", 4e12)))  # a hundredth of the datasheet's 40 %
+    on_cpu.write_text(json.dumps(_one_gpu_calibration("cpu", 1e11)))
+    quick, summary = _rough_minutes(capsys, [*target, "--calibration", str(fast)])
+    assert f"min on NVIDIA H100 80GB HBM3, measured by {fast}; collectives assumed" in summary
+    sluggish, _ = _rough_minutes(capsys, [*target, "--calibration", str(slow)])
+    # Each cell's 30 s start is most of a fast GPU's minutes: the slow one's steps show.
+    assert quick <= datasheet < sluggish, (quick, datasheet, sluggish)
+    # A CPU's rates cannot time a GPU node, and a CPU listing has no rough time: one line, exit 2.
+    for argv, why in (([*target, "--calibration", str(on_cpu)], "it measured a cpu host, not a GPU"),
+                      (["list", "--device", "cpu", "--calibration", str(fast)],
+                       "--calibration prices a GPU target's rough wall time")):
+        assert cli.main(argv) == 2
+        assert why in capsys.readouterr().err

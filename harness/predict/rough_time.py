@@ -98,8 +98,8 @@ def step_seconds(cell: CellSpec, rates: Rates, predicted: dict | None = None, wo
                              rates.device_type)
 
 
-def cell_seconds(cell: CellSpec, gpu_name: str | None) -> float | None:
-    """The cell's rough wall time on ``gpu_name``, its steps and its start; None where the
-    step has no prediction (a model the analytic predictor does not describe)."""
-    step = step_seconds(cell, assumed(gpu_name, cell.world_size))
+def cell_seconds(cell: CellSpec, rates: Rates) -> float | None:
+    """The cell's rough wall time at ``rates``, its steps and its start; None where the step
+    has no prediction (a model the analytic predictor does not describe)."""
+    step = step_seconds(cell, rates)
     return CELL_START_S + cell.steps * step["step_time_s"] if "step_time_s" in step else None

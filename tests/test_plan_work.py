@@ -25,6 +25,9 @@ def test_each_block_beyond_the_first_adds_the_seconds_increment():
     assert work["attention_flops_by_size"] == {"forward": [[2**10, 48.0]]}
     # 3 calls of 1 MiB at each depth: their count and bytes grow alike, spread evenly.
     assert work["collectives"] == {"all_reduce": [[2**20, 3.0]]}
+    # A library optimizer's update calls and elements grow alike, each block its own.
+    one["optimizer_ops"], two["optimizer_ops"] = {"u/adam": [3, 300]}, {"u/adam": [5, 500], "u32/adam": [1, 10]}
+    assert plan_work.extrapolated(one, two, 4)["optimizer_ops"] == {"u/adam": [9.0, 900.0], "u32/adam": [3.0, 30.0]}
     two["collectives"] = {"all_reduce": [[2**20, 3], [2**19, 2]], "broadcast": [[64, 1]]}
     grown = plan_work.extrapolated(one, two, 3)["collectives"]
     assert grown["all_reduce"] == [[(3 * 2**20 + 4 * 2**19) / 7, 7.0]] and grown["broadcast"] == [[64, 2.0]]

@@ -101,6 +101,33 @@ def test_a_topk_selection_is_counted_by_its_elements_and_priced_at_its_own_rate(
     assert compute_rate.topk_seconds(work, rates) == pytest.approx(5000 / (1e9 * 0.1**0.25))
 
 
+def test_a_library_optimizer_update_is_counted_by_calls_and_elements_and_priced_at_its_measured_costs():
+    """bitsandbytes' update ops: one call per parameter tensor, 8-bit above min_8bit_size
+    (4,096 elements) and 32-bit below it; each call's bytes as any op's, and its calls and
+    elements priced at what the calibration measured beyond them."""
+    from harness.features import optimizers
+
+    params = [torch.nn.Parameter(torch.ones(n)) for n in (2**16, 2**16, 1000)]
+    for param in params:
+        param.grad = torch.full_like(param, 1e-3)
+    optimizer = optimizers.make(params, "adam8bit", lr=1e-3)
+    optimizer.step()
+    with dispatched_work.Counting() as counter:
+        optimizer.step()
+    work = counter.work.to_dict()
+    assert work["optimizer_ops"] == {"optimizer_update_8bit_blockwise/adam": [2, 2**17],
+                                     "optimizer_update_32bit/adam": [1, 1000]}
+    assert sum(nbytes for _, nbytes in work["memory_bytes"]) > 2**17 * (4 + 4 + 1 + 1)  # its operands: g, p, 2 states
+    costs = {"optimizer_update_8bit_blockwise/adam": {"call_s": 1e-4, "element_s": 2e-8}}
+    assert compute_rate.optimizer_op_seconds(work, {"optimizer_op_s": costs}) == pytest.approx(2e-4 + 2**17 * 2e-8)
+    assert compute_rate.optimizer_op_seconds(work, {}) == 0  # unmeasured: its bytes alone price it
+    # The calibration's line through (elements, seconds beyond the priced): a call's and an element's.
+    fitted = compute_rate._per_call_and_element([(2**11, 1e-4 + 2**11 * 2e-8), (2**17, 1e-4 + 2**17 * 2e-8)])
+    assert fitted == pytest.approx({"call_s": 1e-4, "element_s": 2e-8})
+    assert compute_rate._per_call_and_element([(2**11, 3e-4), (2**17, 1e-4)]) == {"call_s": pytest.approx(2e-4),
+                                                                                 "element_s": 0.0}
+
+
 def test_sizes_between_measured_points_are_interpolated_log_log():
     # Halfway between 1 KiB and 1 MiB in log size: the geometric mean of the two times.
     seconds = step_time._call_seconds("all_gather", 2**15, 2, _calibration()["rows"], 2)

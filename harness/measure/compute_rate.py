@@ -36,6 +36,15 @@ the others wait (as the single-process reference runs):
   hundredth of an fp32 vector's entries (gradient sparsification's density), at each size of
   ``TOPK_ELEMENTS``: a partial sort, which on the CPU reads its input at a thirtieth of the
   STREAM add's bandwidth.
+- ``optimizer_op_s``: {optimizer_op_key: {"call_s", "element_s"}}, what one call of an
+  optimizer's library update op (dispatched_work's ``optimizer_ops``: bitsandbytes') costs
+  beyond its dispatch and its bytes (priced as any op's), per call and per element: each of
+  the library's optimizers (features/optimizers.py ``BITSANDBYTES``) steps one fp32 parameter
+  at each of ``OPTIMIZER_OP_ELEMENTS`` (either side of bitsandbytes' ``min_8bit_size``, below
+  which its 8-bit optimizers update in 32 bits), and a least-squares line through each op's
+  remainders gives the two. On this project's CPU host block-wise 8-bit Adam costs about
+  0.1 ms a call and 25 ns an element beyond its bytes: a tiny preset's 8-bit step is half
+  optimizer. Where bitsandbytes cannot be imported, ``optimizer_op_unavailable`` says why.
 - ``memory_bytes_per_s``: [[working set, bytes/s], ...], an out-of-place add of two fp32
   vectors (STREAM's "add": three vectors' bytes a call, the working set) at each of
   ``STREAM_ELEMENTS``, from a first-level cache's size to beyond any last-level cache's: an
@@ -69,6 +78,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import importlib.util
 import math
 import statistics
 import time
@@ -80,6 +90,7 @@ import torch.distributed as dist
 
 from harness import models
 from harness.distributed import DistEnv
+from harness.features import optimizers
 from harness.measure import flops
 from harness.measure.dispatched_work import KERNEL_FAMILIES, Counting
 
@@ -97,6 +108,7 @@ CONVOLUTION_SHAPES = {"cpu": ((32, 8), (64, 16)), "cuda": ((128, 56), (256, 28),
 CONVOLUTION_BATCH = {"cpu": 8, "cuda": 64}
 KERNEL_ITERS = 2  # attention and top-k calls of milliseconds: two a timing, the median of REPEATS
 TOPK_ELEMENTS = {"cpu": (2**12, 2**16, 2**20), "cuda": (2**20, 2**24, 2**27)}
+OPTIMIZER_OP_ELEMENTS = {"cpu": (2**9, 2**11, 2**14, 2**17), "cuda": (2**9, 2**11, 2**20, 2**24)}
 STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2**k for k in range(16, 29, 3))}
 WARMUP, ITERS, REPEATS = 2, 5, 5
 OP_COST_MODEL = "llama-tiny"
@@ -192,10 +204,20 @@ def topk_seconds(work: dict[str, Any], rates: dict[str, Any]) -> float:
                      for size, elements in work.get("topk_elements_by_size", [])))
 
 
+def optimizer_op_seconds(work: dict[str, Any], rates: dict[str, Any]) -> float:
+    """What a step's optimizer library ops take beyond their dispatch and bytes, at the costs
+    measured for each (none for an op the rates do not have: a run from before they were
+    timed, or datasheet rates, which price its bytes alone)."""
+    costs = rates.get("optimizer_op_s", {})
+    return float(sum(calls * costs[key]["call_s"] + elements * costs[key]["element_s"]
+                     for key, (calls, elements) in work.get("optimizer_ops", {}).items() if key in costs))
+
+
 def kernel_seconds(work: dict[str, Any], rates: dict[str, Any], precision: str) -> float:
     """The time of a step's work that is priced by its own kernels' rates rather than by the
-    bytes it moves: its matmuls, attention kernels, convolutions and top-k selections."""
-    return (matmul_seconds(work, rates, precision) + topk_seconds(work, rates)
+    bytes it moves: its matmuls, attention kernels, convolutions, top-k selections and
+    optimizer library ops."""
+    return (matmul_seconds(work, rates, precision) + topk_seconds(work, rates) + optimizer_op_seconds(work, rates)
             + sum(family_seconds(work, rates, precision, family) for family in KERNEL_FAMILIES))
 
 
@@ -313,6 +335,37 @@ def _topk_rates(kind: str, device: torch.device, env: DistEnv, alone: bool) -> l
     return curve
 
 
+def _optimizer_op_costs(rates: dict[str, Any], device: torch.device, env: DistEnv,
+                        alone: bool) -> dict[str, dict[str, float]]:
+    """``optimizer_op_s`` (module docstring), with ``rates``' op cost and memory pricing
+    already measured."""
+    remainders: dict[str, list[tuple[int, float]]] = {}
+    for name in sorted(optimizers.BITSANDBYTES - {"paged_adamw8bit"}):  # paged: adamw8bit's op, paged state
+        for elements in OPTIMIZER_OP_ELEMENTS[device.type]:
+            param = torch.nn.Parameter(torch.ones(elements, device=device))
+            param.grad = torch.full_like(param, 1e-3)
+            optimizer = optimizers.make([param], name, lr=1e-3)
+            optimizer.step()  # its state exists before the counted and the timed steps
+            with Counting() as counter:
+                optimizer.step()
+            work = counter.work.to_dict()
+            (key, _), = work["optimizer_ops"].items()  # one parameter: one call
+            seconds = seconds_per_call(optimizer.step, device, env, alone)
+            priced = work["ops"] * rates["op_s"]["fp32"] + memory_seconds(work, rates)
+            remainders.setdefault(key, []).append((elements, seconds - priced))
+    return {key: _per_call_and_element(points) for key, points in remainders.items()}
+
+
+def _per_call_and_element(points: list[tuple[int, float]]) -> dict[str, float]:
+    """{"call_s", "element_s"}: the least-squares line through (elements, seconds), neither
+    part below zero."""
+    n = len(points)
+    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread) if spread else 0.0
+    return {"call_s": max(0.0, mean_y - slope * mean_x), "element_s": slope}
+
+
 def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: DistEnv,
             alone: bool) -> list[list[float]]:
     def add(size: int) -> float:
@@ -392,7 +445,9 @@ def measure(env: DistEnv) -> dict[str, Any]:
     steps = {name: _model_step(decoder, device, name, OP_COST_SAMPLES[0]) for name in PRECISIONS}
     fp32_steps = {"small": steps["fp32"], "large": _model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
                   "wide": _model_step(OP_COST_WIDE, device, "fp32", 1)}
-    rates: dict[str, Any] = {}
+    optimizer_ops_why = (None if importlib.util.find_spec("bitsandbytes")
+                         else "bitsandbytes is not installed: its optimizers' ops were not timed")
+    rates: dict[str, Any] = {} if optimizer_ops_why is None else {"optimizer_op_unavailable": optimizer_ops_why}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"
         by_size = {name: _matmul_rates(dtype, kind, device, env, alone) for name, dtype in PRECISIONS.items()}
@@ -406,6 +461,8 @@ def measure(env: DistEnv) -> dict[str, Any]:
         rates[scope]["memory_factor"] = _memory_factor(fp32_steps, rates[scope], device, env, alone)
         rates[scope]["op_s"] = {name: _op_cost(*steps[name], rates[scope], name, device, env, alone)
                                 for name in PRECISIONS}
+        if optimizer_ops_why is None:
+            rates[scope]["optimizer_op_s"] = _optimizer_op_costs(rates[scope], device, env, alone)
     return {**rates, **datasheet_efficiency(device, rates["concurrent"]["matmul_flops_per_s"]),
             "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
             "attention_shapes": [list(shape) for shape in ATTENTION_SHAPES[kind]],

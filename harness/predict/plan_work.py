@@ -93,10 +93,13 @@ def extrapolated(one: dict, two: dict, n_layers: int) -> dict:
         at_one, at_two = dict(a), dict(b)
         return [[size, grown(at_one.get(size, 0.0), at_two.get(size, 0.0))] for size in sorted({*at_one, *at_two})]
 
+    ops_one, ops_two = one.get("optimizer_ops", {}), two.get("optimizer_ops", {})  # {key: [calls, elements]}
     work = {"ops": grown(one["ops"], two["ops"]), "matmul_flops": grown(one["matmul_flops"], two["matmul_flops"]),
             "matmul_flops_by_size": by_size(one["matmul_flops_by_size"], two["matmul_flops_by_size"]),
             "topk_elements_by_size": by_size(one["topk_elements_by_size"], two["topk_elements_by_size"]),
             "memory_bytes": by_size(one["memory_bytes"], two["memory_bytes"]),
+            "optimizer_ops": {key: [grown(a, b) for a, b in zip(ops_one.get(key, (0, 0)), ops_two.get(key, (0, 0)))]
+                              for key in sorted({*ops_one, *ops_two})},
             "collectives": {kind: _calls(one["collectives"].get(kind, []), two["collectives"].get(kind, []), grown)
                             for kind in sorted({*one["collectives"], *two["collectives"]})}}
     for family in KERNEL_FAMILIES:

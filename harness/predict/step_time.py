@@ -23,7 +23,8 @@ run's own calibration launch; the record names which was used):
 - compute = ops × (op_s + the engine's overhead) + each matmul size's FLOPs ÷ the matmul rate
   measured for that size + each attention kernel's and convolution's FLOPs ÷ the rate
   measured for its direction and FLOPs per head or per call + each top-k's elements ÷ the rate
-  measured for its size + each op size's bytes ÷ the memory bandwidth measured for that
+  measured for its size + each optimizer library op's calls and elements at the costs measured
+  for it (bitsandbytes' updates, beyond their bytes) + each op size's bytes ÷ the memory bandwidth measured for that
   working set × memory_factor at that size, all at the cell's precision; memory_factor is how
   much slower per byte a model step's elementwise ops ran than the STREAM add (compute_rate's
   docstring). The engine's overhead per op (``engine_overhead_per_op``, CPU runs): what the

@@ -128,6 +128,21 @@ def test_a_library_optimizer_update_is_counted_by_calls_and_elements_and_priced_
                                                                                  "element_s": 0.0}
 
 
+def test_a_library_optimizer_that_cannot_be_timed_is_recorded_with_why(monkeypatch):
+    """No bitsandbytes (the GPU image's torch alone): the calibration says so per optimizer
+    and prices their ops by their bytes, before any collective of the timing."""
+    from harness.features import optimizers
+
+    def make(params, name, lr):
+        raise ImportError("No module named 'bitsandbytes'")
+
+    monkeypatch.setattr(optimizers, "make", make)
+    costs, unavailable = compute_rate._optimizer_op_costs({}, torch.device("cpu"), env=None, alone=True)
+    assert costs == {}
+    assert unavailable == dict.fromkeys(sorted(optimizers.BITSANDBYTES - {"paged_adamw8bit"}),
+                                        "ImportError: No module named 'bitsandbytes'")
+
+
 def test_sizes_between_measured_points_are_interpolated_log_log():
     # Halfway between 1 KiB and 1 MiB in log size: the geometric mean of the two times.
     seconds = step_time._call_seconds("all_gather", 2**15, 2, _calibration()["rows"], 2)

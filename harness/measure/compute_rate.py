@@ -43,8 +43,9 @@ the others wait (as the single-process reference runs):
   at each of ``OPTIMIZER_OP_ELEMENTS`` (either side of bitsandbytes' ``min_8bit_size``, below
   which its 8-bit optimizers update in 32 bits), and a least-squares line through each op's
   remainders gives the two. On this project's CPU host block-wise 8-bit Adam costs about
-  0.1 ms a call and 25 ns an element beyond its bytes: a tiny preset's 8-bit step is half
-  optimizer. Where bitsandbytes cannot be imported, ``optimizer_op_unavailable`` says why.
+  0.1 ms a call and 20 ns an element beyond its bytes: a tiny preset's 8-bit step is half
+  optimizer. ``optimizer_op_unavailable`` says why for any it could not time (bitsandbytes
+  not installed, its kernels not loading).
 - ``memory_bytes_per_s``: [[working set, bytes/s], ...], an out-of-place add of two fp32
   vectors (STREAM's "add": three vectors' bytes a call, the working set) at each of
   ``STREAM_ELEMENTS``, from a first-level cache's size to beyond any last-level cache's: an
@@ -78,7 +79,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import importlib.util
 import math
 import statistics
 import time
@@ -336,24 +336,40 @@ def _topk_rates(kind: str, device: torch.device, env: DistEnv, alone: bool) -> l
 
 
 def _optimizer_op_costs(rates: dict[str, Any], device: torch.device, env: DistEnv,
-                        alone: bool) -> dict[str, dict[str, float]]:
+                        alone: bool) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
     """``optimizer_op_s`` (module docstring), with ``rates``' op cost and memory pricing
-    already measured."""
+    already measured; and {optimizer: why} for those of the library's optimizers that could
+    not be timed (bitsandbytes not installed, its kernels not loading on the device). Every
+    rank fails alike, before any collective of the timing."""
     remainders: dict[str, list[tuple[int, float]]] = {}
+    unavailable: dict[str, str] = {}
     for name in sorted(optimizers.BITSANDBYTES - {"paged_adamw8bit"}):  # paged: adamw8bit's op, paged state
-        for elements in OPTIMIZER_OP_ELEMENTS[device.type]:
-            param = torch.nn.Parameter(torch.ones(elements, device=device))
-            param.grad = torch.full_like(param, 1e-3)
-            optimizer = optimizers.make([param], name, lr=1e-3)
-            optimizer.step()  # its state exists before the counted and the timed steps
-            with Counting() as counter:
-                optimizer.step()
-            work = counter.work.to_dict()
-            (key, _), = work["optimizer_ops"].items()  # one parameter: one call
-            seconds = seconds_per_call(optimizer.step, device, env, alone)
-            priced = work["ops"] * rates["op_s"]["fp32"] + memory_seconds(work, rates)
-            remainders.setdefault(key, []).append((elements, seconds - priced))
-    return {key: _per_call_and_element(points) for key, points in remainders.items()}
+        try:
+            for elements in OPTIMIZER_OP_ELEMENTS[device.type]:
+                key, seconds, priced = _optimizer_op_timing(name, elements, rates, device, env, alone)
+                remainders.setdefault(key, []).append((elements, seconds - priced))
+        except (ImportError, RuntimeError, ValueError) as error:
+            unavailable[name] = f"{type(error).__name__}: {error}".splitlines()[0]
+    return {key: _per_call_and_element(points) for key, points in remainders.items()}, unavailable
+
+
+def _optimizer_op_timing(name: str, elements: int, rates: dict[str, Any], device: torch.device, env: DistEnv,
+                         alone: bool) -> tuple[str, float, float]:
+    """(the op's key, a step of optimizer ``name`` on one parameter of ``elements``, that
+    step's dispatch and bytes priced as any op's); ValueError where the step is not one
+    library op."""
+    param = torch.nn.Parameter(torch.ones(elements, device=device))
+    param.grad = torch.full_like(param, 1e-3)
+    optimizer = optimizers.make([param], name, lr=1e-3)
+    optimizer.step()  # its state exists before the counted and the timed steps
+    with Counting() as counter:
+        optimizer.step()
+    work = counter.work.to_dict()
+    if len(work["optimizer_ops"]) != 1:
+        raise ValueError(f"one step on one parameter dispatched {work['optimizer_ops'] or 'no library op'}")
+    (key, _), = work["optimizer_ops"].items()
+    seconds = seconds_per_call(optimizer.step, device, env, alone)
+    return key, seconds, work["ops"] * rates["op_s"]["fp32"] + memory_seconds(work, rates)
 
 
 def _per_call_and_element(points: list[tuple[int, float]]) -> dict[str, float]:
@@ -445,9 +461,7 @@ def measure(env: DistEnv) -> dict[str, Any]:
     steps = {name: _model_step(decoder, device, name, OP_COST_SAMPLES[0]) for name in PRECISIONS}
     fp32_steps = {"small": steps["fp32"], "large": _model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
                   "wide": _model_step(OP_COST_WIDE, device, "fp32", 1)}
-    optimizer_ops_why = (None if importlib.util.find_spec("bitsandbytes")
-                         else "bitsandbytes is not installed: its optimizers' ops were not timed")
-    rates: dict[str, Any] = {} if optimizer_ops_why is None else {"optimizer_op_unavailable": optimizer_ops_why}
+    rates: dict[str, Any] = {}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"
         by_size = {name: _matmul_rates(dtype, kind, device, env, alone) for name, dtype in PRECISIONS.items()}
@@ -461,8 +475,9 @@ def measure(env: DistEnv) -> dict[str, Any]:
         rates[scope]["memory_factor"] = _memory_factor(fp32_steps, rates[scope], device, env, alone)
         rates[scope]["op_s"] = {name: _op_cost(*steps[name], rates[scope], name, device, env, alone)
                                 for name in PRECISIONS}
-        if optimizer_ops_why is None:
-            rates[scope]["optimizer_op_s"] = _optimizer_op_costs(rates[scope], device, env, alone)
+        rates[scope]["optimizer_op_s"], unavailable = _optimizer_op_costs(rates[scope], device, env, alone)
+        if unavailable:
+            rates["optimizer_op_unavailable"] = unavailable
     return {**rates, **datasheet_efficiency(device, rates["concurrent"]["matmul_flops_per_s"]),
             "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
             "attention_shapes": [list(shape) for shape in ATTENTION_SHAPES[kind]],

@@ -181,10 +181,16 @@ def test_a_known_gpus_matmul_rate_is_recorded_as_its_datasheet_efficiency(monkey
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     tf32 = compute_rate.datasheet_efficiency(torch.device("cuda"), measured)
     assert tf32["matmul_efficiency"]["fp32"] == pytest.approx(33.5e12 / 494.5e12)
-    rates = {"concurrent": {"matmul_flops_per_s": measured, "op_s": {}}, "matmul_size": 8192, **efficiency}
+    rates = {"concurrent": {"matmul_flops_per_s": measured, "op_s": {},
+                            "optimizer_op_s": {"optimizer_update_32bit/lamb": {"call_s": 5e-5, "element_s": 2e-9}}},
+             "optimizer_op_unavailable": {"adam8bit": "RuntimeError: no kernel"}, "matmul_size": 8192, **efficiency}
     page = html.ENV.get_template("_env.html.j2").render(
         env=html._environment({"environment": {"bandwidth": {"error": "one GPU", "compute_rates": rates}}}))
     assert ("<dt>matmul bf16</dt><dd>494500.0 GFLOP/s at 8192², 50 % of the NVIDIA H100 80GB HBM3's dense"
             " datasheet peak</dd>") in page
+    # bitsandbytes' update ops beside them, and why one was not timed.
+    assert ("<dt>optimizer_update_32bit/lamb</dt><dd>50.0 µs a call, 2.00 ns an element beyond its bytes</dd>"
+            in page)
+    assert "<dt>adam8bit's update</dt><dd>not timed: RuntimeError: no kernel</dd>" in page
     assert compute_rate.datasheet_efficiency(torch.device("cpu"), measured) == {
         "device_name": None, "no_datasheet_peak": "measure/flops.py has no dense datasheet peak for a cpu device"}

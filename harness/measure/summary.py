@@ -11,7 +11,8 @@
 - async_freed_bytes: the most any rank freed on another thread during its memory step
   (measure/memory.py): how far peak_mem_bytes can move from run to run; 0: it cannot.
 - step_time_s: the median over timed steps of the slowest rank's time in each step (the job
-  waits for it at every step); step_time_iqr_s the inter-quartile range of the same series.
+  waits for it at every step), every rank starting each step together (measure/timing.py);
+  step_time_iqr_s the inter-quartile range of the same series.
 - samples_per_s, tokens_per_s: the whole job's (global batch ÷ step time).
 - tflops_per_rank: model FLOPs (PaLM formula, no recomputation counted) per rank per second.
 - mfu: only against a known peak for the detected device; None otherwise, never a guess.

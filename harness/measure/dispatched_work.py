@@ -27,7 +27,7 @@ collectives. Per op the counter adds:
 - an optimizer's whole update as one op of its library's (bitsandbytes' ``optimizer_update_*``:
   one call per parameter tensor, ``optimizer_op_key``), its call and its elements to
   ``optimizer_ops``, by op and optimizer, besides its bytes below: on the CPU such a call
-  costs a tenth of a millisecond and 25 ns an element beyond the bytes it moves (block-wise
+  costs a tenth of a millisecond and 20 ns an element beyond the bytes it moves (block-wise
   8-bit Adam, timed on this project's host), priced at the costs measured for it;
 - otherwise the bytes of its tensor inputs and outputs to ``memory_bytes``, by the op's
   size rounded up to a power of two (an elementwise op reads and writes memory at the

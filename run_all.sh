@@ -5,6 +5,8 @@
 #   ./run_all.sh --gpus 8 -m "fsdp and bf16"
 #   ./run_all.sh --suite smoke --out /tmp/sb
 #   ./run_all.sh --setup-only             only create/refresh .venv
+#   SHARDBENCH_WHEELHOUSE=wheels ./run_all.sh --gpus 1 ...
+#                                         a node without a package index: install from wheels
 #
 # Every other argument goes to `python -m harness run` (see --help there).
 set -euo pipefail
@@ -14,8 +16,20 @@ VENV=.venv
 TORCH_CPU_PIN=torch==2.13.0
 
 bootstrap() {
-    # Re-install only when pyproject.toml changed since the last set-up.
-    local stamp="$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+    # A node that reaches no package index (an air-gapped cluster) installs from a folder of
+    # wheels made where one is reachable (README: "A node without a package index"): the
+    # engines only, over what its image has; the project's own tests do not run there.
+    local index=() extras="engines,test"
+    if [ -n "${SHARDBENCH_WHEELHOUSE:-}" ]; then
+        if [ ! -d "$SHARDBENCH_WHEELHOUSE" ]; then
+            echo "shardbench: error: SHARDBENCH_WHEELHOUSE=$SHARDBENCH_WHEELHOUSE: no such folder" >&2
+            exit 2
+        fi
+        index=(--no-index --find-links "$SHARDBENCH_WHEELHOUSE")
+        extras="engines"
+    fi
+    # Re-install only when pyproject.toml or the extras changed since the last set-up.
+    local stamp="$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)-${extras/,/-}"
     [ -f "$stamp" ] && return 0
     if [ ! -x "$VENV/bin/python" ]; then
         if python3 -c "import torch" 2>/dev/null; then
@@ -29,7 +43,7 @@ bootstrap() {
     if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
         # Pinned on purpose: an open range with no torch present pulls a multi-GB CUDA build.
         echo "shardbench: installing $TORCH_CPU_PIN (CPU) into $VENV"
-        "$VENV/bin/pip" install --quiet "$TORCH_CPU_PIN"
+        "$VENV/bin/pip" install --quiet "${index[@]}" "$TORCH_CPU_PIN"
     fi
     echo "shardbench: installing shardbench and its dependencies into $VENV"
     # Hold torch at the version in the venv, so no dependency can swap an image's own CUDA
@@ -38,8 +52,8 @@ bootstrap() {
     "$VENV/bin/python" -W ignore -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
     # --no-build-isolation: deepspeed imports torch while it builds. That makes this venv's
     # own setuptools build shardbench too, so bring it up to what pyproject.toml asks.
-    "$VENV/bin/pip" install --quiet -c "$constraints" "setuptools>=68" wheel
-    "$VENV/bin/pip" install --quiet -c "$constraints" --no-build-isolation -e ".[engines,test]"
+    "$VENV/bin/pip" install --quiet "${index[@]}" -c "$constraints" "setuptools>=68" wheel
+    "$VENV/bin/pip" install --quiet "${index[@]}" -c "$constraints" --no-build-isolation -e ".[$extras]"
     # DeepSpeed compiles its ops on first use; build them now rather than inside a run's first
     # cells (harness/strategies/deepspeed_zero.py, build_ops).
     echo "shardbench: building DeepSpeed's ops for $VENV (a few minutes, once)"

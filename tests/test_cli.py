@@ -351,6 +351,16 @@ def test_the_version_and_the_help_say_what_they_should(capsys):
     assert own.returncode == 0 and "--setup-only" in own.stdout and "usage: shardbench run" in own.stdout
 
 
+def test_a_wheelhouse_that_is_not_there_is_refused_before_the_set_up_touches_anything(tmp_path):
+    """SHARDBENCH_WHEELHOUSE (a node without a package index): a folder that does not exist
+    is one line and exit 2, before the venv is made or changed."""
+    missing = tmp_path / "wheels"
+    refused = subprocess.run([str(REPO / "run_all.sh"), "--setup-only"], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "SHARDBENCH_WHEELHOUSE": str(missing)})
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr == f"shardbench: error: SHARDBENCH_WHEELHOUSE={missing}: no such folder\n"
+
+
 @pytest.fixture
 def read_only_folder(tmp_path):
     """A folder no one may write in: a read-only tmpfs as root (who may write anywhere else),

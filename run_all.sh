@@ -10,6 +10,10 @@
 #
 # Every other argument goes to `python -m harness run` (see --help there).
 set -euo pipefail
+# A wheelhouse named relative to where the command was typed, not to the repository.
+if [ -n "${SHARDBENCH_WHEELHOUSE:-}" ]; then
+    SHARDBENCH_WHEELHOUSE=$(realpath -m -- "$SHARDBENCH_WHEELHOUSE")
+fi
 cd "$(dirname "$0")"
 
 VENV=.venv
@@ -71,7 +75,8 @@ usage: ./run_all.sh [--setup-only | --help | RUN OPTIONS...]
   --help, -h     this help, then `python -m harness run --help` where .venv exists
   RUN OPTIONS    anything else goes to `python -m harness run` (its own flags, then pytest's)
 
-Before a run, the set-up runs again only when pyproject.toml has changed since the last one.
+Before a run, the set-up runs again only when pyproject.toml has changed since the last one,
+or SHARDBENCH_WHEELHOUSE (a folder of wheels for a node without a package index) was set or unset.
 USAGE
 }
 

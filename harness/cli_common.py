@@ -1,6 +1,6 @@
 """What the commands of ``python -m harness`` share: the one-line refusal (``UsageError``: exit
-status 2, nothing run), the repository root, and reading the run options and recorded runs a
-command is given."""
+status 2, nothing run), the repository root, and reading the run options, recorded runs and
+measured rates (``--calibration`` of ``plan`` and ``list``) a command is given."""
 
 from __future__ import annotations
 

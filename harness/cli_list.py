@@ -42,12 +42,12 @@ def cmd_list(args: argparse.Namespace, extra: list[str]) -> int:
         print(cli_catalogue.render(args.what))
         return 0
     options = check_selection(run_options(args), listing=True)
-    gpu = suites_gpu.target(options.gpu_mem_bytes)
-    rates = _rates(args.calibration, gpu)
     if options.suite in suites.BENCHMARK_SUITES:
         print(f"suite {options.suite} benchmarks the harness itself (suites/test_perf.py): run it with"
               f" ./run_all.sh --suite {options.suite}")
         return 0
+    gpu = suites_gpu.target(options.gpu_mem_bytes)
+    rates = _rates(args.calibration, gpu)  # refused before pytest collects anything
     collector = _Collector()
     code = pytest.main(pytest_args(options) + ["--collect-only", "-p", "no:terminal"], plugins=[collector])
     if code not in (0, 5):  # 5: nothing selected, still a valid listing

@@ -135,13 +135,14 @@ def test_the_same_launch_measures_the_ranks_compute_rates(swept):
                     assert all(1e7 < rate < 1e14 for _, rate in curve)
         sizes = [size for size, _ in measured["topk_elements_per_s_by_size"]]
         assert sizes == list(compute_rate.TOPK_ELEMENTS["cpu"])
-        # bitsandbytes' update ops, 8-bit and 32-bit, for Adam and LAMB: each call costs beyond
-        # its bytes (its Python and its block-wise quantization), and so does each element.
+        # bitsandbytes' update ops, 8-bit and 32-bit, for Adam and LAMB: the 8-bit update costs
+        # beyond its bytes for each element (its block-wise quantization: 20 ns here, a busy host
+        # or not), and a call's cost is never negative.
         costs = measured["optimizer_op_s"]
         assert set(costs) == {f"optimizer_update_{kind}/{rule}" for kind in ("32bit", "8bit_blockwise")
                               for rule in ("adam", "lamb")}
-        assert costs["optimizer_update_8bit_blockwise/adam"]["call_s"] > 1e-6
-        assert costs["optimizer_update_8bit_blockwise/adam"]["element_s"] > 1e-10
+        assert all(cost["call_s"] >= 0 and cost["element_s"] >= 0 for cost in costs.values())
+        assert costs["optimizer_update_8bit_blockwise/adam"]["element_s"] > 2e-9
         working_sets = [size for size, _ in measured["memory_bytes_per_s"]]
         assert working_sets == sorted(working_sets) and working_sets[-1] > 2**25  # past the last-level cache
         assert all(rate > 1e8 for _, rate in measured["memory_bytes_per_s"])

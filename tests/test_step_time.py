@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness import models
 from harness.config import CellSpec, StrategySpec
@@ -130,14 +131,18 @@ def test_a_library_optimizer_update_is_counted_by_calls_and_elements_and_priced_
 
 def test_a_library_optimizer_that_cannot_be_timed_is_recorded_with_why(monkeypatch):
     """No bitsandbytes (the GPU image's torch alone): the calibration says so per optimizer
-    and prices their ops by their bytes, before any collective of the timing."""
+    and prices their ops by their bytes; every rank agrees on it before any timing."""
     from harness.features import optimizers
 
     def make(params, name, lr):
         raise ImportError("No module named 'bitsandbytes'")
 
     monkeypatch.setattr(optimizers, "make", make)
-    costs, unavailable = compute_rate._optimizer_op_costs({}, torch.device("cpu"), env=None, alone=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        costs, unavailable = compute_rate._optimizer_op_costs({}, torch.device("cpu"), env=None, alone=True)
+    finally:
+        dist.destroy_process_group()
     assert costs == {}
     assert unavailable == dict.fromkeys(sorted(optimizers.BITSANDBYTES - {"paged_adamw8bit"}),
                                         "ImportError: No module named 'bitsandbytes'")

@@ -108,7 +108,9 @@ CONVOLUTION_SHAPES = {"cpu": ((32, 8), (64, 16)), "cuda": ((128, 56), (256, 28),
 CONVOLUTION_BATCH = {"cpu": 8, "cuda": 64}
 KERNEL_ITERS = 2  # attention and top-k calls of milliseconds: two a timing, the median of REPEATS
 TOPK_ELEMENTS = {"cpu": (2**12, 2**16, 2**20), "cuda": (2**20, 2**24, 2**27)}
-OPTIMIZER_OP_ELEMENTS = {"cpu": (2**9, 2**11, 2**14, 2**17), "cuda": (2**9, 2**11, 2**20, 2**24)}
+# Two sizes either side of bitsandbytes' min_8bit_size (4,096 elements): the nearest above it
+# sets the 8-bit update's cost a call, the largest its cost an element.
+OPTIMIZER_OP_ELEMENTS = {"cpu": (2**9, 2**11, 2**12, 2**17), "cuda": (2**9, 2**11, 2**12, 2**24)}
 STREAM_ELEMENTS = {"cpu": tuple(2**k for k in range(10, 25, 3)), "cuda": tuple(2**k for k in range(16, 29, 3))}
 WARMUP, ITERS, REPEATS = 2, 5, 5
 OP_COST_MODEL = "llama-tiny"
@@ -215,8 +217,8 @@ def optimizer_op_seconds(work: dict[str, Any], rates: dict[str, Any]) -> float:
 
 def kernel_seconds(work: dict[str, Any], rates: dict[str, Any], precision: str) -> float:
     """The time of a step's work that is priced by its own kernels' rates rather than by the
-    bytes it moves: its matmuls, attention kernels, convolutions, top-k selections and
-    optimizer library ops."""
+    bytes it moves: its matmuls, attention kernels, convolutions and top-k selections; and
+    what its optimizer library ops cost beyond their bytes (which memory_seconds prices)."""
     return (matmul_seconds(work, rates, precision) + topk_seconds(work, rates) + optimizer_op_seconds(work, rates)
             + sum(family_seconds(work, rates, precision, family) for family in KERNEL_FAMILIES))
 
@@ -339,47 +341,63 @@ def _optimizer_op_costs(rates: dict[str, Any], device: torch.device, env: DistEn
                         alone: bool) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
     """``optimizer_op_s`` (module docstring), with ``rates``' op cost and memory pricing
     already measured; and {optimizer: why} for those of the library's optimizers that could
-    not be timed (bitsandbytes not installed, its kernels not loading on the device). Every
-    rank fails alike, before any collective of the timing."""
+    not be timed (bitsandbytes not installed, its kernels not loading on the device), whose
+    sizes timed before the failure are dropped too."""
     remainders: dict[str, list[tuple[int, float]]] = {}
     unavailable: dict[str, str] = {}
     for name in sorted(optimizers.BITSANDBYTES - {"paged_adamw8bit"}):  # paged: adamw8bit's op, paged state
-        try:
-            for elements in OPTIMIZER_OP_ELEMENTS[device.type]:
-                key, seconds, priced = _optimizer_op_timing(name, elements, rates, device, env, alone)
-                remainders.setdefault(key, []).append((elements, seconds - priced))
-        except (ImportError, RuntimeError, ValueError) as error:
-            unavailable[name] = f"{type(error).__name__}: {error}".splitlines()[0]
+        timed: dict[str, list[tuple[int, float]]] = {}
+        for elements in OPTIMIZER_OP_ELEMENTS[device.type]:
+            probe = _optimizer_probe(name, elements, device, env)
+            if isinstance(probe, str):
+                unavailable[name] = probe
+                break
+            key, step, work = probe
+            priced = work["ops"] * rates["op_s"]["fp32"] + memory_seconds(work, rates)
+            timed.setdefault(key, []).append((elements, seconds_per_call(step, device, env, alone) - priced))
+        else:
+            for key, points in timed.items():
+                remainders.setdefault(key, []).extend(points)
     return {key: _per_call_and_element(points) for key, points in remainders.items()}, unavailable
 
 
-def _optimizer_op_timing(name: str, elements: int, rates: dict[str, Any], device: torch.device, env: DistEnv,
-                         alone: bool) -> tuple[str, float, float]:
-    """(the op's key, a step of optimizer ``name`` on one parameter of ``elements``, that
-    step's dispatch and bytes priced as any op's); ValueError where the step is not one
-    library op."""
-    param = torch.nn.Parameter(torch.ones(elements, device=device))
-    param.grad = torch.full_like(param, 1e-3)
-    optimizer = optimizers.make([param], name, lr=1e-3)
-    optimizer.step()  # its state exists before the counted and the timed steps
-    with Counting() as counter:
-        optimizer.step()
-    work = counter.work.to_dict()
-    if len(work["optimizer_ops"]) != 1:
-        raise ValueError(f"one step on one parameter dispatched {work['optimizer_ops'] or 'no library op'}")
+def _optimizer_probe(name: str, elements: int, device: torch.device,
+                     env: DistEnv) -> tuple[str, Callable[[], Any], dict[str, Any]] | str:
+    """(the op's key, a step of optimizer ``name`` on one parameter of ``elements``, what that
+    step dispatches), or why it cannot be timed: the library not importing, its kernels not
+    loading, a step that is not one library op. Every rank learns whether any failed before
+    the timing's collectives, so one rank's failure cannot leave the others waiting."""
+    why = ""
+    try:
+        param = torch.nn.Parameter(torch.ones(elements, device=device))
+        param.grad = torch.full_like(param, 1e-3)
+        optimizer = optimizers.make([param], name, lr=1e-3)
+        optimizer.step()  # its state exists before the counted and the timed steps
+        with Counting() as counter:
+            optimizer.step()
+        work = counter.work.to_dict()
+        if len(work["optimizer_ops"]) != 1:
+            why = f"one step on one parameter dispatched {work['optimizer_ops'] or 'no library op'}"
+    except (ImportError, RuntimeError) as error:
+        why = f"{type(error).__name__}: {error}".splitlines()[0]
+    failed = torch.tensor([1.0 if why else 0.0], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        return why or "another rank could not step it"
     (key, _), = work["optimizer_ops"].items()
-    seconds = seconds_per_call(optimizer.step, device, env, alone)
-    return key, seconds, work["ops"] * rates["op_s"]["fp32"] + memory_seconds(work, rates)
+    return key, optimizer.step, work
 
 
 def _per_call_and_element(points: list[tuple[int, float]]) -> dict[str, float]:
     """{"call_s", "element_s"}: the least-squares line through (elements, seconds), neither
-    part below zero."""
+    part below zero (a line through the origin where the intercept would be)."""
     n = len(points)
     mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     spread = sum((x - mean_x) ** 2 for x, _ in points)
     slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread) if spread else 0.0
-    return {"call_s": max(0.0, mean_y - slope * mean_x), "element_s": slope}
+    if mean_y - slope * mean_x < 0:
+        return {"call_s": 0.0, "element_s": max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))}
+    return {"call_s": mean_y - slope * mean_x, "element_s": slope}
 
 
 def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: DistEnv,
@@ -453,8 +471,9 @@ def datasheet_efficiency(device: torch.device, matmul_flops_per_s: dict[str, flo
 
 def measure(env: DistEnv) -> dict[str, Any]:
     """The rates, {"concurrent": {...}, "alone": {...}}, each {"matmul_flops_per_s":
-    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "memory_factor"},
-    and what was timed."""
+    {precision: FLOP/s}, "memory_bytes_per_s", "op_s" {precision: s}, "memory_factor",
+    "optimizer_op_s", ...} (module docstring), "optimizer_op_unavailable" where an optimizer
+    library's op could not be timed, and what was timed."""
     device, kind = env.device, env.device.type
     vectors = {size: [torch.ones(size, device=device) for _ in range(3)] for size in (1, *STREAM_ELEMENTS[kind])}
     decoder = models.PRESETS[OP_COST_MODEL]

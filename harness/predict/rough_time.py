@@ -15,7 +15,8 @@ Per cell, ``CELL_START_S`` (the model built and sharded, the warm-up's first-ste
 and allocations) on top of its steps. A GPU that measure/flops.py does not know is priced as
 ``ASSUMED_GPU``.
 
-A run's own calibration replaces them (``measured``, ``plan --calibration``): its launch
+A run's own calibration replaces them (``measured``; ``plan --calibration``, ``list
+--calibration``): its launch
 measured the same quantities on the user's device (harness/calibration.py), the matmul rate
 as an efficiency of the GPU's datasheet peak among them (measure/compute_rate.py). A one-GPU
 run's launch times no collective: on CUDA its plan keeps the assumed collectives, saying so.

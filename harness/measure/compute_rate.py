@@ -92,7 +92,7 @@ from harness import models
 from harness.distributed import DistEnv
 from harness.features import optimizers
 from harness.measure import flops
-from harness.measure.dispatched_work import KERNEL_FAMILIES, Counting
+from harness.measure.dispatched_work import KERNEL_FAMILIES, Counting, counted_optimizer_step
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATMUL_SIZE = {"cpu": 512, "cuda": 8192}
@@ -372,10 +372,7 @@ def _optimizer_probe(name: str, elements: int, device: torch.device,
         param = torch.nn.Parameter(torch.ones(elements, device=device))
         param.grad = torch.full_like(param, 1e-3)
         optimizer = optimizers.make([param], name, lr=1e-3)
-        optimizer.step()  # its state exists before the counted and the timed steps
-        with Counting() as counter:
-            optimizer.step()
-        work = counter.work.to_dict()
+        work = counted_optimizer_step(optimizer)
         if len(work["optimizer_ops"]) != 1:
             why = f"one step on one parameter dispatched {work['optimizer_ops'] or 'no library op'}"
     except (ImportError, RuntimeError) as error:

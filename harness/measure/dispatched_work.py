@@ -224,10 +224,17 @@ def optimizer_step_work(name: str, device_type: str) -> dict[str, float]:
     if device_type == "cuda" and "foreach" in inspect.signature(cls).parameters:
         kwargs = {**kwargs, "foreach": True}
     param = torch.nn.Parameter(torch.ones(OPTIMIZER_PROBE_SHAPE))
-    optimizer = cls([param], **kwargs)
     param.grad = torch.full_like(param, 1e-3)
-    optimizer.step()
-    with Counting() as counting:
-        optimizer.step()
-    work = counting.work.to_dict()
+    work = counted_optimizer_step(cls([param], **kwargs))
     return {"ops": work["ops"], "bytes_per_element": sum(nbytes for _, nbytes in work["memory_bytes"]) / param.numel()}
+
+
+def counted_optimizer_step(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What one step of ``optimizer`` dispatches (DispatchedWork.to_dict), counted on its
+    second step: the first makes its state, as a timed step finds it. Its parameters hold
+    their gradients."""
+    optimizer.step()
+    counting = Counting()
+    with counting:
+        optimizer.step()
+    return counting.work.to_dict()

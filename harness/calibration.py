@@ -9,7 +9,8 @@
   use, a training step of compute_rate.OP_COST_MODEL under it (fp32, 2 samples a rank; the
   worker's own code, training.prepare_cell and PreparedCell.step), timed as the compute
   rates are (every rank at once; the median of compute_rate.REPEATS timings, the slowest
-  rank's) after the strategy's own warm-up steps, with what one step dispatched counted.
+  rank's) after the strategy's own warm-up steps, with what one step dispatched counted
+  (a pipeline's on its last rank too, whose stage differs).
   What an engine does around its ops is no op the trace sees: DTensor's dispatch, FSDP's
   and DeepSpeed's hooks and bookkeeping, gloo's threads taking the cores from the step's ops
   while a collective is in flight. The predictor prices that as the part of this step's time
@@ -51,15 +52,13 @@ def engine_step_cell(name: str, world_size: int) -> CellSpec:
 
 
 def engine_steps(env: DistEnv, names: list[str]) -> dict[str, dict[str, Any]]:
-    """{strategy: {"cell_id", "step_s", "work"} or {"cell_id", "unavailable": why}} for each
+    """{strategy: {"cell_id", "step_s", "work"[, "last_rank_work"]} or {"cell_id", "unavailable": why}} for each
     of ``names`` (module docstring). A strategy this launch cannot run (its world size, the
     device, a combination it refuses) is recorded with the reason and skipped on every rank."""
     steps: dict[str, dict[str, Any]] = {}
     for name in names:
         cell = engine_step_cell(name, env.world_size)
-        why = (strategies.incompatibility(cell) or strategies.unsupported_reason(cell, env.device.type)
-               or ("a pipeline's step is its schedule's; its ops are priced as the plain step's"
-                   if cell.strategy.pipelined else None))
+        why = strategies.incompatibility(cell) or strategies.unsupported_reason(cell, env.device.type)
         if why:
             steps[name] = {"cell_id": cell.cell_id, "unavailable": why}
             continue
@@ -70,7 +69,8 @@ def engine_steps(env: DistEnv, names: list[str]) -> dict[str, dict[str, Any]]:
 
 def _timed_step(session: training.PreparedCell, env: DistEnv) -> dict[str, Any]:
     """{"step_s", "work"} of a prepared cell's step, after its own warm-up steps (DDP's
-    rebuilt buckets, DeepSpeed ZeRO-3's recorded fetch order)."""
+    rebuilt buckets, DeepSpeed ZeRO-3's recorded fetch order), rank 0's work, and a
+    pipeline's last rank's ("last_rank_work")."""
     done = 0
 
     def step() -> None:
@@ -82,8 +82,15 @@ def _timed_step(session: training.PreparedCell, env: DistEnv) -> dict[str, Any]:
         step()
     with Counting() as counter:
         step()
-    return {"step_s": compute_rate.seconds_per_call(step, env.device, env, alone=False),
-            "work": counter.work.to_dict()}
+    work = counter.work.to_dict()
+    if session.cell.strategy.pipelined:
+        # The last stage runs the LM head and the loss: its rank's work prices that stage.
+        every_rank: list[dict[str, Any] | None] = [None] * env.world_size
+        dist.all_gather_object(every_rank, work)
+        last_rank = {"last_rank_work": every_rank[-1]}
+    else:
+        last_rank = {}
+    return {"step_s": compute_rate.seconds_per_call(step, env.device, env, alone=False), "work": work, **last_rank}
 
 
 def main() -> None:

@@ -5,9 +5,14 @@ before its cells, and a launch of its own would cost this module 20 s more (as t
 launch does, which has no sweep and measures the compute rates alone)."""
 
 import json
+import os
+import socket
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from harness import calibration
 from harness.config import CellSpec, StrategySpec
@@ -162,13 +167,28 @@ def test_the_same_launch_times_each_engines_own_step(swept):
     assert step_time.engine_overhead_per_op("ddp", swept) >= 0
 
 
-def test_a_pipelines_engine_step_is_not_timed_and_costs_no_overhead():
-    """A pipeline's step is its schedule's: the calibration skips it, with the reason, before
-    any collective (so on one process here), and the predictor adds no engine overhead."""
-    env = DistEnv(rank=0, world_size=2, nnodes=1, device=torch.device("cpu"), backend="gloo")
+def _pipeline_engine_step(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    env = DistEnv(rank=rank, world_size=2, nnodes=1, device=torch.device("cpu"), backend="gloo")
     steps = calibration.engine_steps(env, ["pp_gpipe"])
-    assert steps["pp_gpipe"]["unavailable"].startswith("a pipeline's step is its schedule's")
-    assert step_time.engine_overhead_per_op("pp_gpipe", {"compute_rates": {"engines": steps}}) == 0
+    if rank == 0:
+        Path(out_dir, "steps.json").write_text(json.dumps(steps))
+    dist.destroy_process_group()
+
+
+def test_a_pipelines_engine_step_is_timed_with_its_last_ranks_work(tmp_path):
+    """A pipeline's calibration step on two real gloo ranks: its time, rank 0's work and the
+    last rank's, whose stage holds the LM head (more FLOPs than the embedding stage's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_pipeline_engine_step, args=(port, str(tmp_path)), nprocs=2)
+    gpipe = json.loads((tmp_path / "steps.json").read_text())["pp_gpipe"]
+    assert gpipe["cell_id"] == "llama-tiny/pp_gpipe/fp32/ckpt_none/pmb4/mb2/ws2/seed0"
+    assert 1e-4 < gpipe["step_s"] < 5
+    assert gpipe["last_rank_work"]["matmul_flops"] > gpipe["work"]["matmul_flops"] > 0
+    assert gpipe["work"]["collectives"]["send"] and gpipe["last_rank_work"]["collectives"]["recv"]
 
 
 def test_a_known_gpus_matmul_rate_is_recorded_as_its_datasheet_efficiency(monkeypatch):

@@ -92,6 +92,9 @@ def test_the_three_schedules_train_the_reference_model_and_1f1b_holds_fewer_acti
         assert "peak_bytes" in traced, traced
         heaviest = max(rank["peak_mem_bytes"] for rank in record["per_rank"])
         assert traced["peak_bytes"] == pytest.approx(heaviest, rel=0.05)
+        # Each traced rank's work, for the step-time predictor's timeline: the last rank's
+        # holds the LM head's matmuls and the loss, more FLOPs than rank 0's embedding stage.
+        assert traced["last_rank_work"]["matmul_flops"] > traced["work"]["matmul_flops"] > 0
     gpipe, one_f_one_b = (records[c.cell_id]["per_rank"] for c in cells[:2])
     # GPipe holds every micro-batch's activations at its peak; 1F1B at most (stages - rank).
     for rank in (0, 1):

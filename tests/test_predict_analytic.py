@@ -70,6 +70,7 @@ from harness.predict import (  # noqa: E402
     analytic_data_parallel,
     analytic_parallel,
     formulas,
+    pipeline_schedule,
     plan,
     rough_time,
     step_time,
@@ -544,7 +545,7 @@ def test_interleaved_order_is_megatrons_on_the_first_rank():
     # p = 4, m = 8, v = 2: torch's schedule keeps (p−1)·2 + (v−1)·p + 1 = 11 chunks in flight
     # on rank 0, Megatron's closed form (pipeline_first_stage_layer_activations: 11 layers'
     # worth of L = 8 layers in p·v = 8 chunks of one layer).
-    order = analytic_parallel.interleaved_1f1b_order(0, 4, 8, 2)
+    order = [(a.stage, a.direction == "forward") for a in pipeline_schedule.interleaved_1f1b_order(0, 4, 8, 2)]
     assert {stage for stage, _ in order} == {0, 4}
     assert sum(forward for _, forward in order) == 2 * 8  # every micro-batch through both chunks
     assert formulas.pipeline_peak_in_flight(order, {0: 1, 4: 1}) == 11

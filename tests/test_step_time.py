@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import models
+from harness import calibration, models
 from harness.config import CellSpec, StrategySpec
 from harness.measure import compute_rate, dispatched_work
 from harness.predict import accuracy, analytic, step_time, traced
@@ -210,6 +210,60 @@ def test_a_pipeline_is_stretched_by_its_bubble():
     p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": _work()}, _calibration(), "cpu")
     assert p["bubble"] == pytest.approx((4 + 2 - 1) / 4)
     assert p["step_time_s"] == pytest.approx(p["compute_s"] * 5 / 4 + p["exposed_comm_s"])
+
+
+def test_an_interleaved_pipelines_bubble_is_divided_by_its_stages_a_rank():
+    cell = CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b", pp_microbatches=4),
+                    world_size=2)
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": _work()}, _calibration(), "cpu")
+    assert p["bubble"] == pytest.approx(1 + (2 - 1) / (2 * 4))
+
+
+def test_a_pipelines_last_stage_is_priced_from_its_own_trace():
+    # The last rank runs the LM head and the loss: here three times rank 0's work. GPipe, 2
+    # ranks, 4 micro-batches, no hand-overs: rank 0's first forward, the last rank's whole
+    # step, rank 0's last backward.
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_gpipe", pp_microbatches=4), world_size=2)
+    traced = {"work": _work(ops=1000, flops=0, memory=()), "last_rank_work": _work(ops=3000, flops=0, memory=())}
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), traced, _calibration(), "cpu")
+    first, last = 1000 * 10e-6, 3000 * 10e-6
+    assert p["compute_s"] == pytest.approx(last)
+    assert p["step_time_s"] == pytest.approx(first / 4 + last)
+
+
+def test_a_pipelines_engine_overhead_makes_its_timeline_take_the_calibration_steps_time():
+    # The calibration timed the pipeline's own step at 50 ms where its ops, priced plainly
+    # and played out on the schedule, take 1000 × 10 µs × 5/4 and 3000 × 10 µs on the last
+    # rank: the overhead per op is what closes the gap, so the calibration's own cell is
+    # predicted at the step it took.
+    cell = calibration.engine_step_cell("pp_gpipe", 2)
+    work, last = _work(ops=1000, flops=0, memory=()), _work(ops=3000, flops=0, memory=())
+    rates = _calibration()
+    rates["compute_rates"]["engines"] = {"pp_gpipe": {"step_s": 0.05, "work": work, "last_rank_work": last}}
+    overhead = step_time.engine_overhead_per_op("pp_gpipe", rates)
+    assert overhead > 0
+    p = step_time.predict(cell, analytic.predict(cell, device_type="cpu"), {"work": work, "last_rank_work": last},
+                          rates, "cpu")
+    assert p["engine_overhead_per_op_s"] == overhead
+    assert p["step_time_s"] == pytest.approx(0.05, rel=1e-4)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_pipelines_hand_overs_are_exposed_only_on_its_critical_path(device_type):
+    # GPipe on 2 ranks, 4 micro-batches: rank 0 sends 4 micro-batches' hidden states and
+    # receives 4 gradients; with hops shorter than a forward only the first micro-batch's
+    # two (one each way) delay the step. The tied embeddings' exchange is exposed whole.
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_gpipe", pp_microbatches=4), world_size=2)
+    calibration = _calibration()
+    calibration["rows"] += [{"op": "send_recv", "scope": "intra_node", "bytes": size, "time_s": t}
+                            for size, t in ((2**10, 0.1 * MS), (2**20, 2 * MS))]
+    hidden, tied = 2**10, 2**20
+    work = _work(ops=10_000, collectives={"send": [[hidden, 4], [tied, 1]], "recv": [[hidden, 4], [tied, 1]]})
+    p = step_time.predict(cell, analytic.predict(cell, device_type=device_type), {"work": work}, calibration,
+                          device_type)
+    assert p["comm_s"] == pytest.approx(8 * 0.1 * MS + 2 * 2 * MS)
+    assert p["exposed_comm_s"] == pytest.approx(2 * 0.1 * MS + 2 * 2 * MS)
+    assert p["step_time_s"] == pytest.approx(p["compute_s"] * p["bubble"] + p["exposed_comm_s"])
 
 
 def test_on_cuda_gradient_reductions_hide_behind_backward():

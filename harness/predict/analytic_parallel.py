@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-from typing import cast
 
 from harness import strategies
 from harness.config import CellSpec
 from harness.models import ModelSpec, ParamLayout
+from harness.predict import pipeline_schedule
 from harness.predict.analytic_data_parallel import (
     PRECISION_BYTES,
     activation_bytes,
@@ -168,28 +167,12 @@ def pipeline_stage_params(block: float, layers: int, stages: int, *, first: floa
     return params
 
 
-def interleaved_1f1b_order(rank: int, ranks: int, microbatches: int, virtual_stages: int) -> list[tuple[int, bool]]:
-    """(stage, is_forward) for each computation ``rank`` runs in one step of torch's
-    ScheduleInterleaved1F1B, in order: the schedule's own plan
-    (``_calculate_single_rank_operations``, which reads only these four sizes), not a copy
-    of it. Its rounds (``max(1, m // p)``) make its warm-up differ from Megatron's when p
-    does not divide m."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
-
-    rounds = max(1, microbatches // ranks)  # as ScheduleInterleaved1F1B.__init__ sets them
-    sizes = types.SimpleNamespace(n_local_stages=virtual_stages, pp_group_size=ranks, _n_microbatches=microbatches,
-                                  microbatches_per_round=microbatches // rounds)
-    # A stand-in for the schedule (self): the plan reads only these sizes of it.
-    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(cast(ScheduleInterleaved1F1B, sizes), rank)
-    return [(a.stage_index, a.computation_type == _ComputationType.FORWARD) for a in actions if a is not None]
-
-
 def pipeline_rank_activations(schedule: str, rank: int, ranks: int, microbatches: int,
                               bytes_per_microbatch: dict[int, float]) -> float:
     """Activation bytes ``rank`` holds at its peak, from each of its stages' bytes for one
     micro-batch: GPipe every micro-batch (Huang et al. 2019); 1F1B p − rank of them
     (Narayanan et al. 2021 §2.2.1); interleaved 1F1B as torch's schedule orders them
-    (``interleaved_1f1b_order``; ``pipeline_first_stage_layer_activations`` is Megatron's
+    (predict/pipeline_schedule.py; ``pipeline_first_stage_layer_activations`` is Megatron's
     closed form for rank 0)."""
     if schedule == "gpipe":
         return microbatches * sum(bytes_per_microbatch.values())
@@ -197,8 +180,8 @@ def pipeline_rank_activations(schedule: str, rank: int, ranks: int, microbatches
         (stage_bytes,) = bytes_per_microbatch.values()
         return min(ranks - rank, microbatches) * stage_bytes
     virtual_stages = len(bytes_per_microbatch)
-    return pipeline_peak_in_flight(interleaved_1f1b_order(rank, ranks, microbatches, virtual_stages),
-                                   bytes_per_microbatch)
+    order = pipeline_schedule.interleaved_1f1b_order(rank, ranks, microbatches, virtual_stages)
+    return pipeline_peak_in_flight([(a.stage, a.direction == "forward") for a in order], bytes_per_microbatch)
 
 
 def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:

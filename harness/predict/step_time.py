@@ -29,7 +29,8 @@ run's own calibration launch; the record names which was used):
   much slower per byte a model step's elementwise ops ran than the STREAM add (compute_rate's
   docstring). The engine's overhead per op (``engine_overhead_per_op``, CPU runs): what the
   calibration's step of the cell's strategy (harness/calibration.py) took beyond its own
-  work priced this way, over its ops; that step is llama-tiny's, so a cell of that model,
+  work priced this way, over its ops (a pipeline's: the overhead at which its timeline,
+  below, takes that step's time); that step is llama-tiny's, so a cell of that model,
   strategy, fp32 and micro-batch 2 is predicted from its own engine's step, and every other
   cell from its strategy's on another configuration. On CUDA the engine's host work runs
   ahead of the GPU's kernels and is not added. A single-process cell takes the rates rank 0
@@ -46,12 +47,19 @@ run's own calibration launch; the record names which was used):
   collectives are sent every ``local_sgd_period``-th step and none between: a step's share,
   a period's time over its steps.
 - overlap: on the CPU none — gloo's threads compute the reductions on the cores the ranks
-  compute on, so a collective in flight takes its time from the step. On CUDA the
+  compute on, so a collective in flight takes its time from the step (a pipeline's
+  hand-overs, which reduce nothing, are the exception: its timeline above). On CUDA the
   collectives run on their own stream: a data-parallel engine's gradient reductions overlap
   backward (two thirds of the compute), a sharded engine's gathers and reductions overlap
   forward and backward, all but the first gather, which nothing precedes.
-- a pipeline: rank 0's stage compute, stretched by the bubble, (m + p − 1) / m for m
-  micro-batches over p stages (GPipe's and 1F1B's idle time, Huang et al. 2019).
+- a pipeline: its schedule played out (predict/pipeline_schedule.py), each rank's compute
+  spread over its stages' micro-batches (the last rank's from its own trace, which holds the
+  LM head and the loss; the ranks before it at rank 0's) and each hand-over between ranks a
+  hop at the sweep's send/recv time for its size. ``compute_s`` is the slowest rank's,
+  ``bubble`` the timeline without hops over it (with equal stages the papers' 1 + (p − 1)/m
+  for m micro-batches over p ranks, 1 + (p − 1)/(v·m) with v stages a rank: Huang et al.
+  2019, Narayanan et al. 2021); the exposed communication is what the hops on its critical
+  path add, and any other call whole.
 - offload on CUDA: the offloaded parameters cross PCIe twice a step and gradients once, the
   blocks' saved activations under activation offload (checkpointing=offload) twice
   (``PCIE_BYTES_PER_S``, an assumption stated here), and an offloaded optimizer's step is
@@ -67,13 +75,15 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 from harness import models, strategies
+from harness.calibration import engine_step_cell
 from harness.config import CellSpec
 from harness.features import optimizers
 from harness.measure import compute_rate, dispatched_work
 from harness.measure.comm import busbw_factor
-from harness.predict import analytic_data_parallel
+from harness.predict import analytic_data_parallel, pipeline_schedule
 from harness.strategies import pipeline
 
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16 host-device copies as measured by bandwidthTest, ~25 of 32 GB/s
@@ -112,8 +122,12 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     comm_by_op = {kind: seconds / share / sent_every
                   for kind, seconds in _comm_seconds_by_op(work, cell.world_size, calibration).items()}
     comm = sum(comm_by_op.values())
-    exposed = comm if device_type != "cuda" else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration)
-    bubble = _bubble(cell)
+    if cell.strategy.pipelined:
+        last_rank_work = traced.get("last_rank_work", work) if source == "traced" else work
+        compute, bubble, exposed = _pipeline_step(cell, work, last_rank_work, rates, overhead, share, calibration)
+    else:
+        bubble = 1.0
+        exposed = comm if device_type != "cuda" else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration)
     offload = _offload_seconds(cell, analytic) if device_type == "cuda" else 0.0
     step = compute * bubble + exposed + offload
     return {"step_time_s": step, "compute_s": compute, "comm_s": comm, "comm_s_by_op": comm_by_op,
@@ -127,15 +141,38 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
     """What an op of strategy ``name``'s engine costs beyond a plain step's op: its
     calibration step's time (harness/calibration.py) less that step's ops at the plain op
     cost, its matmuls and bytes and its collectives at the sweep's times, over its ops (never below
-    0); 0 where the calibration timed no such step (a run from before engines were timed,
-    a pipeline, a strategy the launch could not run)."""
+    0); for a pipeline, the overhead at which its timeline (``_pipeline_step``) takes the
+    calibration step's time. 0 where the calibration timed no such step (a run from before
+    engines were timed, or before pipelines were, a strategy the launch could not run)."""
     engine = calibration["compute_rates"].get("engines", {}).get(name, {})
     if "step_s" not in engine:
         return 0.0
     work, world_size = engine["work"], calibration["world_size"]
-    priced = (_compute_seconds(work, calibration["compute_rates"]["concurrent"], "fp32", 0.0)
-              + sum(_comm_seconds_by_op(work, world_size, calibration).values()))
-    return max(0.0, (engine["step_s"] - priced) / work["ops"])
+    rates = calibration["compute_rates"]["concurrent"]
+    if strategies.get(name).engine_model.analytic == "pipeline":
+        cell = engine_step_cell(name, world_size)
+        last_rank_work = engine.get("last_rank_work", work)
+
+        def priced(overhead: float) -> float:
+            compute, bubble, exposed = _pipeline_step(cell, work, last_rank_work, rates, overhead, 1.0, calibration)
+            return compute * bubble + exposed
+
+        return _solved(priced, engine["step_s"], most=engine["step_s"] / work["ops"])
+    priced_step = (_compute_seconds(work, rates, "fp32", 0.0)
+                   + sum(_comm_seconds_by_op(work, world_size, calibration).values()))
+    return max(0.0, (engine["step_s"] - priced_step) / work["ops"])
+
+
+def _solved(increasing: Callable[[float], float], target: float, most: float) -> float:
+    """The x in [0, most] where ``increasing(x)`` reaches ``target`` (0 if it starts above;
+    bisection, to a millionth of ``most``)."""
+    low, high = 0.0, most
+    if increasing(low) >= target:
+        return 0.0
+    while high - low > most * 1e-6:
+        middle = (low + high) / 2
+        low, high = (middle, high) if increasing(middle) < target else (low, middle)
+    return (low + high) / 2
 
 
 def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: float) -> float:
@@ -262,12 +299,39 @@ def _exposed_on_cuda(cell: CellSpec, compute: float, work: dict, comm_by_op: dic
     return (comm - gradient) + max(0.0, gradient - compute * 2 / 3)
 
 
-def _bubble(cell: CellSpec) -> float:
+def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict, overhead: float, share: float,
+                   calibration: dict) -> tuple[float, float, float]:
+    """(compute, bubble, exposed communication) of a pipeline, from its schedule played out
+    (predict/pipeline_schedule.py): each rank's compute (the last rank's from its own work,
+    the ranks before it at rank 0's) spread evenly over its stages' micro-batches, a backward
+    twice a forward (three times under full checkpointing, which recomputes it); compute is
+    the slowest rank's and the bubble the timeline without hand-overs over it. The
+    hand-overs are rank 0's send and recv calls of the size it sends most often (a
+    micro-batch's hidden states or their gradient), each a hop at the sweep's send/recv time
+    for that size; only those on the critical path are exposed. Every other call (the tied
+    embeddings' gradient exchange after the schedule) is exposed whole."""
     s = cell.strategy
-    if not s.pipelined:
-        return 1.0
-    p, m = pipeline.n_stages(s.name, cell.world_size), s.layout("pp_microbatches")
-    return (m + p - 1) / m
+    schedule = strategies.get(s.name).engine_model.pipeline_schedule
+    if schedule is None:
+        raise ValueError(f"strategy={s.name}: its engine model declares no pipeline_schedule")
+    microbatches = s.layout("pp_microbatches")
+    virtual = pipeline.n_stages(s.name, cell.world_size) // cell.world_size
+    first, last = (_compute_seconds(w, rates, s.precision, overhead) / share for w in (work, last_rank_work))
+    compute_by_rank = [first] * (cell.world_size - 1) + [last]
+    sends = work["collectives"].get("send", [])
+    hop_bytes = max(sends, key=lambda size_calls: size_calls[1])[0] if sends else 0
+    hop = _call_seconds("send", hop_bytes, cell.world_size, calibration["rows"], calibration["world_size"]) / share \
+        if hop_bytes else 0.0
+    hops = sum(calls for kind in ("send", "recv") for nbytes, calls in work["collectives"].get(kind, [])
+               if nbytes == hop_bytes)
+    comm = sum(_comm_seconds_by_op(work, cell.world_size, calibration).values()) / share
+    forward_share = 1 / 4 if s.checkpointing == "full" else 1 / 3
+    action_s = [(per_action * forward_share, per_action * (1 - forward_share))
+                for compute in compute_by_rank for per_action in [compute / (microbatches * virtual)]]
+    idle = pipeline_schedule.step_seconds(schedule, microbatches, virtual, action_s, 0.0)
+    timed = pipeline_schedule.step_seconds(schedule, microbatches, virtual, action_s, hop)
+    slowest = max(compute_by_rank)
+    return slowest, (idle / slowest if slowest else 1.0), timed - idle + max(0.0, comm - hops * hop)
 
 
 def _offload_seconds(cell: CellSpec, analytic: dict) -> float:

@@ -504,7 +504,8 @@ def _with_stand_in(result: dict, stand_in: CellSpec, traced_stand_in: dict) -> d
 def trace(cell: CellSpec, stand_in: bool = True) -> dict:
     """Rank 0's predicted step peak: {"peak_bytes", "breakdown_bytes" {memory.BREAKDOWN_KEYS,
     summing to peak_bytes}, "tracker", "work" (what the tracked step dispatched:
-    dispatched_work.DispatchedWork.to_dict, for the step-time predictor)}, or
+    dispatched_work.DispatchedWork.to_dict, for the step-time predictor), and for a pipeline
+    "last_rank_work", its last rank's}, or
     {"unavailable": "<one-line reason>"} when the cell
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
     the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
@@ -520,7 +521,8 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
                                                                               trace(nearest))
     # A pipeline's ranks hold different stages: the first and the last (which keeps the
     # logits) are traced, and the heavier is the prediction, as the record's peak is the
-    # heaviest rank's. The work is rank 0's (the step-time predictor prices its stage).
+    # heaviest rank's. The work is rank 0's, and the last rank's beside it (the step-time
+    # predictor plays the schedule out with each rank's stages at their own cost).
     ranks = [0, cell.world_size - 1] if cell.strategy.pipelined and cell.world_size > 1 else [0]
     stage_metas: list[object] = []
     traced: list[tuple[memory.StepMemory, DispatchedWork]] = []
@@ -534,7 +536,7 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
                 return _failure(error, rank)
     mem = max((m for m, _ in traced), key=lambda m: m.peak_bytes)
     return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
-            "work": traced[0][1].to_dict()}
+            "work": traced[0][1].to_dict(), **({"last_rank_work": traced[-1][1].to_dict()} if len(traced) > 1 else {})}
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,

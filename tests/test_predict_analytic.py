@@ -392,6 +392,22 @@ def test_plan_recommends_a_fitting_configuration():
     assert none["recommended"] is None and "Nothing fits" in plan.recommendation_text(none)
 
 
+def test_plan_calls_a_runner_up_of_the_same_step_time_a_tie_and_says_what_broke_it():
+    # llama3-8b on 8 × 80 GiB: FSDP's SHARD_GRAD_OP and DeepSpeed ZeRO-1 with selective
+    # checkpointing print the same step and the same peak.
+    result = plan.plan(plan.PlanRequest(model="llama3-8b", gpus=8, gpu_mem_bytes=80 * 2**30))
+    text = plan.recommendation_text(result)
+    assert "1.00× slower" not in text
+    assert "is predicted as fast (" in text and "either will do" in text
+    best, runner_up = result["recommended"], dict(result["recommended"])
+    faster_step = {**best["step_time"], "step_time_s": best["step_time"]["step_time_s"] * 1.001}
+    runner_up.update(step_time=faster_step, predicted={**best["predicted"],
+                                                       "peak_bytes": best["predicted"]["peak_bytes"] + 1})
+    assert plan._beside(runner_up, best).endswith("the recommendation goes first as its peak is lower")
+    runner_up["step_time"] = {**best["step_time"], "step_time_s": best["step_time"]["step_time_s"] * 1.3}
+    assert plan._beside(runner_up, best) == "would be 1.30× slower"
+
+
 def test_plan_recommends_the_fastest_fit_and_says_why():
     req = plan.PlanRequest(model="llama-1b", gpus=8, gpu_mem_bytes=80 * 2**30)
     result = plan.plan(req, named="fsdp_full/bf16/ckpt_full")

@@ -179,7 +179,7 @@ def recommendation_text(result: dict) -> str:
     runner_up = next((r for r in sorted((r for r in result["rows"] if r["fits"]), key=_preference)
                       if r["cell"].strategy.name != s.name), None)
     if runner_up is not None:
-        text += f" {config_label(runner_up['cell'])} would be {_slower(runner_up, best):.2f}× slower."
+        text += f" {config_label(runner_up['cell'])} {_beside(runner_up, best)}."
     named = result.get("named")
     if named is not None and named is not best:
         verdict = ("fits" if named["fits"] else "fails (its trace raises what a real run raises)"
@@ -217,6 +217,25 @@ def _step_text(row: dict) -> str:
 
 def _slower(row: dict, best: dict) -> float:
     return row["step_time"].get("step_time_s", float("inf")) / best["step_time"]["step_time_s"]
+
+
+def _beside(runner_up: dict, best: dict) -> str:
+    """How the runner-up compares: so many times slower, or, where the two steps print alike,
+    a tie and which of ``_preference``'s later keys put the recommendation first."""
+    if f"{_slower(runner_up, best):.2f}" != "1.00":
+        return f"would be {_slower(runner_up, best):.2f}× slower"
+    b, r = best["cell"].strategy, runner_up["cell"].strategy
+    reasons = [why for differs, why in (
+        (OFFLOAD_ORDER.index(b.offload) < OFFLOAD_ORDER.index(r.offload), "it offloads less"),
+        (CHECKPOINTING_ORDER.index(b.checkpointing) < CHECKPOINTING_ORDER.index(r.checkpointing),
+         "it recomputes less"),
+        (best["predicted"]["comm_volume_per_step"] < runner_up["predicted"]["comm_volume_per_step"],
+         "it moves fewer bytes a step"),
+        (best["predicted"]["peak_bytes"] < runner_up["predicted"]["peak_bytes"], "its peak is lower"),
+    ) if differs]
+    return (f"is predicted as fast ({_step_text(runner_up)}); "
+            + (f"the recommendation goes first as {reasons[0]}" if reasons
+               else "the two tie on step time, traffic and peak: either will do"))
 
 
 def config_label(cell: CellSpec) -> str:

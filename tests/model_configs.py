@@ -20,6 +20,11 @@ CONFIGS: dict[str, dict] = {
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **_TEXT,
               "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 64,
               "tie_word_embeddings": True, "attention_dropout": 0.1},
+    # Heads wider than hidden / heads (32 against 16), each head's queries and keys normalised
+    # (q_norm, k_norm): Qwen3's attention, which Gemma's head width and Gemma3's norms share.
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **_TEXT,
+              "intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
+              "tie_word_embeddings": True},
     # Other decoders: the data-parallel strategies take them, the layout ones refuse them.
     "gpt_neox": {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], **_TEXT,
                  "intermediate_size": 256, "max_position_embeddings": 64, "rotary_pct": 0.25,
@@ -35,10 +40,11 @@ CONFIGS: dict[str, dict] = {
              "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "image_size": 32,
              "patch_size": 8, "num_labels": 10},
 }
-LAYOUTS = {"mistral": "llama", "qwen2": "llama", "gpt_neox": None, "opt": None, "phi": None, "roberta": None,
+LAYOUTS = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt_neox": None, "opt": None, "phi": None, "roberta": None,
            "deit": None}
 TASKS = {"roberta": "masked_lm", "deit": "image_classification"}  # the rest: causal_lm
 LLAMA_LIKE = tuple(name for name, layout in LAYOUTS.items() if layout == "llama")
+OWN_HEAD_WIDTH = ("qwen3",)  # Megatron's GPTModel, as built here, refuses it
 
 
 def write(folder: Path, name: str, **changes: object) -> Path:

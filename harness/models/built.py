@@ -68,6 +68,9 @@ class ParamLayout:
     # The repeated block's MLP activation module, by class name (e.g. "NewGELUActivation",
     # "SiLUActivation"): how many tensors it keeps for backward depends on how it is written.
     mlp_activation: str = ""
+    # Whether the repeated block's attention normalises each head's queries and keys (a
+    # ``q_norm`` module: Qwen3, Gemma3, OLMo2), which keeps their projections' outputs.
+    qk_norm: bool = False
     # Every module with parameters of its own, in registration order (the order a decoder's
     # forward runs them, up to a block's norms): its block's index (-1 outside the blocks) and
     # its parameters' indices into ``shapes`` (a tied weight is one index, in both modules):
@@ -101,6 +104,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         matmul_numel=sum(matmul.values()),
         block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
+        qk_norm=any(name.rpartition(".")[2] == "q_norm" for name, _ in blocks[0].named_modules()) if blocks else False,
         modules=_modules(module, blocks, params),
     )
 

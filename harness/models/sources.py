@@ -179,6 +179,7 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
         "patch_size": None if text or not hasattr(c, "patch_size") else _side(c.patch_size),
         "num_classes": None if text else c.num_labels,
         "n_experts": getattr(c, "num_local_experts", None), "top_k": getattr(c, "num_experts_per_tok", None),
+        "config_head_dim": getattr(c, "head_dim", None),
     }
     if sizes["n_experts"] is None:
         sizes["top_k"] = None

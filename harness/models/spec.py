@@ -121,6 +121,9 @@ class ModelSpec:
     n_experts: int | None = None  # moe: experts per layer
     top_k: int | None = None  # moe: experts each token is routed to
     tie_embeddings: bool = False  # llama only (Llama-3.2-1B ties); gpt2 and bert always tie
+    # A config's head width where it sets one (Qwen3: 128 at hidden 2560 and 32 heads; Gemma
+    # 256); None: hidden / n_heads. Read it as ``head_dim``.
+    config_head_dim: int | None = None
     # Family hf_config: the config it is built from, and the longest sequence its position
     # embeddings take (a preset is rebuilt for any seq_len; a config's model is not).
     hf: TransformersConfig | None = None
@@ -227,6 +230,9 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
+        """A head's width: the config's own where it sets one, else hidden / heads."""
+        if self.config_head_dim is not None:
+            return self.config_head_dim
         return self.hidden // self.n_heads if self.n_heads else 0
 
     @property

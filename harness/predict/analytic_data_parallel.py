@@ -217,7 +217,8 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
             value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
             input_copies=(3, 2) if separate_projections else (1, 1), tensor_parallel=tensor_parallel_degree(cell),
             kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if moe else 1,
-            router_experts=spec.required("n_experts") if moe else 0)
+            router_experts=spec.required("n_experts") if moe else 0,
+            attention_width=heads * spec.head_dim) + _qk_norms(cell, spec, value_bytes)
     tokens = spec.tokens_per_sample * cell.micro_batch
     head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
     kinds = _block_kinds(cell, spec.n_layers)
@@ -226,6 +227,17 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     else:  # per-layer options: each kind of block at its own size
         layers = sum(n * activation_bytes(as_block(cell, *kind), spec)["per_layer"] for kind, n in kinds.items())
     return {"per_layer": per_layer, "layers": layers, "logits": _logits_bytes(cell, spec) + head}
+
+
+def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
+    """What a block's per-head query and key norms keep (Qwen3, Gemma3, OLMo2: an RMSNorm on
+    the q and k projections' outputs, before eager attention expands K to every head), beside
+    the Q and K the attention keeps; 0 for a model without them."""
+    if not models.param_layout(spec).qk_norm:
+        return 0.0
+    width = (spec.required("n_heads") + spec.kv_heads) * spec.head_dim
+    return norm_keeps("rmsnorm", value_bytes) * spec.tokens_per_sample * cell.micro_batch * width / (
+        tensor_parallel_degree(cell))
 
 
 def _block_kinds(cell: CellSpec, n_blocks: int) -> collections.Counter[tuple[bool, bool]]:
@@ -259,12 +271,13 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
     s, b, h, f = spec.tokens_per_sample, cell.micro_batch, spec.hidden, spec.ffn
     heads = spec.required("n_heads")
     fused = attention_is_fused(cell)
-    kv_width = h * (spec.kv_heads or heads) / heads
+    q_width = heads * spec.head_dim  # h, but where a config sets its head width apart (Qwen3, Gemma)
+    kv_width = q_width * (spec.kv_heads or heads) / heads
     mlp = (2 * f + h) if spec.layout in ("llama", "mixtral") else (f + h)
     if spec.layout == "mixtral":
         mlp = spec.required("top_k") * mlp + spec.required("n_experts")
-    projections = value_bytes * s * b * (h + 2 * kv_width + h + mlp)
-    attention = value_bytes * s * b * h + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
+    projections = value_bytes * s * b * (q_width + 2 * kv_width + h + mlp)
+    attention = value_bytes * s * b * q_width + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
     return residual_bytes * s * b * h + (projections + attention) / tensor_parallel_degree(cell)
 
 

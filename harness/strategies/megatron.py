@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
+from harness import models
 from harness.models.spec import ModelSpec
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
@@ -103,6 +104,13 @@ def combination_problem(cell: CellSpec) -> str | None:
     if spec.layout not in LAYOUTS:
         return (f"model {cell.model_name}: Megatron's GPTModel is built here for the {' and '.join(LAYOUTS)} layouts"
                 " only (harness/models/spec.py, Layout)")
+    if spec.hidden != spec.required("n_heads") * spec.head_dim:
+        return (f"model {cell.model_name}: its heads are {spec.head_dim} wide, not hidden / heads"
+                f" ({spec.hidden // spec.required('n_heads')}): GPTModel is built here with Megatron's default"
+                " kv_channels")
+    if models.param_layout(spec).qk_norm:
+        return (f"model {cell.model_name}: its attention normalises queries and keys per head (q_norm), which"
+                " GPTModel as built here (no qk_layernorm) and its weight copy do not carry")
     if cell.attention != "eager":
         return (f"attention={cell.attention}: Megatron-core's local layer spec computes attention unfused"
                 " (DotProductAttention), which is HF's eager; set attention='eager'")

@@ -12,7 +12,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
                                tensor_parallel: int = 1, sequence_parallel: bool = False,
                                kv_heads: int | None = None, experts_per_token: int = 1,
                                router_experts: int = 0, norm_bytes: float | None = None,
-                               input_copies: tuple[int, int] = (1, 1)) -> float:
+                               input_copies: tuple[int, int] = (1, 1), attention_width: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
@@ -52,7 +52,10 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
       - ``input_copies``: how many copies of the attention's and of the MLP's input the
         layer keeps: one, unless torch autocast casts it once for each linear layer that reads
         it (it caches the weights' casts, not the activations'): LLaMA's separate q, k, v
-        and gate, up projections keep (3, 2) under bf16 or fp16 autocast.
+        and gate, up projections keep (3, 2) under bf16 or fp16 autocast;
+      - ``attention_width``: the heads' total width, heads × head width, where a config sets
+        its head width apart from hidden / heads (Qwen3, Gemma): Q, the attention's output
+        and (by ``kv_heads``) K and V are that wide, not h.
     With every default (GPT, 16-bit, dropout, unfused, no recompute, t = 1) this is exactly
     the paper's s·b·h·(34 + 5·a·s/h).
     Korthikanti's "selective" is not the harness's selective policy (which saves every
@@ -70,10 +73,11 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     if checkpointing == "full":
         return v * sbh / (t if sequence_parallel else 1)
     kv_share = (kv_heads or a) / a
+    heads_wide = s * b * (attention_width or h)  # Q's elements, and the attention output's
     # Inside the tensor-parallel region (divided by t).
-    qk = v * sbh * (1 + kv_share)  # Q and K, the inputs of the score matmul
-    value_in = v * sbh * kv_share  # V
-    proj_in = v * sbh  # input of the output projection
+    qk = v * heads_wide * (1 + kv_share)  # Q and K, the inputs of the score matmul
+    value_in = v * heads_wide * kv_share  # V
+    proj_in = v * heads_wide  # input of the output projection
     if fused_attention:
         scores = 4.0 * a * s * b  # the kernel's fp32 log-sum-exp per row, no s×s matrix
     elif checkpointing == "selective":

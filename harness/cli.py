@@ -24,7 +24,7 @@ from harness.cli_report import cmd_accuracy, cmd_compare, cmd_publish, cmd_repor
 from harness.cli_reproduce import cmd_reproduce
 from harness.cli_run import cmd_run
 from harness.cli_selection import SELECTION
-from harness.config import Optimizer, add_run_options
+from harness.config import Attention, Optimizer, add_run_options
 
 RUN_HELP = "run id under results/ (or 'latest'), or a run folder"
 
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--micro-batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
     pln.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     pln.add_argument("--optimizer", default="adamw", help=f"{', '.join(get_args(Optimizer))} (default adamw)")
+    pln.add_argument("--attention", default=None,
+                     help=f"{', '.join(get_args(Attention))} (default: sdpa where the model's transformers class"
+                          " has it, else eager)")
     pln.add_argument("--traced", action="store_true",
                      help="also trace the fastest fitting configurations and --config's under FakeTensorMode"
                           " (exact; slower); a traced peak over the usable memory is not a fit")

@@ -25,7 +25,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         req = plan.PlanRequest(model=sources.resolve(args.model, "--model"), gpus=args.gpus, nodes=args.nodes,
                                seq=args.seq,
                                micro_batch=args.micro_batch, gpu_mem_bytes=parse_bytes(args.gpu_mem),
-                               precision=args.precision, optimizer=args.optimizer)
+                               precision=args.precision, optimizer=args.optimizer, attention=args.attention)
     except ValueError as error:
         raise UsageError(str(error)) from None
     rates, measured, work_trace = None, None, None

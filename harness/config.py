@@ -430,6 +430,10 @@ class CellSpec:
                                  f" {self.model_spec.family} model; the option applies to the moe family's router")
         if self.attention != "sdpa" and not self.model_spec.has_attention:
             raise ValueError(f"attention={self.attention!r}: model {self.model_name} has no attention; leave it 'sdpa'")
+        hf = self.model_spec.hf
+        if self.attention == "sdpa" and self.model_spec.has_attention and hf is not None and not hf.sdpa:
+            raise ValueError(f"attention='sdpa' with model {self.model_name}: transformers' {hf.model_class} computes"
+                             " attention without torch's scaled_dot_product_attention; set attention = 'eager'")
         if self.attention == "flash" and self.strategy.precision == "fp32":
             raise ValueError("attention='flash' with precision=fp32: flash-attn computes in fp16 or bf16 only;"
                              " choose precision bf16 or fp16")

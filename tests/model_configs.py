@@ -40,8 +40,8 @@ CONFIGS: dict[str, dict] = {
              "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "image_size": 32,
              "patch_size": 8, "num_labels": 10},
 }
-LAYOUTS = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt_neox": None, "opt": None, "phi": None, "roberta": None,
-           "deit": None}
+LAYOUTS = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt_neox": None, "opt": None, "phi": None,
+           "roberta": None, "deit": None}
 TASKS = {"roberta": "masked_lm", "deit": "image_classification"}  # the rest: causal_lm
 LLAMA_LIKE = tuple(name for name, layout in LAYOUTS.items() if layout == "llama")
 OWN_HEAD_WIDTH = ("qwen3",)  # Megatron's GPTModel, as built here, refuses it

@@ -12,7 +12,7 @@ from harness import models, strategies, suite_files
 from harness.config import CellSpec, StrategySpec
 from harness.models import layouts, sources
 from harness.models.spec import Family
-from harness.predict import analytic, traced
+from harness.predict import analytic, plan, traced
 from model_configs import CONFIGS, LAYOUTS, LLAMA_LIKE, OWN_HEAD_WIDTH, TASKS
 
 
@@ -122,6 +122,29 @@ def test_a_configs_own_head_width_and_query_key_norms_are_in_the_analytic_peak(r
                     attention=attention)
     assert analytic.predict(cell, device_type="cpu")["peak_bytes"] == pytest.approx(
         traced.trace(cell)["peak_bytes"], rel=0.01)
+
+
+def test_a_config_whose_class_has_no_sdpa_attention_is_refused_sdpa_and_planned_eager(tmp_path):
+    # Gemma2's class computes attention without torch's SDPA (its soft-capped scores):
+    # transformers refuses attn_implementation="sdpa" for it.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], **model_configs._TEXT,
+                                "intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16,
+                                "max_position_embeddings": 64, "sliding_window": 32, "query_pre_attn_scalar": 16}))
+    spec = sources.resolve(str(path))
+    assert (spec.hf.model_class, spec.hf.sdpa) == ("Gemma2ForCausalLM", False)
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM computes attention without .* set attention = 'eager'"):
+        CellSpec(model=spec, strategy=StrategySpec(name="ddp"))
+    eager = CellSpec(model=spec, strategy=StrategySpec(name="ddp"), attention="eager")
+    assert "peak_bytes" in analytic.predict(eager)
+    built = models.build(spec, attention="eager")
+    assert torch.isfinite(built.loss(built.module, built.make_batch(torch.Generator().manual_seed(0), 2)))
+    # plan takes the model's own attention and says why; --attention sdpa is refused up front.
+    result = plan.plan(plan.PlanRequest(model=spec, gpus=2, gpu_mem_bytes=2**30))
+    assert result["recommended"]["cell"].attention == "eager"
+    assert "eager attention (transformers' Gemma2ForCausalLM has no SDPA attention)" in plan.as_table(result, False)
+    with pytest.raises(ValueError, match=r"--attention sdpa: .* plan it with --attention eager"):
+        plan.PlanRequest(model=spec, gpus=2, gpu_mem_bytes=2**30, attention="sdpa")
 
 
 def test_every_preset_is_built_with_the_layout_it_declares():

@@ -32,8 +32,11 @@ def transformers_config(hf: TransformersConfig, attention: str | None = None) ->
     return AutoConfig.for_model(model_type, **config)
 
 
-def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
+def build_module(spec: ModelSpec, attention: str | None = None) -> nn.Module:
+    """The model with random weights; ``attention`` None: SDPA where its class has it, else
+    eager (the meta-device builds that count parameters and read the layout)."""
     hf = _hf(spec)
+    attention = attention or ("sdpa" if hf.sdpa else "eager")
     # An attention-free model (Mamba, RWKV) takes no attention implementation.
     config = transformers_config(hf, attention if spec.has_attention else None)
     module: nn.Module = _AUTO_CLASSES[hf.task].from_config(config)

@@ -186,15 +186,19 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
     provisional = ModelSpec(name=model_type, family="hf_config", hf=hf, max_seq_len=max_positions,
                             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), **sizes)
     with torch.device("meta"):
-        module = hf_config.build_module(provisional)
+        # Eager attention, which every class has: the build is for the class, sizes and layout.
+        module = hf_config.build_module(provisional, "eager")
     try:
         layout = layouts.recognise(module)
     except ValueError as error:
         raise ValueError(f"{where}={path}: {error}") from None
     n_params = sum(p.numel() for p in module.parameters())
     digest = hashlib.sha1(config_json.encode()).hexdigest()[:6]
+    # transformers' own flag for whether the class computes attention through torch's SDPA.
+    sdpa = bool(getattr(type(module), "_supports_sdpa", False))
+    built_as = {"layout": layout, "model_class": type(module).__name__, "sdpa": sdpa}
     return ModelSpec(**{**provisional.__dict__, "name": f"{model_type}-{_size(n_params)}-{digest}",
-                        "hf": TransformersConfig(**{**hf.__dict__, "layout": layout})})
+                        "hf": TransformersConfig(**{**hf.__dict__, **built_as})})
 
 
 @functools.cache

@@ -79,6 +79,10 @@ class TransformersConfig:
     config_json: str  # json.dumps(config, sort_keys=True): hashable, and one text per config
     layout: Layout | None = None  # as harness.models.layouts recognised it when resolved
     source: str = ""  # the file it was read from (for messages; the config is what counts)
+    # The class transformers builds for it, and whether that class computes attention through
+    # torch's scaled_dot_product_attention (its ``_supports_sdpa``: Gemma2's does not).
+    model_class: str = ""
+    sdpa: bool = True
 
     def __post_init__(self) -> None:
         _check_choice_of("task", self.task, get_args(Task))

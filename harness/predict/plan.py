@@ -30,7 +30,16 @@ import statistics
 from typing import get_args
 
 from harness import models, strategies
-from harness.config import MAX_COUNT, CellSpec, Checkpointing, Offload, Optimizer, Precision, StrategySpec
+from harness.config import (
+    MAX_COUNT,
+    Attention,
+    CellSpec,
+    Checkpointing,
+    Offload,
+    Optimizer,
+    Precision,
+    StrategySpec,
+)
 from harness.measure import flops
 from harness.predict import analytic, fit, plan_work, rough_time
 
@@ -55,6 +64,7 @@ class PlanRequest:
     micro_batch: int = 1
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
+    attention: Attention | None = None  # None: the model's own (``model_attention``)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -73,6 +83,24 @@ class PlanRequest:
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
         if self.seq is not None and spec.seq_len is None:
             raise ValueError(f"--seq applies to text models; {spec.name} is a {spec.family} model")
+        if self.attention is not None:
+            if self.attention not in get_args(Attention):
+                raise ValueError(f"--attention {self.attention}: choose one of {', '.join(get_args(Attention))}")
+            if not spec.has_attention:
+                raise ValueError(f"--attention applies to models that attend; {spec.name} has no attention")
+            if self.attention == "sdpa" and spec.hf is not None and not spec.hf.sdpa:
+                raise ValueError(f"--attention sdpa: transformers' {spec.hf.model_class} computes attention without"
+                                 " torch's scaled_dot_product_attention; plan it with --attention eager")
+            if self.attention == "flash" and self.precision == "fp32":
+                raise ValueError("--attention flash with --precision fp32: flash-attn computes in fp16 or bf16 only")
+
+    @property
+    def model_attention(self) -> Attention:
+        """--attention, else SDPA where the model's transformers class has it, else eager."""
+        if self.attention is not None:
+            return self.attention
+        hf = self.spec.hf
+        return "eager" if hf is not None and not hf.sdpa and self.spec.has_attention else "sdpa"
 
     @property
     def spec(self) -> models.ModelSpec:
@@ -93,7 +121,7 @@ def candidates(req: PlanRequest) -> list[CellSpec]:
                     strategy = StrategySpec(name=name, precision=req.precision, checkpointing=ckpt,
                                             offload=offload, optimizer=req.optimizer)
                     cell = CellSpec(model=req.model, strategy=strategy, micro_batch=req.micro_batch,
-                                    world_size=req.gpus, seq_len=req.seq)
+                                    world_size=req.gpus, seq_len=req.seq, attention=req.model_attention)
                 except ValueError:
                     continue
                 if strategies.incompatibility(cell) is None:
@@ -203,6 +231,15 @@ def against_measured(result: dict) -> dict | None:
     return {"count": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
+def _attention_text(req: PlanRequest) -> str:
+    spec = req.spec
+    if not spec.has_attention:
+        return ""
+    why = (f" (transformers' {spec.hf.model_class} has no SDPA attention)"
+           if req.attention is None and spec.hf is not None and not spec.hf.sdpa else "")
+    return f", {req.model_attention} attention{why}"
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -276,7 +313,8 @@ def as_table(result: dict, markdown: bool) -> str:
     spec = req.spec
     head = (f"{spec.name}: {models.param_layout(spec).numel / 1e9:.2f}B parameters, seq {spec.tokens_per_sample},"
             f" micro-batch {req.micro_batch}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each"
-            f" ({fit.USABLE_FRACTION:.0%} usable), {req.precision}, {req.optimizer}. Memory: analytic predictor"
+            f" ({fit.USABLE_FRACTION:.0%} usable), {req.precision}, {req.optimizer}{_attention_text(req)}."
+            " Memory: analytic predictor"
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
             f" {result['rates'].source}.")
     beside = against_measured(result)

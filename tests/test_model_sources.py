@@ -147,6 +147,21 @@ def test_a_config_whose_class_has_no_sdpa_attention_is_refused_sdpa_and_planned_
         plan.PlanRequest(model=spec, gpus=2, gpu_mem_bytes=2**30, attention="sdpa")
 
 
+def test_a_qwen_moe_config_names_its_experts_and_their_width_its_own_way(tmp_path):
+    # Qwen3-MoE (and OLMoE) count experts as num_experts and size them by
+    # moe_intermediate_size, where Mixtral has num_local_experts and intermediate_size.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                                **model_configs._TEXT, "intermediate_size": 128, "moe_intermediate_size": 32,
+                                "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+                                "num_experts_per_tok": 2, "max_position_embeddings": 64}))
+    spec = sources.resolve(str(path))
+    assert (spec.layout, spec.n_experts, spec.top_k, spec.ffn) == ("mixtral", 4, 2, 32)
+    cell = CellSpec(model=spec, strategy=StrategySpec(name="single"), world_size=1, micro_batch=4)
+    assert analytic.predict(cell, device_type="cpu")["peak_bytes"] == pytest.approx(
+        traced.trace(cell)["peak_bytes"], rel=0.02)
+
+
 def test_every_preset_is_built_with_the_layout_it_declares():
     for name, spec in models.PRESETS.items():
         if spec.n_layers * spec.hidden > 64 * 64:

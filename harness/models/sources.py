@@ -172,13 +172,18 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
     sizes: dict[str, Any] = {
         "n_layers": c.num_hidden_layers, "hidden": c.hidden_size, "n_heads": getattr(c, "num_attention_heads", None),
         "n_kv_heads": getattr(c, "num_key_value_heads", None),
-        "ffn_hidden": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None),
+        # A mixture of experts' experts are moe_intermediate_size wide where the config sets it
+        # (Qwen-MoE, DeepSeek), intermediate_size otherwise (Mixtral).
+        "ffn_hidden": (getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
+                       or getattr(c, "n_inner", None)),
         "vocab_size": c.vocab_size if text else None,
         "seq_len": _default_seq_len(max_positions) if text else None,
         "image_size": None if text else _side(c.image_size),
         "patch_size": None if text or not hasattr(c, "patch_size") else _side(c.patch_size),
         "num_classes": None if text else c.num_labels,
-        "n_experts": getattr(c, "num_local_experts", None), "top_k": getattr(c, "num_experts_per_tok", None),
+        # Mixtral names its experts num_local_experts, Qwen-MoE and OLMoE num_experts.
+        "n_experts": getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or None,
+        "top_k": getattr(c, "num_experts_per_tok", None),
         "config_head_dim": getattr(c, "head_dim", None),
     }
     if sizes["n_experts"] is None:

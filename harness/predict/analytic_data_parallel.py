@@ -218,7 +218,8 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
             input_copies=(3, 2) if separate_projections else (1, 1), tensor_parallel=tensor_parallel_degree(cell),
             kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if moe else 1,
             router_experts=spec.required("n_experts") if moe else 0,
-            attention_width=heads * spec.head_dim) + _qk_norms(cell, spec, value_bytes)
+            attention_width=heads * spec.head_dim, mlp_value_bytes=residual_bytes if moe and autocast else None,
+        ) + _qk_norms(cell, spec, value_bytes)
     tokens = spec.tokens_per_sample * cell.micro_batch
     head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
     kinds = _block_kinds(cell, spec.n_layers)

@@ -12,7 +12,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
                                tensor_parallel: int = 1, sequence_parallel: bool = False,
                                kv_heads: int | None = None, experts_per_token: int = 1,
                                router_experts: int = 0, norm_bytes: float | None = None,
-                               input_copies: tuple[int, int] = (1, 1), attention_width: int | None = None) -> float:
+                               input_copies: tuple[int, int] = (1, 1), attention_width: int | None = None,
+                               mlp_value_bytes: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
@@ -55,7 +56,10 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         and gate, up projections keep (3, 2) under bf16 or fp16 autocast;
       - ``attention_width``: the heads' total width, heads × head width, where a config sets
         its head width apart from hidden / heads (Qwen3, Gemma): Q, the attention's output
-        and (by ``kv_heads``) K and V are that wide, not h.
+        and (by ``kv_heads``) K and V are that wide, not h;
+      - ``mlp_value_bytes``: the MLP terms' value bytes where they are not ``value_bytes``
+        (a mixture of experts whose grouped matmul autocast does not cast: its experts
+        compute in the fp32 of the residual stream under bf16 autocast).
     With every default (GPT, 16-bit, dropout, unfused, no recompute, t = 1) this is exactly
     the paper's s·b·h·(34 + 5·a·s/h).
     Korthikanti's "selective" is not the harness's selective policy (which saves every
@@ -84,9 +88,10 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         scores = 0.0  # the attention core is recomputed from Q, K, V
     else:  # softmax output; with dropout also its mask and output
         scores = (v + (1 + v if dropout else 0)) * a * s * s * b
-    mlp_kept = _MLP_KEPT[mlp] * v * s * b * f * experts_per_token
+    mlp_v = mlp_value_bytes or v
+    mlp_kept = _MLP_KEPT[mlp] * mlp_v * s * b * f * experts_per_token
     if router_experts:
-        mlp_kept += 2 * v * sbh * experts_per_token
+        mlp_kept += 2 * mlp_v * sbh * experts_per_token
     inside = qk + value_in + proj_in + scores + mlp_kept
     # Outside it (divided by t only with sequence parallelism): the inputs of the QKV and
     # the first MLP matmul, the two LayerNorm inputs, the two dropout masks.

@@ -162,6 +162,24 @@ def test_a_qwen_moe_config_names_its_experts_and_their_width_its_own_way(tmp_pat
         traced.trace(cell)["peak_bytes"], rel=0.02)
 
 
+@pytest.mark.parametrize("model_type", list(model_configs.PREDICTED_DECODERS))
+def test_the_analytic_peak_of_each_kind_of_decoder_is_its_traced_one(tmp_path, model_type):
+    """What sets a decoder's activations apart (its head width, its norms, a gated MLP,
+    soft-capping, experts), read from its config and its built block: the analytic peak within
+    5 % of the traced one, fp32 and bf16, with the attention the test's config asks for
+    (``attn_implementation``, else the class's SDPA where it has one)."""
+    config = {"model_type": model_type, **model_configs._DECODER, **model_configs.PREDICTED_DECODERS[model_type]}
+    attention = config.pop("attn_implementation", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = sources.resolve(str(path))
+    for precision in ("fp32", "bf16"):
+        cell = CellSpec(model=spec, strategy=StrategySpec(name="single", precision=precision), world_size=1,
+                        micro_batch=4, attention=attention or ("sdpa" if spec.hf.sdpa else "eager"))
+        assert analytic.predict(cell, device_type="cpu")["peak_bytes"] == pytest.approx(
+            traced.trace(cell)["peak_bytes"], rel=0.05), precision
+
+
 def test_every_preset_is_built_with_the_layout_it_declares():
     for name, spec in models.PRESETS.items():
         if spec.n_layers * spec.hidden > 64 * 64:

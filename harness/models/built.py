@@ -71,6 +71,12 @@ class ParamLayout:
     # Whether the repeated block's attention normalises each head's queries and keys (a
     # ``q_norm`` module: Qwen3, Gemma3, OLMo2), which keeps their projections' outputs.
     qk_norm: bool = False
+    # The repeated block's other norms, in order, by kind ("layernorm" or "rmsnorm"): two for
+    # GPT-2 and LLaMA, four for Gemma2 and Gemma3 (a norm before and after each sublayer).
+    block_norms: tuple[str, ...] = ()
+    # Whether the block's MLP is gated, a gate projection beside the up projection (SwiGLU,
+    # GeGLU), separate (LLaMA's gate_proj) or fused (Phi-3's gate_up_proj).
+    gated_mlp: bool = False
     # Every module with parameters of its own, in registration order (the order a decoder's
     # forward runs them, up to a block's norms): its block's index (-1 outside the blocks) and
     # its parameters' indices into ``shapes`` (a tied weight is one index, in both modules):
@@ -105,6 +111,9 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
         qk_norm=any(name.rpartition(".")[2] == "q_norm" for name, _ in blocks[0].named_modules()) if blocks else False,
+        block_norms=_norms(blocks[0]) if blocks else (),
+        gated_mlp=any(name.rpartition(".")[2] in ("gate_proj", "gate_up_proj")
+                      for name, _ in [*blocks[0].named_modules(), *blocks[0].named_parameters()]) if blocks else False,
         modules=_modules(module, blocks, params),
     )
 
@@ -121,6 +130,13 @@ def _modules(module: nn.Module, blocks: list[nn.Module], params: list[nn.Paramet
 def _is_matmul(module: nn.Module) -> bool:
     # transformers' Conv1D (GPT-2's projections) is a linear layer with its weight transposed.
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _norms(block: nn.Module) -> tuple[str, ...]:
+    """ParamLayout.block_norms: the block's normalisation modules (by class name: LayerNorm,
+    LlamaRMSNorm, Gemma2RMSNorm, ...) but the per-head query and key norms."""
+    return tuple("rmsnorm" if "RMS" in type(m).__name__ else "layernorm" for name, m in block.named_modules()
+                 if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in ("q_norm", "k_norm"))
 
 
 def _mlp_activation(block: nn.Module) -> str:

@@ -204,7 +204,8 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
     autocast = uses_autocast(cell)
     residual_bytes = 4 if cell.strategy.precision == "fp32" or autocast else value_bytes
-    norm = norm_keeps("rmsnorm" if spec.layout in ("llama", "mixtral") else "layernorm", residual_bytes)
+    block_norms = models.param_layout(spec).block_norms
+    norm = norm_keeps(block_norms[0] if block_norms else "layernorm", residual_bytes)
     separate_projections = autocast and spec.layout == "llama"
     mode = cell.strategy.checkpointing
     if mode == "full":  # the block's input alone, from the residual stream
@@ -219,6 +220,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
             kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if moe else 1,
             router_experts=spec.required("n_experts") if moe else 0,
             attention_width=heads * spec.head_dim, mlp_value_bytes=residual_bytes if moe and autocast else None,
+            norms=len(block_norms) or 2, score_bytes=_score_bytes(spec, value_bytes, autocast),
         ) + _qk_norms(cell, spec, value_bytes)
     tokens = spec.tokens_per_sample * cell.micro_batch
     head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
@@ -227,7 +229,16 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
         layers = per_layer * spec.n_layers
     else:  # per-layer options: each kind of block at its own size
         layers = sum(n * activation_bytes(as_block(cell, *kind), spec)["per_layer"] for kind, n in kinds.items())
-    return {"per_layer": per_layer, "layers": layers, "logits": _logits_bytes(cell, spec) + head}
+    return {"per_layer": per_layer, "layers": layers, "logits": _kept_logits_bytes(cell, spec) + head}
+
+
+def _score_bytes(spec: ModelSpec, value_bytes: int, autocast: bool) -> float:
+    """What eager attention keeps per score: the softmax's output, in fp32 under autocast
+    (softmax is on its fp32 list, and transformers' eager attention asks for fp32) with the
+    16-bit copy the matmul with V saves beside it; and the tanh's output where the model
+    soft-caps its scores (Gemma2)."""
+    softmax = 4.0 + value_bytes if autocast else float(value_bytes)
+    return softmax + (value_bytes if _soft_capped(spec, "attn_logit_softcapping") else 0)
 
 
 def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
@@ -292,6 +303,17 @@ def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     return 4.0 * spec.tokens_per_sample * cell.micro_batch * spec.required("vocab_size")
 
 
+def _kept_logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
+    """The logits the forward keeps: the loss's, and as many again where the model soft-caps
+    them with a tanh, which keeps its output (Gemma2)."""
+    return (2 if _soft_capped(spec, "final_logit_softcapping") else 1) * _logits_bytes(cell, spec)
+
+
+def _soft_capped(spec: ModelSpec, key: str) -> bool:
+    """Whether a config soft-caps (cap · tanh(x / cap)) its attention scores or its logits."""
+    return spec.hf is not None and bool(spec.hf.config.get(key))
+
+
 def uses_autocast(cell: CellSpec) -> bool:
     """Whether a bf16 or fp16 cell computes under torch autocast: the engines that keep fp32
     parameters and do not cast the model themselves (not FSDP's mixed-precision policy, not
@@ -302,10 +324,11 @@ def uses_autocast(cell: CellSpec) -> bool:
 
 def _mlp_kind(cell: CellSpec, spec: ModelSpec) -> str:
     """How the model's MLP keeps its activations (formulas.activation_bytes_per_layer's
-    ``mlp``), read from the built block's activation module. Selective checkpointing saves
-    the matmul outputs and recomputes the pointwise ops between them (features/
-    checkpointing.py), so an unfused GeLU keeps only what a fused one does."""
-    if spec.layout in ("llama", "mixtral"):
+    ``mlp``), read from the built block: a gated MLP (LLaMA's SwiGLU, Gemma's GeGLU, Phi-3's
+    fused gate and up projection) keeps what SwiGLU does, else its activation module decides.
+    Selective checkpointing saves the matmul outputs and recomputes the pointwise ops between
+    them (features/checkpointing.py), so an unfused GeLU keeps only what a fused one does."""
+    if spec.layout in ("llama", "mixtral") or models.param_layout(spec).gated_mlp:
         return "swiglu"
     unfused = models.param_layout(spec).mlp_activation == "NewGELUActivation"
     return "gelu_tanh_unfused" if unfused and cell.strategy.checkpointing != "selective" else "gelu"

@@ -13,7 +13,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
                                kv_heads: int | None = None, experts_per_token: int = 1,
                                router_experts: int = 0, norm_bytes: float | None = None,
                                input_copies: tuple[int, int] = (1, 1), attention_width: int | None = None,
-                               mlp_value_bytes: int | None = None) -> float:
+                               mlp_value_bytes: int | None = None, norms: int = 2,
+                               score_bytes: float | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
@@ -59,7 +60,12 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         and (by ``kv_heads``) K and V are that wide, not h;
       - ``mlp_value_bytes``: the MLP terms' value bytes where they are not ``value_bytes``
         (a mixture of experts whose grouped matmul autocast does not cast: its experts
-        compute in the fp32 of the residual stream under bf16 autocast).
+        compute in the fp32 of the residual stream under bf16 autocast);
+      - ``norms``: the layer's norms, each keeping ``norm_bytes`` an element of its s·b·h
+        input (two in the paper; Gemma2 and Gemma3 norm each sublayer's input and output);
+      - ``score_bytes``: what unfused attention keeps per score, where it is not one value
+        (under autocast the softmax runs in fp32 and the matmul after it takes a 16-bit copy:
+        4 + 2; Gemma2 soft-caps the scores with a tanh, which keeps its output too).
     With every default (GPT, 16-bit, dropout, unfused, no recompute, t = 1) this is exactly
     the paper's s·b·h·(34 + 5·a·s/h).
     Korthikanti's "selective" is not the harness's selective policy (which saves every
@@ -87,7 +93,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     elif checkpointing == "selective":
         scores = 0.0  # the attention core is recomputed from Q, K, V
     else:  # softmax output; with dropout also its mask and output
-        scores = (v + (1 + v if dropout else 0)) * a * s * s * b
+        scores = ((v if score_bytes is None else score_bytes) + (1 + v if dropout else 0)) * a * s * s * b
     mlp_v = mlp_value_bytes or v
     mlp_kept = _MLP_KEPT[mlp] * mlp_v * s * b * f * experts_per_token
     if router_experts:
@@ -98,7 +104,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     # The router (replicated, like the LayerNorms) keeps its fp32 logits.
     norm = v if norm_bytes is None else norm_bytes
     attention_in, mlp_in = input_copies
-    outside = (attention_in * v * sbh + mlp_in * v * sbh + 2 * norm * sbh + 2 * mask * sbh
+    outside = (attention_in * v * sbh + mlp_in * v * sbh + norms * norm * sbh + 2 * mask * sbh
                + 4.0 * s * b * router_experts)
     return inside / t + outside / (t if sequence_parallel else 1)
 

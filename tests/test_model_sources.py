@@ -136,7 +136,13 @@ def test_a_config_whose_class_has_no_sdpa_attention_is_refused_sdpa_and_planned_
     with pytest.raises(ValueError, match=r"Gemma2ForCausalLM computes attention without .* set attention = 'eager'"):
         CellSpec(model=spec, strategy=StrategySpec(name="ddp"))
     eager = CellSpec(model=spec, strategy=StrategySpec(name="ddp"), attention="eager")
+    # Traced in a fresh process, which first builds the model on the meta device (for its
+    # FLOPs) inside the fake mode: Gemma2's embedding scale, a tensor its __init__ makes, must
+    # not come out a meta tensor there (models/common.py, on_meta).
+    assert "peak_bytes" in traced.trace_cells([eager])[eager.cell_id]
     assert "peak_bytes" in analytic.predict(eager)
+    # Its first block alone, as `plan --calibration` traces it: its layer_types cut to match.
+    assert sources.at_depth(spec, 1).n_layers == 1
     built = models.build(spec, attention="eager")
     assert torch.isfinite(built.loss(built.module, built.make_batch(torch.Generator().manual_seed(0), 2)))
     # plan takes the model's own attention and says why; --attention sdpa is refused up front.

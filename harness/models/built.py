@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import bert, convnet, factory, gpt2, hf_config, layouts, llama, mlp, moe, vit
+from .common import on_meta
 from .spec import ModelSpec
 
 # Each family file provides build_module, make_batch, loss and count_params; the repeated
@@ -97,7 +98,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @functools.cache
 def param_layout(spec: ModelSpec) -> ParamLayout:
-    with torch.device("meta"):
+    with on_meta():
         module = _FAMILIES[spec.family].build_module(spec)
     blocks = list(layouts.repeated_blocks(module))
     in_blocks = {id(p) for b in blocks for p in b.parameters()}

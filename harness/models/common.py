@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .spec import ModelSpec
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Where a model is built on the meta device for its sizes and layout: outside any fake
+    tensor mode, since a traced step (predict/traced.py) may ask for them first, and a tensor
+    a module makes in its __init__ from a Python number (Gemma's embedding scale) would then be
+    a meta tensor the fake mode refuses."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.device("meta"):
+        yield
 
 
 class ParamCount(NamedTuple):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .common import ParamCount
+from .common import ParamCount, on_meta
 from .hf_config import count_module
 from .spec import ModelSpec
 
@@ -72,7 +72,7 @@ def count_params(spec: ModelSpec) -> ParamCount:
 
 @functools.cache
 def _count_on_meta(spec: ModelSpec) -> ParamCount:
-    with torch.device("meta"):
+    with on_meta():
         module = build_module(spec)
     return count_module(module)
 

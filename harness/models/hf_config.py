@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from . import bert
-from .common import ParamCount, causal_lm_batch, hf_attention, hf_loss
+from .common import ParamCount, causal_lm_batch, hf_attention, hf_loss, on_meta
 from .spec import ModelSpec, TransformersConfig
 
 _AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "masked_lm": AutoModelForMaskedLM,
@@ -65,7 +65,7 @@ def count_params(spec: ModelSpec) -> ParamCount:
 
 @functools.cache
 def _count_on_meta(spec: ModelSpec) -> ParamCount:
-    with torch.device("meta"):
+    with on_meta():
         module = build_module(spec)
     return count_module(module)
 

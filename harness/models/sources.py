@@ -75,6 +75,10 @@ def at_depth(spec: ModelSpec, n_layers: int) -> ModelSpec:
     if spec.hf is None:
         return dataclasses.replace(spec, n_layers=n_layers, name=f"{spec.name}-{n_layers}-blocks")
     config = json.loads(spec.hf.config_json) | {"num_hidden_layers": n_layers}
+    if isinstance(config.get("layer_types"), list):
+        # One attention type per layer (Gemma2's sliding and full in turn, Qwen3's): the first
+        # blocks' own.
+        config["layer_types"] = config["layer_types"][:n_layers]
     return _spec(spec.hf.source, spec.hf.model_type, spec.hf.task, config, spec.name)
 
 
@@ -160,9 +164,8 @@ def _is_dropout(key: str, value: object) -> bool:
 def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where: str) -> ModelSpec:
     """The ModelSpec of a resolved config: its sizes as transformers reads them, its layout
     and size from a build on the meta device."""
-    import torch
-
     from . import hf_config, layouts
+    from .common import on_meta
 
     config_json = json.dumps(config, sort_keys=True)
     hf = TransformersConfig(model_type=model_type, task=task, config_json=config_json, source=path)
@@ -190,7 +193,7 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
         sizes["top_k"] = None
     provisional = ModelSpec(name=model_type, family="hf_config", hf=hf, max_seq_len=max_positions,
                             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), **sizes)
-    with torch.device("meta"):
+    with on_meta():
         # Eager attention, which every class has: the build is for the class, sizes and layout.
         module = hf_config.build_module(provisional, "eager")
     try:
@@ -213,9 +216,10 @@ def _resolve_factory(path: str, where: str) -> ModelSpec:
     import torch
 
     from . import factory, layouts
+    from .common import on_meta
 
     try:
-        with torch.device("meta"):
+        with on_meta():
             module, make_batch = factory.made(path)
         blocks = layouts.repeated_blocks(module)
     except ValueError as error:

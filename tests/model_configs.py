@@ -67,6 +67,8 @@ _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_po
 _MOE = {"num_experts_per_tok": 2}
 PREDICTED_DECODERS: dict[str, dict] = {
     "llama": {"architectures": ["LlamaForCausalLM"]},
+    "mistral": {"architectures": ["MistralForCausalLM"]},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"]},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
     "gemma": {"architectures": ["GemmaForCausalLM"], "head_dim": 32},
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "head_dim": 32, "sliding_window": 64,

@@ -168,6 +168,20 @@ def test_a_qwen_moe_config_names_its_experts_and_their_width_its_own_way(tmp_pat
         traced.trace(cell)["peak_bytes"], rel=0.02)
 
 
+def test_the_model_types_plan_calls_checked_are_the_ones_tested_here():
+    assert set(model_configs.PREDICTED_DECODERS) == analytic.HELD_AGAINST_TRACE
+
+
+def test_plan_says_when_a_configs_model_type_was_never_held_against_a_trace(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt_neox", **model_configs.CONFIGS["gpt_neox"]}))
+    result = plan.plan(plan.PlanRequest(model=sources.resolve(str(path)), gpus=2, gpu_mem_bytes=2**30))
+    assert ("has not been held against a trace for model_type gpt_neox: --traced traces"
+            in plan.as_table(result, False).splitlines()[0])
+    preset = plan.plan(plan.PlanRequest(model="llama-1b", gpus=2, gpu_mem_bytes=80 * 2**30))
+    assert "held against a trace" not in plan.as_table(preset, False)
+
+
 @pytest.mark.parametrize("model_type", list(model_configs.PREDICTED_DECODERS))
 def test_the_analytic_peak_of_each_kind_of_decoder_is_its_traced_one(tmp_path, model_type):
     """What sets a decoder's activations apart (its head width, its norms, a gated MLP,

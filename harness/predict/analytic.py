@@ -35,6 +35,12 @@ from harness.strategies import pipeline  # how many stages a pipeline strategy r
 # Families whose blocks the analytic model counts (attention, MLP or experts, norms); a
 # transformers config's model is counted by its sizes and layout (harness/models/spec.py).
 TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe", "hf_config")
+# The config model types whose analytic peak a test holds within ±5 % of their trace
+# (tests/test_model_sources.py, one tiny config of each in tests/model_configs.py). Another
+# type is counted by the same rules, unchecked: DeepSeek-V3's latent attention, for one, reads
+# 0.75-0.80 of its trace; `plan` says so and `plan --traced` checks it.
+HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+                                "olmo2", "stablelm", "mixtral", "qwen3_moe", "olmoe"})
 
 
 def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:

@@ -231,6 +231,13 @@ def against_measured(result: dict) -> dict | None:
     return {"count": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
+def _unchecked_text(spec: models.ModelSpec) -> str:
+    if spec.hf is None or spec.hf.model_type in analytic.HELD_AGAINST_TRACE:
+        return ""
+    return (f" The analytic predictor has not been held against a trace for model_type {spec.hf.model_type}:"
+            " --traced traces the leading configurations.")
+
+
 def _attention_text(req: PlanRequest) -> str:
     spec = req.spec
     if not spec.has_attention:
@@ -316,7 +323,7 @@ def as_table(result: dict, markdown: bool) -> str:
             f" ({fit.USABLE_FRACTION:.0%} usable), {req.precision}, {req.optimizer}{_attention_text(req)}."
             " Memory: analytic predictor"
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
-            f" {result['rates'].source}.")
+            f" {result['rates'].source}.{_unchecked_text(spec)}")
     beside = against_measured(result)
     cols = ("config", "fits", "peak", "params", "grads", "optimizer", "buffers", "activations", "transient",
             "offloaded", "comm/step", "step s", "tokens/s", "MFU", "traced", *(("measured s",) if beside else ()))

@@ -59,10 +59,10 @@ def write(folder: Path, name: str, **changes: object) -> Path:
 # the analytic peak of each against its trace): LLaMA's blocks; Qwen3's and Gemma's own head
 # width and Qwen3's and OLMo2's query-key norms; Gemma2's four norms a block and soft-capped
 # scores and logits (eager only); Phi-3's fused projections; mixtures of experts named the
-# Mixtral, Qwen and OLMoE ways. Left out, with the analytic peak they read: Gemma3 and Phi-3
-# under SDPA (0.92 and 0.90: their sliding-window mask sends the CPU's SDPA to its math kernel,
-# which keeps the scores), Cohere (0.90-0.95: its fp32 LayerNorm keeps more than torch's) and
-# Qwen2-MoE (0.89: its shared expert, beside the routed ones, is not modelled).
+# Mixtral, Qwen and OLMoE ways, Qwen2-MoE's with a shared expert. Left out, with the
+# analytic peak they read: Gemma3 and Phi-3 under SDPA (0.92 and 0.90: their sliding-window
+# mask sends the CPU's SDPA to its math kernel, which keeps the scores) and Cohere (0.90-0.95:
+# its fp32 LayerNorm keeps more than torch's).
 _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 128}
 _MOE = {"num_experts_per_tok": 2}
 PREDICTED_DECODERS: dict[str, dict] = {
@@ -82,4 +82,6 @@ PREDICTED_DECODERS: dict[str, dict] = {
     "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "num_experts": 4,
                   "moe_intermediate_size": 64, **_MOE},
     "olmoe": {"architectures": ["OlmoeForCausalLM"], "num_experts": 4, **_MOE},
+    "qwen2_moe": {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "moe_intermediate_size": 64,
+                  "shared_expert_intermediate_size": 64, **_MOE},
 }

@@ -40,7 +40,7 @@ TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe", "hf_config")
 # type is counted by the same rules, unchecked: DeepSeek-V3's latent attention, for one, reads
 # 0.75-0.80 of its trace; `plan` says so and `plan --traced` checks it.
 HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-                                "olmo2", "stablelm", "mixtral", "qwen3_moe", "olmoe"})
+                                "olmo2", "stablelm", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"})
 
 
 def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:

@@ -221,7 +221,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
             router_experts=spec.required("n_experts") if moe else 0,
             attention_width=heads * spec.head_dim, mlp_value_bytes=residual_bytes if moe and autocast else None,
             norms=len(block_norms) or 2, score_bytes=_score_bytes(spec, value_bytes, autocast),
-        ) + _qk_norms(cell, spec, value_bytes)
+        ) + _qk_norms(cell, spec, value_bytes) + _shared_expert(cell, spec, value_bytes, autocast)
     tokens = spec.tokens_per_sample * cell.micro_batch
     head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
     kinds = _block_kinds(cell, spec.n_layers)
@@ -230,6 +230,19 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     else:  # per-layer options: each kind of block at its own size
         layers = sum(n * activation_bytes(as_block(cell, *kind), spec)["per_layer"] for kind, n in kinds.items())
     return {"per_layer": per_layer, "layers": layers, "logits": _kept_logits_bytes(cell, spec) + head}
+
+
+def _shared_expert(cell: CellSpec, spec: ModelSpec, value_bytes: int, autocast: bool) -> float:
+    """What a block's shared expert keeps beside its routed ones (Qwen2-MoE: a SwiGLU MLP of
+    ``shared_expert_intermediate_size`` every token passes through, scaled by a sigmoid gate):
+    SwiGLU's four ffn-wide values, its output for the gate's product, and under autocast the
+    16-bit copies of its input its gate and up projections take."""
+    width = spec.hf.config.get("shared_expert_intermediate_size") if spec.hf is not None else None
+    if not width:
+        return 0.0
+    tokens = spec.tokens_per_sample * cell.micro_batch
+    inputs = 2 * value_bytes * spec.hidden if autocast else 0
+    return tokens * (4 * value_bytes * width + value_bytes * spec.hidden + inputs) / tensor_parallel_degree(cell)
 
 
 def _score_bytes(spec: ModelSpec, value_bytes: int, autocast: bool) -> float:

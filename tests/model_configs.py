@@ -26,6 +26,12 @@ CONFIGS: dict[str, dict] = {
               "intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
               "tie_word_embeddings": True},
     # Other decoders: the data-parallel strategies take them, the layout ones refuse them.
+    # GLM-4.5's first block is a dense LLaMA block, the next a mixture of experts with a shared
+    # one (DeepSeek's arrangement): no layout describes both.
+    "glm4_moe": {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], **_TEXT,
+                 "intermediate_size": 128, "moe_intermediate_size": 32, "num_key_value_heads": 2,
+                 "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "max_position_embeddings": 64},
     "gpt_neox": {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], **_TEXT,
                  "intermediate_size": 256, "max_position_embeddings": 64, "rotary_pct": 0.25,
                  "hidden_dropout": 0.1},
@@ -40,8 +46,8 @@ CONFIGS: dict[str, dict] = {
              "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "image_size": 32,
              "patch_size": 8, "num_labels": 10},
 }
-LAYOUTS = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt_neox": None, "opt": None, "phi": None,
-           "roberta": None, "deit": None}
+LAYOUTS = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "glm4_moe": None, "gpt_neox": None, "opt": None,
+           "phi": None, "roberta": None, "deit": None}
 TASKS = {"roberta": "masked_lm", "deit": "image_classification"}  # the rest: causal_lm
 LLAMA_LIKE = tuple(name for name, layout in LAYOUTS.items() if layout == "llama")
 OWN_HEAD_WIDTH = ("qwen3",)  # Megatron's GPTModel, as built here, refuses it

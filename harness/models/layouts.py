@@ -37,11 +37,13 @@ def block_type(module: nn.Module) -> type[nn.Module]:
 
 
 def recognise(module: nn.Module) -> Layout | None:
-    """The layout whose module names ``module`` has, or None."""
+    """The layout whose module names every block of ``module`` has, or None. Every block, not
+    the first: DeepSeek's and GLM-4.5's first blocks are dense LLaMA blocks and the rest
+    mixtures of experts, which no layout's tensor-parallel plan or weight copy describes."""
     blocks = repeated_blocks(module)
-    names = {name for name, _ in blocks[0].named_modules()}
+    names = [{name for name, _ in block.named_modules()} for block in blocks]
     at = {name for name, m in module.named_modules() if m is blocks}
     for layout, needed in _LAYOUT_BLOCK_MODULES.items():
-        if _LAYOUT_BLOCKS_AT[layout] in at and set(needed) <= names:
+        if _LAYOUT_BLOCKS_AT[layout] in at and all(set(needed) <= block for block in names):
             return layout
     return None

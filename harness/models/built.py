@@ -78,6 +78,24 @@ class ParamLayout:
     # Whether the block's MLP is gated, a gate projection beside the up projection (SwiGLU,
     # GeGLU), separate (LLaMA's gate_proj) or fused (Phi-3's gate_up_proj).
     gated_mlp: bool = False
+    # Per repeated block, whether its MLP routes tokens to experts (a module named ``experts``):
+    # every block of Mixtral and Qwen3-MoE, all but the first few of DeepSeek-V3 and GLM-4.5
+    # (first_k_dense_replace), whose first blocks have a dense MLP ``dense_ffn`` wide.
+    expert_blocks: tuple[bool, ...] = ()
+    dense_ffn: int = 0
+    # A mixture of experts' shared expert, the MLP every token passes through beside its routed
+    # ones: its width (DeepSeek's n_shared_experts × moe_intermediate_size, Qwen2-MoE's
+    # shared_expert_intermediate_size; 0 without one), and whether a sigmoid gate scales its
+    # output (Qwen2-MoE's shared_expert_gate).
+    shared_expert_width: int = 0
+    shared_expert_gated: bool = False
+    # The linear layers reading the attention's and a dense MLP's input, each of which takes its
+    # own 16-bit copy of it under autocast: LLaMA's q, k, v and gate, up projections (3, 2),
+    # latent attention's two (q_a or q, and kv_a), one where a projection is fused (Phi-3's
+    # qkv_proj and gate_up_proj, GPT-2's c_attn) or named otherwise (BERT's, ViT's).
+    input_linears: tuple[int, int] = (1, 1)
+    # Multi-head latent attention (DeepSeek-V2/V3), or None.
+    latent_attention: LatentAttention | None = None
     # Every module with parameters of its own, in registration order (the order a decoder's
     # forward runs them, up to a block's norms): its block's index (-1 outside the blocks) and
     # its parameters' indices into ``shapes`` (a tied weight is one index, in both modules):
@@ -87,6 +105,23 @@ class ParamLayout:
     @property
     def numel(self) -> int:
         return sum(_numel(s) for s in self.shapes)
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """The widths, per token, of what multi-head latent attention's projections output
+    (DeepSeek-V2, Liu et al. 2024): queries through a low-rank latent (``q_rank``; 0 where the
+    config projects them directly), keys and values through one (``kv_latent``: the kv_lora_rank
+    latent, which an RMSNorm normalises, with the shared rotary key beside it, ``rope`` wide),
+    expanded to every head (``kv_up``: heads × (key width without rope + value width)); Q and K
+    are ``query`` wide (heads × (no-rope + rope width)), V and the output ``value`` wide."""
+
+    q_rank: int
+    kv_latent: int
+    rope: int
+    kv_up: int
+    query: int
+    value: int
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -104,6 +139,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     params = list(module.parameters())  # de-duplicates tied weights
     matmul = {id(p): p.numel() for m in module.modules() if _is_matmul(m) for p in m.parameters(recurse=False)}
+    expert_blocks, dense_ffn, shared_width, shared_gated = _mlp_kinds(blocks)
     return ParamLayout(
         shapes=tuple(tuple(p.shape) for p in params),
         root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
@@ -116,7 +152,57 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         gated_mlp=any(name.rpartition(".")[2] in ("gate_proj", "gate_up_proj")
                       for name, _ in [*blocks[0].named_modules(), *blocks[0].named_parameters()]) if blocks else False,
         modules=_modules(module, blocks, params),
+        expert_blocks=expert_blocks, dense_ffn=dense_ffn, shared_expert_width=shared_width,
+        shared_expert_gated=shared_gated,
+        input_linears=_input_linears(blocks[0]) if blocks else (1, 1),
+        latent_attention=_latent_attention(blocks[0]) if blocks else None,
     )
+
+
+def _named(block: nn.Module, name: str) -> nn.Module | None:
+    """The block's first submodule called ``name`` (at any depth), or None."""
+    return next((m for path, m in block.named_modules() if path.rpartition(".")[2] == name), None)
+
+
+def _linear(block: nn.Module | None, name: str) -> nn.Linear | None:
+    """The block's first linear layer called ``name``, or None."""
+    found = _named(block, name) if block is not None else None
+    return found if isinstance(found, nn.Linear) else None
+
+
+def _mlp_kinds(blocks: list[nn.Module]) -> tuple[tuple[bool, ...], int, int, bool]:
+    """ParamLayout's expert_blocks, dense_ffn, shared_expert_width and shared_expert_gated."""
+    routed = tuple(_named(block, "experts") is not None for block in blocks)
+    if not any(routed):
+        return (), 0, 0, False
+    dense = next((block for block, experts in zip(blocks, routed, strict=True) if not experts), None)
+    dense_gate = _linear(dense, "gate_proj")
+    shared = next((m for block in blocks for name in ("shared_experts", "shared_expert")
+                   if (m := _named(block, name)) is not None), None)
+    shared_gate = _linear(shared, "gate_proj")
+    return (routed, dense_gate.out_features if dense_gate else 0, shared_gate.out_features if shared_gate else 0,
+            any(_named(block, "shared_expert_gate") is not None for block in blocks))
+
+
+def _input_linears(block: nn.Module) -> tuple[int, int]:
+    """ParamLayout.input_linears."""
+    names = {path.rpartition(".")[2] for path, _ in block.named_modules()}
+    attention = len(names & {"q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"})
+    return max(1, attention), 2 if {"gate_proj", "up_proj"} <= names else 1
+
+
+def _latent_attention(block: nn.Module) -> LatentAttention | None:
+    """ParamLayout.latent_attention, read from the block's projections (DeepSeek's names)."""
+    kv_a, kv_b = _linear(block, "kv_a_proj_with_mqa"), _linear(block, "kv_b_proj")
+    query, o_proj = _linear(block, "q_b_proj") or _linear(block, "q_proj"), _linear(block, "o_proj")
+    kv_norm = _named(block, "kv_a_layernorm")
+    if kv_a is None or kv_b is None or query is None or o_proj is None or kv_norm is None:
+        return None
+    q_a = _linear(block, "q_a_proj")
+    kv_rank = sum(p.numel() for p in kv_norm.parameters())  # its weight, one value per channel
+    return LatentAttention(q_rank=q_a.out_features if q_a else 0, kv_latent=kv_a.out_features,
+                           rope=kv_a.out_features - kv_rank, kv_up=kv_b.out_features, query=query.out_features,
+                           value=o_proj.in_features)
 
 
 def _modules(module: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[
@@ -135,9 +221,11 @@ def _is_matmul(module: nn.Module) -> bool:
 
 def _norms(block: nn.Module) -> tuple[str, ...]:
     """ParamLayout.block_norms: the block's normalisation modules (by class name: LayerNorm,
-    LlamaRMSNorm, Gemma2RMSNorm, ...) but the per-head query and key norms."""
+    LlamaRMSNorm, Gemma2RMSNorm, ...) but the attention's own: the per-head query and key norms
+    and latent attention's norms of its latents (``LatentAttention``)."""
+    attention_norms = ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm")
     return tuple("rmsnorm" if "RMS" in type(m).__name__ else "layernorm" for name, m in block.named_modules()
-                 if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in ("q_norm", "k_norm"))
+                 if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in attention_norms)
 
 
 def _mlp_activation(block: nn.Module) -> str:

@@ -32,6 +32,14 @@ def transformers_config(hf: TransformersConfig, attention: str | None = None) ->
     return AutoConfig.for_model(model_type, **config)
 
 
+@functools.cache
+def rotary_fraction(hf: TransformersConfig) -> float:
+    """The share of each head's width its rotary embedding turns (transformers' resolved
+    ``partial_rotary_factor``: 0.5 for GLM-4.5, 0.25 for StableLM; 1 where every channel turns)."""
+    rope = getattr(transformers_config(hf), "rope_parameters", None) or {}
+    return float(rope.get("partial_rotary_factor", 1.0))
+
+
 def build_module(spec: ModelSpec, attention: str | None = None) -> nn.Module:
     """The model with random weights; ``attention`` None: SDPA where its class has it, else
     eager (the meta-device builds that count parameters and read the layout)."""

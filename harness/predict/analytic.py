@@ -37,10 +37,11 @@ from harness.strategies import pipeline  # how many stages a pipeline strategy r
 TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe", "hf_config")
 # The config model types whose analytic peak a test holds within ±5 % of their trace
 # (tests/test_model_sources.py, one tiny config of each in tests/model_configs.py). Another
-# type is counted by the same rules, unchecked: DeepSeek-V3's latent attention, for one, reads
-# 0.75-0.80 of its trace; `plan` says so and `plan --traced` checks it.
+# type is counted by the same rules, unchecked: gpt-oss's attention sinks, for one, leave it at
+# 0.61-0.66 of its trace; `plan` says so and `plan --traced` checks it.
 HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-                                "olmo2", "stablelm", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"})
+                                "olmo2", "stablelm", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
+                                "deepseek_v3"})
 
 
 def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
@@ -112,7 +113,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
     extra = {}
     if strategies.get(cell.strategy.name).engine_model.analytic == "data_parallel":
         states = model_states_at_step(cell, layout, nodes)
-        acts = activation_bytes(cell, spec)
+        acts = activation_bytes(cell, spec, device_type)
         comm = comm_bytes_per_step(cell, layout, nodes)
         transient = transient_bytes(cell, layout, spec, device_type)
     else:

@@ -19,7 +19,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
 from harness.features import compression, sparsification
 from harness.features.optimizers import BITSANDBYTES
-from harness.models import ModelSpec, ParamLayout
+from harness.models import ModelSpec, ParamLayout, hf_config
 from harness.predict import zero3_residency
 from harness.predict.formulas import (
     activation_bytes_per_layer,
@@ -168,7 +168,7 @@ def attention_is_fused(cell: CellSpec) -> bool:
     return cell.attention != "eager"
 
 
-def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
+def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda") -> dict[str, float]:
     """Korthikanti's per-layer activations × layers for one micro-batch, plus the logits;
     under full checkpointing each block's input alone, under the harness's selective
     recompute what ``_selective_per_layer`` says.
@@ -187,7 +187,10 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
     the model; LLaMA's and Mixtral's RMSNorms keep more than a LayerNorm (``norm_keeps``),
     and under autocast LLaMA's separate projections each keep their own cast input.
     A decoder's ``logits`` term also holds what its head keeps: the final norm's tensors
-    and the head's input.
+    and the head's input. Where a model's blocks differ (DeepSeek's dense first blocks before
+    its mixtures of experts) each kind counts at its own size, and ``per_layer`` is the
+    largest kind's. ``device_type`` decides which attention kernel SDPA runs
+    (``_fused_kernel``).
     """
     if spec.family == "mlp":
         return {"per_layer": 0.0, "layers": 0.0, "logits": 0.0}
@@ -198,51 +201,129 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec) -> dict[str, float]:
         per_layer = 2.0 * 4 * cell.micro_batch * spec.hidden * spec.required("image_size") ** 2
         return {"per_layer": per_layer, "layers": per_layer * spec.n_layers,
                 "logits": 4.0 * cell.micro_batch * (spec.hidden + spec.required("num_classes"))}
-    fused = attention_is_fused(cell)
-    moe = spec.layout == "mixtral"
-    heads = spec.required("n_heads")
+    kinds = _block_kinds(cell, spec)
+    uniform = len({kind[:2] for kind in kinds}) == 1  # no per-layer option: each block as the cell
+    layers = sum(n * _block_bytes(cell if uniform else as_block(cell, checkpointed, fp32), spec, experts, device_type)
+                 for (checkpointed, fp32, experts), n in kinds.items())
+    per_layer = max(_block_bytes(cell, spec, experts, device_type) for *_, experts in kinds)
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
-    autocast = uses_autocast(cell)
-    residual_bytes = 4 if cell.strategy.precision == "fp32" or autocast else value_bytes
-    block_norms = models.param_layout(spec).block_norms
-    norm = norm_keeps(block_norms[0] if block_norms else "layernorm", residual_bytes)
-    separate_projections = autocast and spec.layout == "llama"
-    mode = cell.strategy.checkpointing
-    if mode == "full":  # the block's input alone, from the residual stream
-        per_layer = float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
-    elif mode == "selective":
-        per_layer = _selective_per_layer(cell, spec, value_bytes, residual_bytes)
-    else:
-        per_layer = activation_bytes_per_layer(
-            spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=spec.ffn, mlp=_mlp_kind(cell, spec),
-            value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
-            input_copies=(3, 2) if separate_projections else (1, 1), tensor_parallel=tensor_parallel_degree(cell),
-            kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if moe else 1,
-            router_experts=spec.required("n_experts") if moe else 0,
-            attention_width=heads * spec.head_dim, mlp_value_bytes=residual_bytes if moe and autocast else None,
-            norms=len(block_norms) or 2, score_bytes=_score_bytes(spec, value_bytes, autocast),
-        ) + _qk_norms(cell, spec, value_bytes) + _shared_expert(cell, spec, value_bytes, autocast)
+    norm = norm_keeps(_block_norms(spec)[0], _residual_bytes(cell))
     tokens = spec.tokens_per_sample * cell.micro_batch
-    head = (norm + value_bytes) * tokens * spec.hidden if spec.layout in ("gpt2", "llama", "mixtral") else 0.0
-    kinds = _block_kinds(cell, spec.n_layers)
-    if len(kinds) == 1:
-        layers = per_layer * spec.n_layers
-    else:  # per-layer options: each kind of block at its own size
-        layers = sum(n * activation_bytes(as_block(cell, *kind), spec)["per_layer"] for kind, n in kinds.items())
+    head = (norm + value_bytes) * tokens * spec.hidden if spec.task == "causal_lm" else 0.0
     return {"per_layer": per_layer, "layers": layers, "logits": _kept_logits_bytes(cell, spec) + head}
 
 
+def _block_norms(spec: ModelSpec) -> tuple[str, ...]:
+    """The kinds of a block's norms (two LayerNorms where the layout does not say)."""
+    return models.param_layout(spec).block_norms or ("layernorm", "layernorm")
+
+
+def _residual_bytes(cell: CellSpec) -> int:
+    """Bytes of a residual-stream value: fp32 under fp32 and under autocast, else the precision
+    the engine casts the model to."""
+    if cell.strategy.precision == "fp32" or uses_autocast(cell):
+        return 4
+    return PRECISION_BYTES[cell.strategy.precision]
+
+
+def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: str) -> float:
+    """What one block keeps (``activation_bytes``' per layer): a mixture-of-experts block where
+    ``experts``, else a dense one (``ParamLayout.dense_ffn`` wide where the model has both)."""
+    layout = models.param_layout(spec)
+    latent = layout.latent_attention
+    fused = _fused_kernel(cell, spec, device_type)
+    heads = spec.required("n_heads")
+    value_bytes = PRECISION_BYTES[cell.strategy.precision]
+    autocast = uses_autocast(cell)
+    residual_bytes = _residual_bytes(cell)
+    block_norms = _block_norms(spec)
+    norm = norm_keeps(block_norms[0], residual_bytes)
+    mode = cell.strategy.checkpointing
+    if mode == "full":  # the block's input alone, from the residual stream
+        return float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
+    if mode == "selective":
+        return _selective_per_layer(cell, spec, value_bytes, residual_bytes, experts)
+    attention_in, mlp_in = layout.input_linears if autocast else (1, 1)
+    return activation_bytes_per_layer(
+        spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=_ffn(spec, experts),
+        mlp=_mlp_kind(cell, spec), value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
+        input_copies=(attention_in, 1 if experts else mlp_in), tensor_parallel=tensor_parallel_degree(cell),
+        kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if experts else 1,
+        router_experts=spec.required("n_experts") if experts else 0,
+        attention_width=latent.query if latent else heads * spec.head_dim,
+        value_width=latent.value if latent else None,
+        mlp_value_bytes=residual_bytes if experts and autocast else None,
+        norms=len(block_norms), score_bytes=_score_bytes(spec, value_bytes, autocast),
+    ) + _qk_norms(cell, spec, value_bytes) + (_shared_expert(cell, spec, value_bytes, autocast) if experts else 0.0) + (
+        _latent_attention(cell, spec, value_bytes, fused) if latent else 0.0) + _output_copy(
+        cell, spec, value_bytes, fused, device_type)
+
+
+def _ffn(spec: ModelSpec, experts: bool) -> int:
+    """A block's MLP width: its experts' (spec.ffn), or a dense block's beside experts ones."""
+    dense = models.param_layout(spec).dense_ffn
+    return spec.ffn if experts or not dense else dense
+
+
+def _fused_kernel(cell: CellSpec, spec: ModelSpec, device_type: str) -> bool:
+    """Whether the cell's attention runs in a fused kernel (``attention_is_fused``), but for
+    latent attention on the CPU: its query and key heads are wider than its value heads
+    (DeepSeek-V3: 192 against 128), which the CPU's flash kernel does not take, so SDPA runs
+    its math kernel there and keeps the scores (CUDA's memory-efficient kernel takes them)."""
+    latent = models.param_layout(spec).latent_attention
+    unequal_heads = latent is not None and latent.query != latent.value
+    return attention_is_fused(cell) and not (device_type == "cpu" and unequal_heads)
+
+
+def _output_copy(cell: CellSpec, spec: ModelSpec, value_bytes: int, fused: bool, device_type: str) -> float:
+    """The copy of a fused kernel's output that the output projection takes, where the CPU's
+    kernel gives its output heads-first: where the query it gets is laid out heads-first, made
+    by a concatenation (a partial rotary embedding's turned and unturned channels: GLM-4.5,
+    StableLM; latent attention's rotary and plain parts), transformers' transpose to
+    tokens-first copies it, and both are kept. A query that is a projection's transposed view
+    (LLaMA's) gives an output already tokens-first: no copy. Measured on the CPU only; on CUDA
+    the fused kernels write their output tokens-first."""
+    if not fused or device_type != "cpu" or spec.hf is None:
+        return 0.0
+    latent = models.param_layout(spec).latent_attention
+    if latent is None and hf_config.rotary_fraction(spec.hf) == 1.0:
+        return 0.0
+    width = latent.value if latent else spec.required("n_heads") * spec.head_dim
+    return value_bytes * spec.tokens_per_sample * cell.micro_batch * width / tensor_parallel_degree(cell)
+
+
+def _latent_attention(cell: CellSpec, spec: ModelSpec, value_bytes: int, fused: bool) -> float:
+    """What multi-head latent attention keeps beside the Q, K, V and output that every
+    attention keeps (``activation_bytes_per_layer``): the query latent's RMSNorm and the
+    q_b projection's input; the key-value latent's RMSNorm, which keeps its fp32 input (at
+    fp32 the split view of the whole kv_a output, rotary key included) and its normalised
+    value, and the kv_b projection's input. In a fused kernel V is a view of kv_b's output,
+    which keeps the keys' part of it too (measured on the CPU: transformers'
+    DeepseekV3Attention). TP divides none of it: no tensor-parallel plan takes latent
+    attention."""
+    latent = models.param_layout(spec).latent_attention
+    assert latent is not None
+    kv_rank = latent.kv_latent - latent.rope
+    query = (4 + 2 * value_bytes) * latent.q_rank
+    kv_input = 4 * (latent.kv_latent if value_bytes == 4 else kv_rank)
+    kv = kv_input + 2 * value_bytes * kv_rank
+    values_beside = value_bytes * (latent.kv_up - latent.value) if fused else 0.0
+    return spec.tokens_per_sample * cell.micro_batch * (query + kv + values_beside)
+
+
 def _shared_expert(cell: CellSpec, spec: ModelSpec, value_bytes: int, autocast: bool) -> float:
-    """What a block's shared expert keeps beside its routed ones (Qwen2-MoE: a SwiGLU MLP of
-    ``shared_expert_intermediate_size`` every token passes through, scaled by a sigmoid gate):
-    SwiGLU's four ffn-wide values, its output for the gate's product, and under autocast the
-    16-bit copies of its input its gate and up projections take."""
-    width = spec.hf.config.get("shared_expert_intermediate_size") if spec.hf is not None else None
-    if not width:
+    """What a block's shared expert keeps beside its routed ones (``ParamLayout.
+    shared_expert_width``: a SwiGLU MLP every token passes through): SwiGLU's four ffn-wide
+    values, under autocast the 16-bit copies of its input its gate and up projections take,
+    and where a sigmoid gate scales its output (Qwen2-MoE; not DeepSeek's or GLM's), that
+    output for the gate's product."""
+    layout = models.param_layout(spec)
+    if not layout.shared_expert_width:
         return 0.0
     tokens = spec.tokens_per_sample * cell.micro_batch
     inputs = 2 * value_bytes * spec.hidden if autocast else 0
-    return tokens * (4 * value_bytes * width + value_bytes * spec.hidden + inputs) / tensor_parallel_degree(cell)
+    gated = value_bytes * spec.hidden if layout.shared_expert_gated else 0
+    return tokens * (4 * value_bytes * layout.shared_expert_width + gated + inputs) / tensor_parallel_degree(cell)
 
 
 def _score_bytes(spec: ModelSpec, value_bytes: int, autocast: bool) -> float:
@@ -265,10 +346,14 @@ def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
         tensor_parallel_degree(cell))
 
 
-def _block_kinds(cell: CellSpec, n_blocks: int) -> collections.Counter[tuple[bool, bool]]:
-    """How many blocks are (checkpointed, computed in fp32), by the per-layer options."""
+def _block_kinds(cell: CellSpec, spec: ModelSpec) -> collections.Counter[tuple[bool, bool, bool]]:
+    """How many blocks are (checkpointed, computed in fp32, routed to experts), by the
+    per-layer options and the model's blocks."""
+    n_blocks = spec.n_layers
     checked, fp32 = (cell.strategy.blocks(option, n_blocks) for option in ("checkpoint_blocks", "fp32_blocks"))
-    return collections.Counter((i in checked, i in fp32 or cell.strategy.precision == "fp32") for i in range(n_blocks))
+    routed = models.param_layout(spec).expert_blocks or (spec.layout == "mixtral",) * n_blocks
+    return collections.Counter((i in checked, i in fp32 or cell.strategy.precision == "fp32", routed[i])
+                               for i in range(n_blocks))
 
 
 def as_block(cell: CellSpec, checkpointed: bool, fp32: bool) -> CellSpec:
@@ -283,7 +368,8 @@ def as_block(cell: CellSpec, checkpointed: bool, fp32: bool) -> CellSpec:
     return dataclasses.replace(cell, strategy=block)
 
 
-def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, residual_bytes: int) -> float:
+def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, residual_bytes: int,
+                         experts: bool) -> float:
     """What one block keeps under the harness's selective recompute (features/
     checkpointing.py: every matmul's and attention kernel's output saved, the element-wise
     ops recomputed from them), not Korthikanti's selective (the attention core alone
@@ -293,13 +379,13 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
     the router's logits for a mixture of experts); and the attention's output with, for a
     fused kernel, its fp32 log-sum-exp per row, for eager attention its score matmul's s×s
     output. A tensor-parallel cell divides the projections and attention by its degree."""
-    s, b, h, f = spec.tokens_per_sample, cell.micro_batch, spec.hidden, spec.ffn
+    s, b, h, f = spec.tokens_per_sample, cell.micro_batch, spec.hidden, _ffn(spec, experts)
     heads = spec.required("n_heads")
     fused = attention_is_fused(cell)
     q_width = heads * spec.head_dim  # h, but where a config sets its head width apart (Qwen3, Gemma)
     kv_width = q_width * (spec.kv_heads or heads) / heads
     mlp = (2 * f + h) if spec.layout in ("llama", "mixtral") else (f + h)
-    if spec.layout == "mixtral":
+    if experts:
         mlp = spec.required("top_k") * mlp + spec.required("n_experts")
     projections = value_bytes * s * b * (q_width + 2 * kv_width + h + mlp)
     attention = value_bytes * s * b * q_width + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
@@ -546,7 +632,7 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     fp32_matmuls = len(s.blocks("fp32_blocks", spec.n_layers)) * layout.block_matmul_numel  # not cast
     return {"gathered": gathered,
             "autocast_copies": 2.0 * (layout.matmul_numel - fp32_matmuls) if uses_autocast(cell) else 0.0,
-            "recompute": recompute_bytes(cell, spec), "loss": loss_bytes(cell, spec),
+            "recompute": recompute_bytes(cell, spec, device_type), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
             "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0,
             "block_reduce": copies * 4.0 * layout.block_numel if reduces_root_last else 0.0,
@@ -569,10 +655,11 @@ def _buffers_after_backward(cell: CellSpec, layout: ParamLayout, device_type: st
     return result + (grads if unseen_buckets else 0.0)
 
 
-def recompute_bytes(cell: CellSpec, spec: ModelSpec) -> float:
+def recompute_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda") -> float:
     """With checkpointing, what one block's backward makes again beside what the block
     kept: all of its activations (full), or all but the matmuls' and attention's outputs
     (selective)."""
-    checked = [kind for kind in _block_kinds(cell, spec.n_layers) if kind[0]]
-    return max((activation_bytes(as_block(cell, False, fp32), spec)["per_layer"]
-                - activation_bytes(as_block(cell, True, fp32), spec)["per_layer"] for _, fp32 in checked), default=0.0)
+    checked = [kind[:2] for kind in _block_kinds(cell, spec) if kind[0]]
+    return max((activation_bytes(as_block(cell, False, fp32), spec, device_type)["per_layer"]
+                - activation_bytes(as_block(cell, True, fp32), spec, device_type)["per_layer"] for _, fp32 in checked),
+               default=0.0)

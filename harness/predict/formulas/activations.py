@@ -14,7 +14,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
                                router_experts: int = 0, norm_bytes: float | None = None,
                                input_copies: tuple[int, int] = (1, 1), attention_width: int | None = None,
                                mlp_value_bytes: int | None = None, norms: int = 2,
-                               score_bytes: float | None = None) -> float:
+                               score_bytes: float | None = None, value_width: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
@@ -58,6 +58,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
       - ``attention_width``: the heads' total width, heads × head width, where a config sets
         its head width apart from hidden / heads (Qwen3, Gemma): Q, the attention's output
         and (by ``kv_heads``) K and V are that wide, not h;
+      - ``value_width``: V's and the attention output's width where it is not Q's and K's
+        (multi-head latent attention, DeepSeek-V2: value heads narrower than query heads);
       - ``mlp_value_bytes``: the MLP terms' value bytes where they are not ``value_bytes``
         (a mixture of experts whose grouped matmul autocast does not cast: its experts
         compute in the fp32 of the residual stream under bf16 autocast);
@@ -86,8 +88,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     heads_wide = s * b * (attention_width or h)  # Q's elements, and the attention output's
     # Inside the tensor-parallel region (divided by t).
     qk = v * heads_wide * (1 + kv_share)  # Q and K, the inputs of the score matmul
-    value_in = v * heads_wide * kv_share  # V
-    proj_in = v * heads_wide  # input of the output projection
+    values_wide = s * b * (value_width or attention_width or h)
+    value_in = v * values_wide * kv_share  # V
+    proj_in = v * values_wide  # input of the output projection
     if fused_attention:
         scores = 4.0 * a * s * b  # the kernel's fp32 log-sum-exp per row, no s×s matrix
     elif checkpointing == "selective":

@@ -66,14 +66,16 @@ def write(folder: Path, name: str, **changes: object) -> Path:
 # width and Qwen3's and OLMo2's query-key norms; Gemma2's four norms a block and soft-capped
 # scores and logits (eager only); Phi-3's fused projections; mixtures of experts named the
 # Mixtral, Qwen and OLMoE ways, Qwen2-MoE's with a shared expert, DeepSeek's and GLM-4.5's
-# after dense first blocks. Left out, with the analytic peak they read: Gemma3 and Phi-3 under
-# SDPA (0.92 and 0.90: their sliding-window mask sends the CPU's SDPA to its math kernel, which
-# keeps the scores), Cohere (0.90-0.95: its fp32 LayerNorm keeps more than torch's) and
-# gpt-oss (0.61-0.66: its attention sinks and clamped experts are not modelled).
+# after dense first blocks, gpt-oss's clamped experts. Left out, with the analytic peak they
+# read: Gemma3 and Phi-3 under SDPA (0.92 and 0.90: their sliding-window mask sends the CPU's
+# SDPA to its math kernel, which keeps the scores) and Cohere (0.90-0.95: its fp32 LayerNorm
+# keeps more than torch's).
 _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 128}
 _MOE = {"num_experts_per_tok": 2}
 _DEEPSEEK_MOE = {"n_routed_experts": 4, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
                  "n_group": 1, "topk_group": 1, **_MOE}
+_LATENT = {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 16}
 PREDICTED_DECODERS: dict[str, dict] = {
     "llama": {"architectures": ["LlamaForCausalLM"]},
     "mistral": {"architectures": ["MistralForCausalLM"]},
@@ -94,10 +96,12 @@ PREDICTED_DECODERS: dict[str, dict] = {
     "qwen2_moe": {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "moe_intermediate_size": 64,
                   "shared_expert_intermediate_size": 64, **_MOE},
     # DeepSeek's arrangement: a dense first block, then experts with a shared one; GLM-4.5's with
-    # a partial rotary embedding, DeepSeek-V3's with latent attention whose query and key heads
-    # are wider than its value heads (24 against 16; 192 against 128 at full size).
+    # a partial rotary embedding, DeepSeek-V2's and V3's with latent attention whose query and
+    # key heads are wider than its value heads (24 against 16; 192 against 128 at full size).
     "glm4_moe": {"architectures": ["Glm4MoeForCausalLM"], **_DEEPSEEK_MOE},
-    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], **_DEEPSEEK_MOE, "num_key_value_heads": 4,
-                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-                    "v_head_dim": 16},
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], **_DEEPSEEK_MOE, **_LATENT},
+    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], **_DEEPSEEK_MOE, **_LATENT},
+    # gpt-oss: experts that clamp their gate and up projections, attention sinks (eager only).
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"], "num_local_experts": 4, "head_dim": 16, "sliding_window": 64,
+                "attn_implementation": "eager", **_MOE},
 }

@@ -158,6 +158,24 @@ def test_a_qwen_moe_config_names_its_experts_and_their_width_its_own_way(tmp_pat
         traced.trace(cell)["peak_bytes"], rel=0.02)
 
 
+def test_deepseeks_blocks_and_latent_attention_are_read_from_the_built_model(tmp_path):
+    # A dense first block (intermediate_size wide), then experts with a shared one
+    # (n_shared_experts × moe_intermediate_size); the latent attention's projections' widths.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "deepseek_v3", **model_configs._DECODER,
+                                **model_configs.PREDICTED_DECODERS["deepseek_v3"]}))
+    spec = sources.resolve(str(path))
+    layout = models.param_layout(spec)
+    assert (spec.layout, layout.expert_blocks, layout.dense_ffn, layout.shared_expert_width) == (None, (False, True),
+                                                                                                 128, 32)
+    assert not layout.shared_expert_gated and layout.input_linears == (2, 2)
+    assert layout.block_norms == ("rmsnorm", "rmsnorm")  # the latents' norms are the attention's
+    heads = spec.n_heads
+    assert layout.latent_attention == models.built.LatentAttention(q_rank=32, kv_latent=16 + 8, rope=8,
+                                                                   kv_up=heads * (16 + 16), query=heads * (16 + 8),
+                                                                   value=heads * 16)
+
+
 def test_the_model_types_plan_calls_checked_are_the_ones_tested_here():
     assert set(model_configs.PREDICTED_DECODERS) == analytic.HELD_AGAINST_TRACE
 

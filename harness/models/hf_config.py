@@ -33,10 +33,16 @@ def transformers_config(hf: TransformersConfig, attention: str | None = None) ->
 
 
 @functools.cache
+def resolved(hf: TransformersConfig) -> PretrainedConfig:
+    """The config as transformers resolves it, its class's defaults filled in, for the
+    predictors to read (not to change: it is shared)."""
+    return transformers_config(hf)
+
+
 def rotary_fraction(hf: TransformersConfig) -> float:
     """The share of each head's width its rotary embedding turns (transformers' resolved
     ``partial_rotary_factor``: 0.5 for GLM-4.5, 0.25 for StableLM; 1 where every channel turns)."""
-    rope = getattr(transformers_config(hf), "rope_parameters", None) or {}
+    rope = getattr(resolved(hf), "rope_parameters", None) or {}
     return float(rope.get("partial_rotary_factor", 1.0))
 
 

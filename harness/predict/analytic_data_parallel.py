@@ -426,7 +426,11 @@ def _mlp_kind(cell: CellSpec, spec: ModelSpec) -> str:
     ``mlp``), read from the built block: a gated MLP (LLaMA's SwiGLU, Gemma's GeGLU, Phi-3's
     fused gate and up projection) keeps what SwiGLU does, else its activation module decides.
     Selective checkpointing saves the matmul outputs and recomputes the pointwise ops between
-    them (features/checkpointing.py), so an unfused GeLU keeps only what a fused one does."""
+    them (features/checkpointing.py), so an unfused GeLU keeps only what a fused one does.
+    gpt-oss's experts clamp their gate and up projections before the GLU (its config's
+    ``swiglu_limit``), which keeps more."""
+    if spec.hf is not None and getattr(hf_config.resolved(spec.hf), "swiglu_limit", None):
+        return "swiglu_clamped"
     if spec.layout in ("llama", "mixtral") or models.param_layout(spec).gated_mlp:
         return "swiglu"
     unfused = models.param_layout(spec).mlp_activation == "NewGELUActivation"

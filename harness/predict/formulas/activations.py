@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # s·b·ffn-wide tensors an MLP keeps for backward, by how its activation is computed.
-_MLP_KEPT = {"gelu": 2, "swiglu": 4, "gelu_tanh_unfused": 5}
+_MLP_KEPT = {"gelu": 2, "swiglu": 4, "gelu_tanh_unfused": 5, "swiglu_clamped": 7}
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, ffn: int | None = None,
@@ -32,6 +32,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         GeLU keeps 2; ``mlp="gelu_tanh_unfused"``, the tanh GeLU written as separate tensor
         ops (transformers' NewGELUActivation, GPT-2's), keeps 5: its input, the tanh output,
         0.5·x and 1 + tanh (the operands of its last multiply), and its output;
+        ``mlp="swiglu_clamped"``, gpt-oss's experts, keeps 7: the fused gate and up
+        projections' output (2), the clamped gate, its sigmoid, their product, the clamped up
+        projection plus one, and the product of the two;
       - ``fused_attention`` (flash / SDPA kernels) keeps no s×s score matrix: the a·s² terms
         vanish (the kernel's per-row statistics, 4·a·s·b bytes, are kept instead);
       - ``checkpointing="full"``: only the layer input, 2sbh (§4.3); "selective": the

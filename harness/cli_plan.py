@@ -37,7 +37,9 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr, flush=True)
         work_trace = functools.partial(tracer.trace_cells, progress=_progress)
     try:
-        result = plan.plan(req, trace=tracer.trace_cells if args.traced else None, named=args.config, rates=rates,
+        # Traced as a GPU runs it: CUDA's attention kernels (predict/traced.py, "Attention kernels").
+        memory_trace = functools.partial(tracer.trace_cells, kernels="cuda") if args.traced else None
+        result = plan.plan(req, trace=memory_trace, named=args.config, rates=rates,
                            work_trace=work_trace, measured=measured)
     except ValueError as error:
         raise UsageError(str(error)) from None

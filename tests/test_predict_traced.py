@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import model_configs
 from harness import strategies, training
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
 from harness.measure.memory import BREAKDOWN_KEYS
-from harness.predict import traced
+from harness.models import sources
+from harness.predict import analytic, traced
 
 
 def _cell(strategy: str, world_size: int, model: str = "gpt2-tiny", **options) -> CellSpec:
@@ -165,7 +167,7 @@ def test_trace_cells_shares_the_cells_among_a_subprocess_per_core(monkeypatch):
     cells = [_cell("single", 1), _cell("ddp", 2), _cell("fsdp_full", 2)]
     shares = []
 
-    def fake(share, timeout_s, done, slot):
+    def fake(share, timeout_s, done, slot, kernels):
         shares.append([c.cell_id for c in share])
         return {c.cell_id: {"peak_bytes": len(shares)} for c in share}
 
@@ -207,3 +209,26 @@ def test_bitsandbytes_cpu_update_is_traced_op_by_op():
         mode.work = DispatchedWork()
         optimizer.step()
     assert mode.work.ops >= 30
+
+
+def test_cudas_attention_kernels_keep_no_scores_where_the_cpus_math_kernel_does(tmp_path):
+    """DeepSeek-V3's latent attention has query heads wider than its value heads (24 against
+    16): the CPU's SDPA runs its math kernel, which keeps every layer's fp32 scores; CUDA's
+    memory-efficient kernel (``kernels="cuda"``, as `plan --traced` traces) keeps its output
+    and log-sum-exp instead. Each trace is held against the analytic peak for its device."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "deepseek_v3", **model_configs._DECODER,
+                                **model_configs.PREDICTED_DECODERS["deepseek_v3"]}))
+    spec = sources.resolve(str(path))
+    cells = [CellSpec(model=spec, strategy=StrategySpec(name="single", precision="bf16"), world_size=1, micro_batch=4),
+             CellSpec(model=spec, strategy=StrategySpec(name="fsdp_full"), world_size=2, micro_batch=4)]
+    peaks = {kernels: traced.trace_cells(cells, kernels=kernels) for kernels in traced.KERNELS}
+    scores = 4 * spec.n_heads * spec.tokens_per_sample ** 2 * 4  # one layer's fp32 scores, 4 samples
+    for cell in cells:
+        cpu, cuda = (peaks[kernels][cell.cell_id]["peak_bytes"] for kernels in traced.KERNELS)
+        assert cpu - cuda >= scores, cell.cell_id
+        for kernels in traced.KERNELS:
+            predicted = analytic.predict(cell, device_type=kernels)["peak_bytes"]
+            assert predicted / peaks[kernels][cell.cell_id]["peak_bytes"] == pytest.approx(1, abs=0.05), kernels
+    with pytest.raises(ValueError, match="kernels='tpu': choose cpu or cuda"):
+        traced.trace_cells(cells, kernels="tpu")

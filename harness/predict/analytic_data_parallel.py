@@ -242,21 +242,28 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
     if mode == "full":  # the block's input alone, from the residual stream
         return float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
     if mode == "selective":
-        return _selective_per_layer(cell, spec, value_bytes, residual_bytes, experts)
+        return _selective_per_layer(cell, spec, value_bytes, residual_bytes, experts, device_type)
     attention_in, mlp_in = layout.input_linears if autocast else (1, 1)
-    return activation_bytes_per_layer(
+    # SDPA fell back to the CPU's math kernel (_fused_kernel): it keeps its own fp32 copies of
+    # Q, K and V and fp32 scores, whatever the precision the model computes in.
+    math_kernel = attention_is_fused(cell) and not fused
+    query_width = latent.query if latent else heads * spec.head_dim
+    value_width = latent.value if latent else query_width
+    per_layer = activation_bytes_per_layer(
         spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=_ffn(spec, experts),
         mlp=_mlp_kind(cell, spec), value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
         input_copies=(attention_in, 1 if experts else mlp_in), tensor_parallel=tensor_parallel_degree(cell),
         kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if experts else 1,
         router_experts=spec.required("n_experts") if experts else 0,
-        attention_width=latent.query if latent else heads * spec.head_dim,
-        value_width=latent.value if latent else None,
-        mlp_value_bytes=residual_bytes if experts and autocast else None,
-        norms=len(block_norms), score_bytes=_score_bytes(spec, value_bytes, autocast),
-    ) + _qk_norms(cell, spec, value_bytes) + (_shared_expert(cell, spec, value_bytes, autocast) if experts else 0.0) + (
-        _latent_attention(cell, spec, value_bytes, fused) if latent else 0.0) + _output_copy(
-        cell, spec, value_bytes, fused, device_type)
+        attention_width=query_width, value_width=value_width,
+        mlp_value_bytes=residual_bytes if experts and autocast else None, norms=len(block_norms),
+        score_bytes=4.0 if math_kernel else _score_bytes(spec, value_bytes, autocast),
+    )
+    upcast = (4 - value_bytes) * spec.tokens_per_sample * cell.micro_batch * (2 * query_width + value_width)
+    return (per_layer + (upcast if math_kernel else 0.0) + _qk_norms(cell, spec, value_bytes)
+            + (_shared_expert(cell, spec, value_bytes, autocast) if experts else 0.0)
+            + (_latent_attention(cell, spec, value_bytes, fused) if latent else 0.0)
+            + _output_copy(cell, spec, value_bytes, fused, device_type))
 
 
 def _ffn(spec: ModelSpec, experts: bool) -> int:
@@ -369,7 +376,7 @@ def as_block(cell: CellSpec, checkpointed: bool, fp32: bool) -> CellSpec:
 
 
 def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, residual_bytes: int,
-                         experts: bool) -> float:
+                         experts: bool, device_type: str) -> float:
     """What one block keeps under the harness's selective recompute (features/
     checkpointing.py: every matmul's and attention kernel's output saved, the element-wise
     ops recomputed from them), not Korthikanti's selective (the attention core alone
@@ -381,14 +388,21 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
     output. A tensor-parallel cell divides the projections and attention by its degree."""
     s, b, h, f = spec.tokens_per_sample, cell.micro_batch, spec.hidden, _ffn(spec, experts)
     heads = spec.required("n_heads")
-    fused = attention_is_fused(cell)
-    q_width = heads * spec.head_dim  # h, but where a config sets its head width apart (Qwen3, Gemma)
-    kv_width = q_width * (spec.kv_heads or heads) / heads
-    mlp = (2 * f + h) if spec.layout in ("llama", "mixtral") else (f + h)
+    fused = _fused_kernel(cell, spec, device_type)
+    layout = models.param_layout(spec)
+    latent = layout.latent_attention
+    if latent:  # q_a (where the queries have a latent), q_b or q, kv_a and kv_b's outputs
+        attention_projections = float(latent.q_rank + latent.query + latent.kv_latent + latent.kv_up)
+        out_width = latent.value
+    else:  # h wide, but where a config sets its head width apart (Qwen3, Gemma)
+        out_width = heads * spec.head_dim
+        attention_projections = out_width * (1 + 2 * (spec.kv_heads or heads) / heads)
+    mlp = (2 * f + h) if _mlp_kind(cell, spec).startswith("swiglu") else (f + h)
     if experts:
-        mlp = spec.required("top_k") * mlp + spec.required("n_experts")
-    projections = value_bytes * s * b * (q_width + 2 * kv_width + h + mlp)
-    attention = value_bytes * s * b * q_width + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
+        shared = 2 * layout.shared_expert_width + h if layout.shared_expert_width else 0
+        mlp = spec.required("top_k") * mlp + spec.required("n_experts") + shared
+    projections = value_bytes * s * b * (attention_projections + h + mlp)
+    attention = value_bytes * s * b * out_width + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
     return residual_bytes * s * b * h + (projections + attention) / tensor_parallel_degree(cell)
 
 

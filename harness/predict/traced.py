@@ -94,9 +94,20 @@ exception and the frame that raised it, condensed; where it is an error the step
 raises whatever the tensors hold (``FAILS_FOR_REAL``), the result also says ``"fails"``: a
 real run of the configuration fails the same way, and planning must not call it a fit.
 
+Attention kernels (``kernels``): the CPU's by default, as the cell's own step runs them here.
+``harness plan`` plans for GPUs and traces with CUDA's (``kernels="cuda"``): torch's SDPA
+takes its flash kernel where CUDA's would (16-bit, no mask, equal head widths up to 256;
+grouped K and V as they are) and its memory-efficient kernel for the rest (a mask, unequal
+query and value head widths: DeepSeek's latent attention), each keeping its output and an
+fp32 log-sum-exp a row. The CPU's would run its math kernel there, keeping every score in
+fp32 (a bf16 model's too): at Moonlight-16B's size (27 layers, 16 heads, 4,096 tokens) tens
+of GiB a GPU never holds. Fake tensors take both kernels' CUDA ops through their meta
+kernels. Left to the CPU's math kernel: an fp32 model with grouped K and V passed as they
+are (enable_gqa), which CUDA runs in its math kernel too.
+
 ``trace`` needs a process without a process group (it makes and destroys a fake one);
 ``trace_cells`` runs it for a list of cells in one fresh subprocess
-(``python -m harness.predict.traced --cells cells.json --out out.json``).
+(``python -m harness.predict.traced --cells cells.json --out out.json [--kernels cuda]``).
 """
 
 from __future__ import annotations
@@ -140,6 +151,8 @@ _TRACED_PREFIX = "traced "  # the subprocess's line per cell done, counted for t
 # Trace subprocesses at once (each one thread, its own torch and transformers: ~1 GB of memory).
 MAX_TRACE_PROCESSES = 8
 _REASON_CHARS = 400
+KERNELS = ("cpu", "cuda")  # whose attention kernels a trace runs (above)
+_FLASH_HEAD_WIDTHS = 256  # the widest head CUDA's flash kernel takes
 
 # Found by trying (DeepSpeed 0.19.8): with its activation check (an allclose on a probe) run on
 # real tensors, the step fails in backward: "IndexPutBackward0 returned an invalid gradient at
@@ -282,6 +295,43 @@ class _RealIndexTensors(TorchDispatchMode):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _cuda_attention_kernels() -> contextlib.AbstractContextManager[object]:
+    """torch's SDPA as CUDA would run it (the module docstring's "Attention kernels"), patched
+    where transformers looks it up at every call, so that recomputation under checkpointing
+    runs the same kernel as the forward did (a TorchFunctionMode is not active where autograd
+    recomputes)."""
+    cpu_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = _cuda_sdpa(*args, **kwargs)
+        return cpu_sdpa(*args, **kwargs) if out is None else out
+
+    return unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+
+
+def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor | None:
+    """The output of the fused kernel CUDA's SDPA would pick for these inputs, or None where it
+    would run its math kernel (as the CPU's does). Under autocast (the trace's is the CPU's)
+    its inputs are cast to the autocast precision first, as CUDA's autocast casts SDPA's."""
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    widths = {query.shape[-1], key.shape[-1], value.shape[-1]}
+    if (attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and len(widths) == 1
+            and max(widths) <= _FLASH_HEAD_WIDTHS):
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                                  scale=scale)[0]
+    if key.shape[-3] != query.shape[-3]:  # grouped K and V: the memory-efficient kernel takes them expanded
+        return None
+    bias = attn_mask
+    if bias is not None and bias.dtype == torch.bool:  # SDPA's own conversion, on CUDA too
+        bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill_(bias.logical_not(), float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, query.requires_grad,
+                                                                  dropout_p, is_causal, scale=scale)[0]
 
 
 @contextmanager
@@ -501,7 +551,7 @@ def _with_stand_in(result: dict, stand_in: CellSpec, traced_stand_in: dict) -> d
                                    "work": traced_stand_in["work"]}}
 
 
-def trace(cell: CellSpec, stand_in: bool = True) -> dict:
+def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
     """Rank 0's predicted step peak: {"peak_bytes", "breakdown_bytes" {memory.BREAKDOWN_KEYS,
     summing to peak_bytes}, "tracker", "work" (what the tracked step dispatched:
     dispatched_work.DispatchedWork.to_dict, for the step-time predictor), and for a pipeline
@@ -510,6 +560,7 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
     the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
     that traced (unless ``stand_in`` is False: trace_cells traces stand-ins with the cells).
+    ``kernels``: whose attention kernels the step runs (KERNELS; the module docstring).
 
     Needs a process without a process group (raises RuntimeError otherwise): use
     trace_cells() from a process that has one.
@@ -518,7 +569,7 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
     if refused:
         nearest = work_stand_in(cell) if stand_in else None
         return {"unavailable": refused} if nearest is None else _with_stand_in({"unavailable": refused}, nearest,
-                                                                              trace(nearest))
+                                                                              trace(nearest, kernels=kernels))
     # A pipeline's ranks hold different stages: the first and the last (which keeps the
     # logits) are traced, and the heavier is the prediction, as the record's peak is the
     # heaviest rank's. The work is rank 0's, and the last rank's beside it (the step-time
@@ -530,7 +581,8 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
         with _fake_group(cell.world_size, rank) as env:
             try:
                 mode = _fake_world_mode()
-                with mode, _patched_for_fake_world(cell, stage_metas):
+                attention = _cuda_attention_kernels() if kernels == "cuda" else contextlib.nullcontext()
+                with mode, attention, _patched_for_fake_world(cell, stage_metas):
                     traced.append(_run(cell, env, mode))
             except Exception as error:  # an untraceable cell is a result, like an unsupported one
                 return _failure(error, rank)
@@ -540,7 +592,7 @@ def trace(cell: CellSpec, stand_in: bool = True) -> dict:
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
-                progress: Callable[[int, int], None] | None = None) -> dict[str, dict]:
+                progress: Callable[[int, int], None] | None = None, kernels: str = "cpu") -> dict[str, dict]:
     """cell_id -> trace(cell), computed in fresh subprocesses (``python -m
     harness.predict.traced``), so this process (which may hold a real process group) is
     untouched: one per core up to ``MAX_TRACE_PROCESSES``, each tracing every n-th cell (a trace
@@ -550,8 +602,10 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
     saying so (the first of them is the one it was tracing). Never raises for a cell. A refused
     cell's stand-in (``work_stand_in``) is traced among the cells, once, or taken from the cells
     where it is one of them. ``progress(traced, total)`` is called every PROGRESS_EVERY_S while
-    the traces run (a large suite's take minutes).
+    the traces run (a large suite's take minutes). ``kernels``: as trace's.
     """
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: choose {' or '.join(KERNELS)}")
     if not cells:
         return {}
     # Stand-ins are traced beside the cells, once each, and not again where one is a cell too.
@@ -561,7 +615,8 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
     shares = [to_trace[k::processes] for k in range(processes)]
     done = [0] * processes  # cells each subprocess has traced so far
     with concurrent.futures.ThreadPoolExecutor(max_workers=processes) as pool:
-        running = [pool.submit(_trace_in_subprocess, share, timeout_s, done, k) for k, share in enumerate(shares)]
+        running = [pool.submit(_trace_in_subprocess, share, timeout_s, done, k, kernels)
+                   for k, share in enumerate(shares)]
         while concurrent.futures.wait(running, timeout=PROGRESS_EVERY_S).not_done:
             if progress is not None:
                 progress(sum(done), len(to_trace))
@@ -572,7 +627,8 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
     return {cell.cell_id: results[cell.cell_id] for cell in cells}  # in the order given
 
 
-def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float, done: list[int], slot: int) -> dict[str, dict]:
+def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float, done: list[int], slot: int,
+                         kernels: str) -> dict[str, dict]:
     """One subprocess's share; ``done[slot]`` counts its traced cells as it reports them (a
     line on stderr each), and it is killed once it reports none for ``timeout_s``."""
     results: dict[str, dict] = {}
@@ -580,7 +636,7 @@ def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float, done: list[int
         cells_path, out_path = Path(tmp) / "cells.json", Path(tmp) / "out.json"
         cells_path.write_text(json.dumps([cell.to_dict() for cell in cells]))
         command = [sys.executable, "-m", "harness.predict.traced",
-                   "--cells", str(cells_path), "--out", str(out_path)]
+                   "--cells", str(cells_path), "--out", str(out_path), "--kernels", kernels]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         assert process.stderr is not None  # PIPE
         stalled = threading.Event()
@@ -674,6 +730,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Trace the memory of cells (harness.predict.traced).")
     parser.add_argument("--cells", type=Path, required=True, help="JSON list of CellSpec.to_dict()")
     parser.add_argument("--out", type=Path, required=True, help="JSON object cell_id -> trace result")
+    parser.add_argument("--kernels", choices=KERNELS, default="cpu", help="whose attention kernels the steps run")
     args = parser.parse_args(argv)
     specs = json.loads(args.cells.read_text())
     cells: list[CellSpec | None] = []
@@ -690,7 +747,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         start = time.perf_counter()
         try:
-            results[cell.cell_id] = trace(cell, stand_in=False)
+            results[cell.cell_id] = trace(cell, stand_in=False, kernels=args.kernels)
         except Exception as error:
             results[cell.cell_id] = {"unavailable": f"tracing failed: {_condensed(error)}"}
         print(f"{_TRACED_PREFIX}{cell.cell_id} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)

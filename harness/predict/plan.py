@@ -15,7 +15,8 @@ practitioner would try them — no offload before offload, less recomputation be
 
 ``--traced`` also traces, under FakeTensorMode (harness/predict/traced.py: exact
 per-category peak of the real model and strategy at the real world size, for models up to
-about 10B parameters on a CPU host), the ``TRACED_CANDIDATES`` fastest fitting
+about 10B parameters on a CPU host; with CUDA's attention kernels, as the CLI passes
+``kernels="cuda"``), the ``TRACED_CANDIDATES`` fastest fitting
 configurations and the one the user names (``--config``); a traced peak over the usable
 memory is not a fit, nor is a configuration whose trace raises what a real run raises too
 (traced.FAILS_FOR_REAL: DeepSpeed ZeRO-3 with selective checkpointing at real size), and the
@@ -351,7 +352,7 @@ def as_table(result: dict, markdown: bool) -> str:
         else:
             lines.append(f"{config_label(r['cell']):<52} {fits:<4} " + " ".join(f"{c:>11}" for c in cells))
     lines += ["", "(GiB; comm/step: bytes each GPU moves per step, an all-reduce counted twice as in ZeRO §7;"
-              " traced: the FakeTensorMode peak, for the configurations --traced traced"
+              " traced: the FakeTensorMode peak with CUDA's attention kernels, for the configurations --traced traced"
               + ("; measured s: the step the calibrating run measured" if beside else "") + ")",
               "", recommendation_text(result)]
     if beside:

@@ -68,8 +68,7 @@ def write(folder: Path, name: str, **changes: object) -> Path:
 # Mixtral, Qwen and OLMoE ways, Qwen2-MoE's with a shared expert, DeepSeek's and GLM-4.5's
 # after dense first blocks, gpt-oss's clamped experts. Left out, with the analytic peak they
 # read: Gemma3 and Phi-3 under SDPA (0.92 and 0.90: their sliding-window mask sends the CPU's
-# SDPA to its math kernel, which keeps the scores) and Cohere (0.90-0.95: its fp32 LayerNorm
-# keeps more than torch's).
+# SDPA to its math kernel, which keeps the scores).
 _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 128}
 _MOE = {"num_experts_per_tok": 2}
 _DEEPSEEK_MOE = {"n_routed_experts": 4, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
@@ -88,6 +87,8 @@ PREDICTED_DECODERS: dict[str, dict] = {
                     "query_pre_attn_scalar": 32, "attn_implementation": "eager"},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "pad_token_id": 0, "attn_implementation": "eager"},
     "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
+    # Attention and MLP side by side behind one LayerNorm written in torch ops (fp32 upcast).
+    "cohere": {"architectures": ["CohereForCausalLM"]},
     "stablelm": {"architectures": ["StableLmForCausalLM"]},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, **_MOE},
     "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "num_experts": 4,

@@ -72,8 +72,9 @@ class ParamLayout:
     # Whether the repeated block's attention normalises each head's queries and keys (a
     # ``q_norm`` module: Qwen3, Gemma3, OLMo2), which keeps their projections' outputs.
     qk_norm: bool = False
-    # The repeated block's other norms, in order, by kind ("layernorm" or "rmsnorm"): two for
-    # GPT-2 and LLaMA, four for Gemma2 and Gemma3 (a norm before and after each sublayer).
+    # The repeated block's other norms, in order, by kind ("layernorm", "layernorm_upcast" or
+    # "rmsnorm"): two for GPT-2 and LLaMA, four for Gemma2 and Gemma3 (a norm before and after
+    # each sublayer), one for Cohere (attention and MLP side by side, reading the same norm).
     block_norms: tuple[str, ...] = ()
     # Whether the block's MLP is gated, a gate projection beside the up projection (SwiGLU,
     # GeGLU), separate (LLaMA's gate_proj) or fused (Phi-3's gate_up_proj).
@@ -224,8 +225,16 @@ def _norms(block: nn.Module) -> tuple[str, ...]:
     LlamaRMSNorm, Gemma2RMSNorm, ...) but the attention's own: the per-head query and key norms
     and latent attention's norms of its latents (``LatentAttention``)."""
     attention_norms = ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm")
-    return tuple("rmsnorm" if "RMS" in type(m).__name__ else "layernorm" for name, m in block.named_modules()
+    return tuple(_norm_kind(m) for name, m in block.named_modules()
                  if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in attention_norms)
+
+
+def _norm_kind(norm: nn.Module) -> str:
+    """"rmsnorm", "layernorm" (torch's fused kernel) or "layernorm_upcast" (a LayerNorm written
+    in torch ops that upcasts to fp32: Cohere's)."""
+    if "RMS" in type(norm).__name__:
+        return "rmsnorm"
+    return "layernorm" if isinstance(norm, nn.LayerNorm) else "layernorm_upcast"
 
 
 def _mlp_activation(block: nn.Module) -> str:

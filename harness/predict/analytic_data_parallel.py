@@ -243,7 +243,9 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
         return float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
     if mode == "selective":
         return _selective_per_layer(cell, spec, value_bytes, residual_bytes, experts, device_type)
-    attention_in, mlp_in = layout.input_linears if autocast else (1, 1)
+    # Attention and MLP side by side behind one norm (Cohere) read the same input: kept once,
+    # but for autocast's own copies.
+    attention_in, mlp_in = layout.input_linears if autocast else (1, 0 if len(block_norms) == 1 else 1)
     # SDPA fell back to the CPU's math kernel (_fused_kernel): it keeps its own fp32 copies of
     # Q, K and V and fp32 scores, whatever the precision the model computes in.
     math_kernel = attention_is_fused(cell) and not fused

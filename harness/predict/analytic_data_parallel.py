@@ -203,9 +203,11 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
                 "logits": 4.0 * cell.micro_batch * (spec.hidden + spec.required("num_classes"))}
     kinds = _block_kinds(cell, spec)
     uniform = len({kind[:2] for kind in kinds}) == 1  # no per-layer option: each block as the cell
-    layers = sum(n * _block_bytes(cell if uniform else as_block(cell, checkpointed, fp32), spec, experts, device_type)
+    own = {experts: _block_bytes(cell, spec, experts, device_type) for *_, experts in kinds}  # as the cell
+    layers = sum(n * (own[experts] if uniform else _block_bytes(as_block(cell, checkpointed, fp32), spec, experts,
+                                                                device_type))
                  for (checkpointed, fp32, experts), n in kinds.items())
-    per_layer = max(_block_bytes(cell, spec, experts, device_type) for *_, experts in kinds)
+    per_layer = max(own.values())
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
     norm = norm_keeps(_block_norms(spec)[0], _residual_bytes(cell))
     tokens = spec.tokens_per_sample * cell.micro_batch

@@ -174,6 +174,27 @@ def test_deepseeks_blocks_and_latent_attention_are_read_from_the_built_model(tmp
     assert layout.latent_attention == models.built.LatentAttention(q_rank=32, kv_latent=16 + 8, rope=8,
                                                                    kv_up=heads * (16 + 16), query=heads * (16 + 8),
                                                                    value=heads * 16)
+    # The experts' 3-D weights, saved transposed for the grouped matmul (gate_up, down).
+    assert sorted(layout.shapes[p] for p in layout.saved_as_views) == [(4, 64, 32), (4, 64, 64)]
+
+
+def test_experts_stored_transposed_are_saved_without_a_view(tmp_path):
+    """gpt-oss keeps its experts' weights as (experts, in, out): the grouped matmul takes them
+    as they are, and what it saves is the parameter itself, which DeepSpeed's release frees."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt_oss", **model_configs._DECODER,
+                                **model_configs.PREDICTED_DECODERS["gpt_oss"]}))
+    layout = models.param_layout(sources.resolve(str(path)))
+    assert any(layout.expert_blocks) and layout.saved_as_views == frozenset()
+
+
+def test_a_config_that_states_its_head_width_need_not_divide_hidden_by_heads(tmp_path):
+    """GLM-4.5-Air: 96 heads of 128 on a 4096-wide stream (here 6 of 16 on 64)."""
+    path = model_configs.write(tmp_path, "glm4_moe", num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    spec = sources.resolve(str(path))
+    assert (spec.hidden, spec.n_heads, spec.head_dim) == (64, 6, 16)
+    cell = CellSpec(model=spec, strategy=StrategySpec(name="fsdp_full", precision="bf16"), seq_len=16)
+    assert analytic.predict(cell)["peak_bytes"] > 0
 
 
 def test_the_model_types_plan_calls_checked_are_the_ones_tested_here():

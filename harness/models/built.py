@@ -102,6 +102,13 @@ class ParamLayout:
     # its parameters' indices into ``shapes`` (a tied weight is one index, in both modules):
     # what DeepSpeed ZeRO-3 fetches module by module (predict/zero3_residency.py).
     modules: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The parameters (indices into ``shapes``) whose forward saves a view of them for backward:
+    # the experts' 3-D weights of transformers' grouped_mm implementation, transposed for the
+    # grouped matmul unless stored transposed already (gpt-oss). A view keeps the storage the
+    # parameter was gathered into alive after DeepSpeed ZeRO-3 releases it (``param.data =``
+    # an empty tensor swaps the parameter's storage, and frees the old one only once nothing
+    # else holds it), until that block's backward.
+    saved_as_views: frozenset[int] = frozenset()
 
     @property
     def numel(self) -> int:
@@ -157,6 +164,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         shared_expert_gated=shared_gated,
         input_linears=_input_linears(blocks[0]) if blocks else (1, 1),
         latent_attention=_latent_attention(blocks[0]) if blocks else None,
+        saved_as_views=_saved_as_views(module, params),
     )
 
 
@@ -204,6 +212,16 @@ def _latent_attention(block: nn.Module) -> LatentAttention | None:
     return LatentAttention(q_rank=q_a.out_features if q_a else 0, kv_latent=kv_a.out_features,
                            rope=kv_a.out_features - kv_rank, kv_up=kv_b.out_features, query=query.out_features,
                            value=o_proj.in_features)
+
+
+def _saved_as_views(module: nn.Module, params: list[nn.Parameter]) -> frozenset[int]:
+    """ParamLayout.saved_as_views: transformers' experts modules (their ``is_transposed`` and
+    the config's ``_experts_implementation``, set by its use_experts_implementation)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return frozenset(index[id(p)] for m in module.modules()
+                     if getattr(m, "is_transposed", True) is False
+                     and getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
+                     for p in m.parameters(recurse=False) if p.dim() == 3)
 
 
 def _modules(module: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[

@@ -170,7 +170,9 @@ class ModelSpec:
         if self.tie_embeddings and self.family not in ("llama", "hf_config"):
             raise ValueError(f"tie_embeddings=True applies to llama only "
                              f"({self.family!r} ties or has no LM head by construction); leave it False")
-        if self.n_heads is not None and self.hidden % self.n_heads:
+        # A config that states head_dim sizes its heads apart from hidden (GLM-4.5-Air: 96
+        # heads of 128 on a 4096-wide stream).
+        if self.n_heads is not None and self.config_head_dim is None and self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by n_heads={self.n_heads}")
         # The `is not None` tests narrow only: where n_kv_heads, image_size or top_k applies, the
         # size each is checked against is required (above).

@@ -31,9 +31,13 @@ from harness.models import ParamLayout
 
 
 def gathered_at_end_of_forward(layout: ParamLayout, *, persistence_threshold: int, prefetch_bucket_size: int,
-                               max_live_parameters: int, max_reuse_distance: int, recompute: bool) -> int:
+                               max_live_parameters: int, max_reuse_distance: int, recompute: bool,
+                               held: frozenset[int] = frozenset()) -> int:
     """Elements of the non-persistent parameters gathered when the last module's forward has
-    released what it releases."""
+    released what it releases, and of those it released whose gathered storage a view saved
+    for backward still holds (``held``: ParamLayout.saved_as_views of the blocks that keep
+    their activations). The coordinator no longer counts those as live, so they do not
+    take from its budget."""
     numel = [math.prod(shape) for shape in layout.shapes]
     persistent = {i for i, n in enumerate(numel) if n <= persistence_threshold}
     forward = [params for _, params in layout.modules]
@@ -41,7 +45,7 @@ def gathered_at_end_of_forward(layout: ParamLayout, *, persistence_threshold: in
     queue = collections.deque((p, step) for step, params in enumerate(order) for p in sorted(set(params)))
     fetched_for: dict[int, float] = collections.defaultdict(lambda: -math.inf)
     available = set(persistent)  # gathered in the first step and never released
-    live = 0
+    live = retained = 0
     for step, params in enumerate(forward):
         live += sum(numel[p] for p in set(params) - available)
         available |= set(params)
@@ -69,8 +73,9 @@ def gathered_at_end_of_forward(layout: ParamLayout, *, persistence_threshold: in
             released -= set(later)
             traversed += sum(numel[p] for p in later)
         live -= sum(numel[p] for p in released & available)
+        retained += sum(numel[p] for p in released & available & held)
         available -= released
-    return live
+    return live + retained
 
 
 def _backward(layout: ParamLayout, recompute: bool) -> list[tuple[int, ...]]:

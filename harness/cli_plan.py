@@ -37,7 +37,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr, flush=True)
         work_trace = functools.partial(tracer.trace_cells, progress=_progress)
     try:
-        # Traced as a GPU runs it: CUDA's attention kernels (predict/traced.py, "Attention kernels").
+        # Traced as a GPU runs it: CUDA's attention and optimizer kernels (predict/traced.py, "Kernels").
         memory_trace = functools.partial(tracer.trace_cells, kernels="cuda") if args.traced else None
         result = plan.plan(req, trace=memory_trace, named=args.config, rates=rates,
                            work_trace=work_trace, measured=measured)

@@ -4,6 +4,7 @@ that dies or hangs. All on the CPU; about 20 s."""
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import model_configs
-from harness import strategies, training
+from harness import models, strategies, training
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
 from harness.measure.memory import BREAKDOWN_KEYS
@@ -232,3 +233,17 @@ def test_cudas_attention_kernels_keep_no_scores_where_the_cpus_math_kernel_does(
             assert predicted / peaks[kernels][cell.cell_id]["peak_bytes"] == pytest.approx(1, abs=0.05), kernels
     with pytest.raises(ValueError, match="kernels='tpu': choose cpu or cuda"):
         traced.trace_cells(cells, kernels="tpu")
+
+
+def test_cudas_adam_steps_every_tensor_at_once():
+    """torch's Adam takes its multi-tensor path for CUDA tensors: its out-of-place sqrt(v̂) + ε
+    is one fp32 copy of every parameter at once, where the CPU's one-tensor-at-a-time path
+    holds two copies of the largest tensor. For DDP on a short sequence the step is the peak,
+    and each trace is the analytic peak for its device."""
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), micro_batch=1, seq_len=8)
+    layout = models.param_layout(cell.model_spec)
+    cpu, cuda = (traced.trace(cell, kernels=kernels)["peak_bytes"] for kernels in traced.KERNELS)
+    largest = max(math.prod(shape) for shape in layout.shapes)
+    assert cuda - cpu == pytest.approx(4 * layout.numel - 2 * 4 * largest, rel=0.01)
+    for kernels, peak in zip(traced.KERNELS, (cpu, cuda), strict=True):
+        assert analytic.predict(cell, device_type=kernels)["peak_bytes"] == pytest.approx(peak, rel=0.01), kernels

@@ -158,7 +158,8 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
       backward (DeepSpeed ZeRO-2's, made early in backward and held by the rank that reduces
       first; ZeRO-3's, made with the engine).
     - The last block's backward under checkpointing: the same, less the logits (the
-      head's backward is done), plus what the block recomputes.
+      head's backward is done), plus what the block recomputes and the blocks prefetched
+      beside it.
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries.
     - FSDP's last block reducing its gradients, first in backward: the root unit gathered, the
@@ -186,20 +187,25 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     pipelined = engine.analytic == "pipeline" or (engine.analytic == "megatron"
                                                   and cell.strategy.layout("pp_degree") > 1)
     held_grads = cell.strategy.accumulation > 1 or pipelined or engine.grads_between_steps == "zeroed"
+    # What the micro-steps before hold (EngineModel.accumulated_grads).
+    held = {"sharded": on_device["grads"], "unsharded_fp32": 4.0 * layout.numel,
+            "unsharded_compute": PRECISION_BYTES[cell.strategy.precision] * layout.numel}[engine.accumulated_grads]
+    held = held if cell.strategy.accumulation > 1 else on_device["grads"]
     # A gradient partition allocated early in backward is held at its start by the rank
     # that reduces first, whose peak the record's (the max over ranks) is.
     partition = on_device["grads"] if engine.grad_partition_in_backward and not held_grads else 0.0
     backward = {
         "params": on_device["params"] + transient.get("gathered", 0.0),
-        "grads": on_device["grads"] if held_grads else 0.0,
+        "grads": held if held_grads else 0.0,
         "optimizer": on_device["optimizer"],
         "activations": layers_on_device + acts["logits"] + transient.get("autocast_copies", 0.0),
         "other": in_backward + transient.get("loss", 0.0) + transient.get("activation_grads", 0.0) + partition,
     }
     # The last block's backward recomputing it: the head's backward is done, so the logits
     # are gone (the loss's gradients are still held, as the trackers see them).
-    recomputing = {**backward, "activations": (layers_on_device + transient.get("autocast_copies", 0.0)
-                                               + transient.get("recompute", 0.0) + unpacked)}
+    recomputing = {**backward, "params": backward["params"] + transient.get("prefetched", 0.0),
+                   "activations": (layers_on_device + transient.get("autocast_copies", 0.0)
+                                   + transient.get("recompute", 0.0) + unpacked)}
     step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
             "other": buffers}
     moments = [backward, recomputing, step]

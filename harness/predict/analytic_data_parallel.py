@@ -613,12 +613,15 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
                     device_type: str = "cuda") -> dict[str, float]:
     """Tensors that exist only during forward and backward, beside the model states:
 
-    - ``gathered``: sharded parameters gathered for compute (FSDP, ZeRO-3): the root unit
-      (embeddings and head, gathered for the whole step) and two blocks (the one computing
-      and the one prefetched), in the compute dtype (DeepSpeed's ZeRO-3 estimator reserves
-      the largest layer the same way); FSDP's grad_op (SHARD_GRAD_OP) keeps every unit
-      gathered from forward to the end of backward, and DeepSpeed ZeRO-3 what its
-      live-parameter budget lets it keep (``ds_live_numel``);
+    - ``gathered``: sharded parameters gathered for compute as backward starts (FSDP,
+      ZeRO-3), in the compute dtype: the root unit (embeddings and head, gathered for the whole
+      step) and the last block, gathered for its backward while the head's runs (traced,
+      Moonlight's 4-layer cut under FSDP2: one block's all-gather buffer beside the root's at
+      the peak; the blocks prefetch further ones from their own backward hooks); FSDP's
+      grad_op (SHARD_GRAD_OP) keeps every unit gathered from forward to the end of backward,
+      and DeepSpeed ZeRO-3 what its live-parameter budget lets it keep (``ds_live_numel``);
+    - ``prefetched``: the blocks gathered beside the one whose backward runs (FSDP's
+      prefetch: the next one, or ``prefetch`` N), counted at the last block's backward;
     - ``autocast_copies``: torch autocast caches a 16-bit copy of every matmul weight it
       casts for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
     - ``recompute``: with checkpointing, what one block's backward makes again
@@ -650,20 +653,25 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     """
     s, engine = cell.strategy, _engine(cell)
     low = PRECISION_BYTES[s.precision]
+    n_fp32 = len(s.blocks("fp32_blocks", spec.n_layers))
+
+    def blocks_bytes(n: int) -> float:
+        """n blocks gathered, taken to be the widest: fp32 ones first."""
+        return low * n * layout.block_numel + (4 - low) * min(n, n_fp32) * layout.block_numel
+
     params_sharded = "params" in engine.sharded
-    blocks_gathered = min(1 + (s.prefetch or 1), spec.n_layers)
-    # The blocks gathered at once are taken to be the widest: fp32 ones first.
-    fp32_gathered = min(blocks_gathered, len(s.blocks("fp32_blocks", spec.n_layers)))
-    gathered = ((low * (layout.root_numel + blocks_gathered * layout.block_numel)
-                 + (4 - low) * fp32_gathered * layout.block_numel) if params_sharded else 0.0)
+    gathered = low * layout.root_numel + blocks_bytes(1) if params_sharded else 0.0
+    prefetched = (blocks_bytes(min(1 + (s.prefetch or 1), spec.n_layers)) - blocks_bytes(1)
+                  if params_sharded else 0.0)
     if engine.keeps_gathered == "always":  # gathered in forward, kept through backward
         gathered = low * (layout.numel - persistent_numel(cell, layout)) + _fp32_block_extra(cell, layout)
+        prefetched = 0.0
     elif engine.keeps_gathered == "within_live_parameters":
-        gathered = low * ds_live_numel(cell, layout)
+        gathered, prefetched = low * ds_live_numel(cell, layout), 0.0
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
     copies = 3 if device_type == "cpu" else 2
     fp32_matmuls = len(s.blocks("fp32_blocks", spec.n_layers)) * layout.block_matmul_numel  # not cast
-    return {"gathered": gathered,
+    return {"gathered": gathered, "prefetched": prefetched,
             "autocast_copies": 2.0 * (layout.matmul_numel - fp32_matmuls) if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec, device_type), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,

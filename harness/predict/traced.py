@@ -94,8 +94,12 @@ exception and the frame that raised it, condensed; where it is an error the step
 raises whatever the tensors hold (``FAILS_FOR_REAL``), the result also says ``"fails"``: a
 real run of the configuration fails the same way, and planning must not call it a fit.
 
-Attention kernels (``kernels``): the CPU's by default, as the cell's own step runs them here.
-``harness plan`` plans for GPUs and traces with CUDA's (``kernels="cuda"``): torch's SDPA
+Kernels (``kernels``): the CPU's by default, as the cell's own step runs them here.
+``harness plan`` plans for GPUs and traces with CUDA's (``kernels="cuda"``), for attention and
+for the optimizer. torch's Adam and AdamW take their multi-tensor path by default for CUDA
+tensors, whose out-of-place sqrt(v̂) + ε is one fp32 copy of every parameter of the rank at
+once; for CPU tensors their one-tensor-at-a-time path, two copies of the largest tensor
+(Moonlight's 4-layer cut under DDP, whose step is its peak: 56.1 GiB against 49.5). torch's SDPA
 takes its flash kernel where CUDA's would (16-bit, no mask, equal head widths up to 256;
 grouped K and V as they are) and its memory-efficient kernel for the rest (a mask, unequal
 query and value head widths: DeepSeek's latent attention), each keeping its output and an
@@ -151,7 +155,7 @@ _TRACED_PREFIX = "traced "  # the subprocess's line per cell done, counted for t
 # Trace subprocesses at once (each one thread, its own torch and transformers: ~1 GB of memory).
 MAX_TRACE_PROCESSES = 8
 _REASON_CHARS = 400
-KERNELS = ("cpu", "cuda")  # whose attention kernels a trace runs (above)
+KERNELS = ("cpu", "cuda")  # whose kernels a trace runs, attention and optimizer (above)
 _FLASH_HEAD_WIDTHS = 256  # the widest head CUDA's flash kernel takes
 
 # Found by trying (DeepSpeed 0.19.8): with its activation check (an allclose on a probe) run on
@@ -297,18 +301,26 @@ class _RealIndexTensors(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _cuda_attention_kernels() -> contextlib.AbstractContextManager[object]:
-    """torch's SDPA as CUDA would run it (the module docstring's "Attention kernels"), patched
-    where transformers looks it up at every call, so that recomputation under checkpointing
-    runs the same kernel as the forward did (a TorchFunctionMode is not active where autograd
-    recomputes)."""
+@contextmanager
+def _cuda_kernels() -> Iterator[None]:
+    """The step's attention and optimizer as CUDA would run them (the module docstring's
+    "Kernels"): torch's SDPA patched where transformers looks it up at every call, so that
+    recomputation under checkpointing runs the same kernel as the forward did (a
+    TorchFunctionMode is not active where autograd recomputes); Adam's default path the one
+    it takes for CUDA tensors."""
     cpu_sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = _cuda_sdpa(*args, **kwargs)
         return cpu_sdpa(*args, **kwargs) if out is None else out
 
-    return unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    def multi_tensor_default(params: list[torch.Tensor], differentiable: bool,
+                             use_fused: bool = False) -> tuple[bool, bool]:
+        return False, not differentiable  # (fused, foreach), as for CUDA tensors
+
+    with (unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa),
+          unittest.mock.patch("torch.optim.adam._default_to_fused_or_foreach", multi_tensor_default)):
+        yield
 
 
 def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -560,7 +572,7 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
     the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
     that traced (unless ``stand_in`` is False: trace_cells traces stand-ins with the cells).
-    ``kernels``: whose attention kernels the step runs (KERNELS; the module docstring).
+    ``kernels``: whose kernels the step runs, attention and optimizer (KERNELS; the module docstring).
 
     Needs a process without a process group (raises RuntimeError otherwise): use
     trace_cells() from a process that has one.
@@ -581,8 +593,8 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
         with _fake_group(cell.world_size, rank) as env:
             try:
                 mode = _fake_world_mode()
-                attention = _cuda_attention_kernels() if kernels == "cuda" else contextlib.nullcontext()
-                with mode, attention, _patched_for_fake_world(cell, stage_metas):
+                on_cuda = _cuda_kernels() if kernels == "cuda" else contextlib.nullcontext()
+                with mode, on_cuda, _patched_for_fake_world(cell, stage_metas):
                     traced.append(_run(cell, env, mode))
             except Exception as error:  # an untraceable cell is a result, like an unsupported one
                 return _failure(error, rank)
@@ -730,7 +742,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Trace the memory of cells (harness.predict.traced).")
     parser.add_argument("--cells", type=Path, required=True, help="JSON list of CellSpec.to_dict()")
     parser.add_argument("--out", type=Path, required=True, help="JSON object cell_id -> trace result")
-    parser.add_argument("--kernels", choices=KERNELS, default="cpu", help="whose attention kernels the steps run")
+    parser.add_argument("--kernels", choices=KERNELS, default="cpu", help="whose attention and optimizer kernels")
     args = parser.parse_args(argv)
     specs = json.loads(args.cells.read_text())
     cells: list[CellSpec | None] = []

@@ -124,6 +124,13 @@ class EngineModel:
     # layers reduces in the first bucket; ZeRO-3 allocates it when the engine is built
     # (stage3.py's grad_partitions_flat_buffer) and holds it for good.
     grad_partition_in_backward: bool = False
+    # What a rank holds of the gradients between the micro-steps of an accumulation: its
+    # sharded gradients (reduced every micro-step, or not sharded at all), or, for FSDP's
+    # micro-steps without gradient sync (set_requires_gradient_sync(False), no_sync), its
+    # unsharded ones until the last micro-step reduce-scatters them: in fp32 (FSDP2
+    # accumulates in its reduce dtype) or in the compute dtype (FSDP1). Traced: gpt2-tiny and
+    # llama-tiny, 4 micro-steps, fp32 and bf16.
+    accumulated_grads: Literal["sharded", "unsharded_fp32", "unsharded_compute"] = "sharded"
     # The torch pipeline schedule's name in the formulas (pipeline strategies only).
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = None
 

@@ -149,7 +149,8 @@ STRATEGIES = (
         name="fsdp_full",
         summary="FSDP2 fully_shard, resharding after forward (ZeRO-3: parameters gathered again in backward)",
         engine="torch", families=("fsdp",), zero_idea="zero3", capabilities=CAPABILITIES,
-        engine_model=EngineModel(sharded=_FULLY_SHARDED, comm="gather_and_reduce_scatter"),
+        engine_model=EngineModel(sharded=_FULLY_SHARDED, comm="gather_and_reduce_scatter",
+                                 accumulated_grads="unsharded_fp32"),
         prepare=prepare,
     ),
     Strategy(
@@ -159,14 +160,15 @@ STRATEGIES = (
         # Gathered from forward to the end of backward, resharded after it: at the optimizer
         # step it holds ZeRO-3's layout.
         engine_model=EngineModel(sharded=_FULLY_SHARDED, comm="gather_and_reduce_scatter", gathers="forward",
-                                 keeps_gathered="always"),
+                                 keeps_gathered="always", accumulated_grads="unsharded_fp32"),
         prepare=prepare,
     ),
     Strategy(
         name="fsdp_hybrid",
         summary="FSDP2 fully_shard as HSDP on a 2-D (replicate × shard) mesh",
         engine="torch", families=("fsdp",), capabilities=CAPABILITIES,
-        engine_model=EngineModel(sharded=_FULLY_SHARDED, shard_group="hsdp_shard", comm="gather_and_reduce_scatter"),
+        engine_model=EngineModel(sharded=_FULLY_SHARDED, shard_group="hsdp_shard", comm="gather_and_reduce_scatter",
+                                 accumulated_grads="unsharded_fp32"),
         prepare=prepare,
     ),
 )

@@ -109,6 +109,9 @@ class ParamLayout:
     # an empty tensor swaps the parameter's storage, and frees the old one only once nothing
     # else holds it), until that block's backward.
     saved_as_views: frozenset[int] = frozenset()
+    # Whether the experts run as one grouped matmul (transformers' grouped_mm, which the
+    # harness's builds and config.json models take), an op the selective policy recomputes.
+    grouped_experts: bool = False
 
     @property
     def numel(self) -> int:
@@ -165,6 +168,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         input_linears=_input_linears(blocks[0]) if blocks else (1, 1),
         latent_attention=_latent_attention(blocks[0]) if blocks else None,
         saved_as_views=_saved_as_views(module, params),
+        grouped_experts=any(_experts_implementation(m) == "grouped_mm" for m in module.modules()),
     )
 
 
@@ -219,9 +223,15 @@ def _saved_as_views(module: nn.Module, params: list[nn.Parameter]) -> frozenset[
     the config's ``_experts_implementation``, set by its use_experts_implementation)."""
     index = {id(p): i for i, p in enumerate(params)}
     return frozenset(index[id(p)] for m in module.modules()
-                     if getattr(m, "is_transposed", True) is False
-                     and getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
+                     if getattr(m, "is_transposed", True) is False and _experts_implementation(m) == "grouped_mm"
                      for p in m.parameters(recurse=False) if p.dim() == 3)
+
+
+def _experts_implementation(module: nn.Module) -> str | None:
+    """How a transformers experts module runs its experts (None for any other module)."""
+    if not hasattr(module, "is_transposed"):  # set by transformers' use_experts_implementation
+        return None
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
 
 
 def _modules(module: nn.Module, blocks: list[nn.Module], params: list[nn.Parameter]) -> tuple[

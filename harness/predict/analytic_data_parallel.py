@@ -387,7 +387,8 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
     recomputed, formulas.activation_bytes_per_layer): the block's input, from the residual
     stream; each projection's output (q, k and v at their heads' widths, the output
     projection, and the MLP's: up and down, plus gate for SwiGLU, times top_k experts and
-    the router's logits for a mixture of experts); and the attention's output with, for a
+    the router's logits for a mixture of experts, whose routed experts keep nothing where a
+    grouped matmul computes them, an op the policy recomputes); and the attention's output with, for a
     fused kernel, its fp32 log-sum-exp per row, for eager attention its score matmul's s×s
     output. A tensor-parallel cell divides the projections and attention by its degree."""
     s, b, h, f = spec.tokens_per_sample, cell.micro_batch, spec.hidden, _ffn(spec, experts)
@@ -402,9 +403,10 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
         out_width = heads * spec.head_dim
         attention_projections = out_width * (1 + 2 * (spec.kv_heads or heads) / heads)
     mlp = (2 * f + h) if _mlp_kind(cell, spec).startswith("swiglu") else (f + h)
-    if experts:
+    if experts:  # the routed ones' outputs, unless a grouped matmul (not saved) made them
         shared = 2 * layout.shared_expert_width + h if layout.shared_expert_width else 0
-        mlp = spec.required("top_k") * mlp + spec.required("n_experts") + shared
+        routed = 0 if layout.grouped_experts else spec.required("top_k") * mlp
+        mlp = routed + spec.required("n_experts") + shared
     projections = value_bytes * s * b * (attention_projections + h + mlp)
     attention = value_bytes * s * b * out_width + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
     return residual_bytes * s * b * h + (projections + attention) / tensor_parallel_degree(cell)

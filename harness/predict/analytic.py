@@ -206,8 +206,9 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     recomputing = {**backward, "params": backward["params"] + transient.get("prefetched", 0.0),
                    "activations": (layers_on_device + transient.get("autocast_copies", 0.0)
                                    + transient.get("recompute", 0.0) + unpacked)}
-    step = {**on_device, "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0,
-            "other": buffers}
+    freed = engine.frees_16bit_grads_before_step and cell.strategy.precision != "fp32"
+    step = {**on_device, "grads": 0.0 if freed else on_device["grads"],
+            "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0, "other": buffers}
     moments = [backward, recomputing, step]
     if transient.get("block_reduce"):
         # The last block's gradients reduce-scattering as its backward ends: the root unit

@@ -131,6 +131,11 @@ class EngineModel:
     # accumulates in its reduce dtype) or in the compute dtype (FSDP1). Traced: gpt2-tiny and
     # llama-tiny, 4 micro-steps, fp32 and bf16.
     accumulated_grads: Literal["sharded", "unsharded_fp32", "unsharded_compute"] = "sharded"
+    # Whether the 16-bit gradients are gone by the optimizer step of a 16-bit model: DeepSpeed
+    # ZeRO-1/2 copy the rank's gradient partition into fp32 for the master weights and free the
+    # 16-bit gradients before stepping (stage_1_and_2.py, step: free_grad_in_param_list), where
+    # ZeRO-3 keeps its flat gradient buffer for good.
+    frees_16bit_grads_before_step: bool = False
     # The torch pipeline schedule's name in the formulas (pipeline strategies only).
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = None
 

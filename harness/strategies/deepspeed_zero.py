@@ -518,7 +518,8 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 
 # ZeRO-1 runs the ZeRO-2 code path with gradient partitioning deferred to the end of
 # backward: it then frees the full gradients and keeps its partition, as ZeRO-2 does.
-_STAGE12_MODEL = EngineModel(sharded=frozenset({"optimizer", "grads"}), fp32_master_partition=True, comm="deepspeed")
+_STAGE12_MODEL = EngineModel(sharded=frozenset({"optimizer", "grads"}), fp32_master_partition=True, comm="deepspeed",
+                             frees_16bit_grads_before_step=True)
 STRATEGIES = (
     Strategy(
         name="deepspeed_zero1", summary="DeepSpeed ZeRO stage 1: optimizer state partitioned", engine="deepspeed",

@@ -22,6 +22,7 @@ from harness.predict.analytic_data_parallel import (
     model_states_at_step,
     offloaded_bytes,
     optimizer_step_bytes,
+    shard_degree,
     transient_bytes,
 )
 from harness.predict.analytic_parallel import (
@@ -161,7 +162,9 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
       head's backward is done), plus what the block recomputes and the blocks prefetched
       beside it.
     - The optimizer step: the states and every gradient, no activations, and the
-      optimizer's own temporaries.
+      optimizer's own temporaries; where the engine frees the 16-bit gradients before it
+      (DeepSpeed ZeRO-1/2 under bf16 or fp16), without them, and the end of backward with
+      them as a moment of its own.
     - FSDP's last block reducing its gradients, first in backward: the root unit gathered, the
       other blocks' activations, the loss's gradients and the block's gradient copies
       (``transient["block_reduce"]``).
@@ -210,6 +213,13 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     step = {**on_device, "grads": 0.0 if freed else on_device["grads"],
             "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0, "other": buffers}
     moments = [backward, recomputing, step]
+    if freed:
+        # Backward done, the 16-bit gradients not yet freed: ZeRO-1's whole (its gradients
+        # are not partitioned), ZeRO-2's partition (Moonlight under ZeRO-1: the trace's peak).
+        low = PRECISION_BYTES[cell.strategy.precision]
+        partitioned = shard_degree(cell) if engine.grad_partition_in_backward else 1
+        moments.append({**on_device, "grads": low * layout.numel / partitioned, "activations": 0.0,
+                        "other": buffers})
     if transient.get("block_reduce"):
         # The last block's gradients reduce-scattering as its backward ends: the root unit
         # gathered, the other blocks' activations still held (the head's and the logits' done).

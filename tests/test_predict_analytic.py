@@ -335,6 +335,20 @@ def test_deepspeed_zero12_steps_without_the_16bit_gradients(name):
     assert predicted["peak_bytes"] == pytest.approx(traced.trace(cell)["peak_bytes"], rel=0.01)
 
 
+def test_zero3_steps_its_partition_a_sub_group_at_a_time(monkeypatch):
+    """Sub-groups cut once their partitions reach sub_group_size (DeepSpeed's rule); the step's
+    fp32 gradient copy and AdamW's denominator are one sub-group's, not the partition's."""
+    from harness.strategies import deepspeed_zero
+
+    monkeypatch.setattr(deepspeed_zero, "SUB_GROUP_SIZE", 8)
+    assert deepspeed_zero.largest_sub_group([(20,), (12,), (16,), (2,)], world_size=2) == 14  # 10 | 6+8 | 1
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="deepspeed_zero3", precision="bf16"))
+    layout = models.param_layout(cell.model_spec)
+    largest = deepspeed_zero.largest_sub_group(layout.shapes, 2)
+    assert largest < layout.numel / 2
+    assert analytic_data_parallel.optimizer_step_bytes(cell, layout, "cuda") == 2 * 4 * largest
+
+
 def test_deepspeed_zero3_buckets_and_persistence_follow_the_hidden_size():
     """gpt2-124m (h = 768) by hand: the h² reduce bucket held between steps, and the
     parameters within 10·h elements (every block's norms and biases, the final norm) whole on

@@ -470,7 +470,9 @@ def optimizer_step_bytes(cell: CellSpec, layout: ParamLayout, device_type: str) 
     denominator sqrt(v̂) + ε out of place, over the whole parameter list at once where it
     takes its multi-tensor path (torch's default for CUDA tensors: one fp32 copy of the
     rank's parameters), one tensor at a time on the CPU (the sqrt and the quotient of the
-    largest tensor). DeepSpeed hands the optimizer one flat partition, its largest tensor;
+    largest tensor). DeepSpeed hands the optimizer one flat partition, its largest tensor
+    (ZeRO-3 one sub-group of it at a time: Moonlight-16B's step traced at 37.2 GiB a rank,
+    where the whole partition's temporaries would make it 44.6);
     under bf16 or fp16 that partition's gradient is an fp32 copy of the 16-bit gradient
     partition, made for the step (an fp32 model's optimizer reads the partition itself).
     bitsandbytes' 8-bit kernels and Adafactor's factored update keep none worth counting."""
@@ -478,12 +480,14 @@ def optimizer_step_bytes(cell: CellSpec, layout: ParamLayout, device_type: str) 
         return 0.0
     engine = _engine(cell)
     degree = shard_degree(cell) if "optimizer" in engine.sharded else 1
+    stepped = (deepspeed_zero.largest_sub_group(layout.shapes, degree) if engine.steps_in_sub_groups
+               else layout.numel / degree)
     low_precision_master = engine.fp32_master_partition and cell.strategy.precision != "fp32"
-    master_grad = 4.0 * layout.numel / degree if low_precision_master else 0.0
+    master_grad = 4.0 * stepped if low_precision_master else 0.0
     if device_type == "cuda":
-        return 4.0 * layout.numel / degree + master_grad
+        return 4.0 * stepped + master_grad
     if engine.fp32_master_partition:
-        return 2 * 4.0 * layout.numel / degree + master_grad
+        return 2 * 4.0 * stepped + master_grad
     largest = max(math.prod(shape) for shape in layout.shapes)
     return 2 * 4.0 * largest / (shard_degree(cell) if "params" in engine.sharded else 1)
 

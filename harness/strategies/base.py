@@ -136,6 +136,9 @@ class EngineModel:
     # 16-bit gradients before stepping (stage_1_and_2.py, step: free_grad_in_param_list), where
     # ZeRO-3 keeps its flat gradient buffer for good.
     frees_16bit_grads_before_step: bool = False
+    # Whether the optimizer steps the rank's partition a sub-group at a time, its temporaries
+    # those of the largest sub-group (DeepSpeed ZeRO-3: deepspeed_zero.largest_sub_group).
+    steps_in_sub_groups: bool = False
     # The torch pipeline schedule's name in the formulas (pipeline strategies only).
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = None
 

@@ -162,6 +162,9 @@ ALLGATHER_BUCKET_ELEMENTS = 500_000_000
 MODEL_PERSISTENCE_THRESHOLD = sys.maxsize
 MAX_LIVE_PARAMETERS = 1_000_000_000
 MAX_REUSE_DISTANCE = 1_000_000_000
+# ZeRO-3 steps its partition a sub-group at a time (stage3.py: _create_fp16_sub_groups, then
+# each sub-group's fp32 gradient made, stepped and released in turn).
+SUB_GROUP_SIZE = 1_000_000_000
 
 
 def model_hidden(cell: CellSpec) -> int:
@@ -183,8 +186,23 @@ def zero_sizes(hidden: int, stage: int) -> dict[str, int]:
             "stage3_model_persistence_threshold": MODEL_PERSISTENCE_THRESHOLD,
             "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
             "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
+            "sub_group_size": SUB_GROUP_SIZE,
         }
     return sizes
+
+
+def largest_sub_group(shapes: Iterable[tuple[int, ...]], world_size: int) -> int:
+    """The elements of a rank's largest ZeRO-3 optimizer sub-group: its partitions of the
+    parameters, in order, cut once SUB_GROUP_SIZE is reached (stage3.py,
+    _create_fp16_sub_groups). Moonlight-16B on 8 ranks: two of about 10⁹, where the rank's
+    partition is 2·10⁹."""
+    sizes, current = [], 0
+    for shape in shapes:
+        current += math.ceil(math.prod(shape) / world_size)
+        if current >= SUB_GROUP_SIZE:
+            sizes.append(current)
+            current = 0
+    return max([*sizes, current])
 
 
 def persistent_numel(shapes: Iterable[tuple[int, ...]], param_threshold: int, model_threshold: int) -> int:
@@ -540,7 +558,7 @@ STRATEGIES = (
         engine_model=EngineModel(sharded=frozenset({"optimizer", "grads", "params"}), fp32_master_partition=True,
                                  grad_buffer="deepspeed_reduce_bucket", persistent_params="deepspeed_threshold",
                                  comm="deepspeed", keeps_gathered="within_live_parameters",
-                                 grad_partition_in_backward=True),
+                                 grad_partition_in_backward=True, steps_in_sub_groups=True),
         prepare=prepare,
     ),
 )

@@ -223,7 +223,7 @@ def _saved_as_views(module: nn.Module, params: list[nn.Parameter]) -> frozenset[
     the config's ``_experts_implementation``, set by its use_experts_implementation)."""
     index = {id(p): i for i, p in enumerate(params)}
     return frozenset(index[id(p)] for m in module.modules()
-                     if getattr(m, "is_transposed", True) is False and _experts_implementation(m) == "grouped_mm"
+                     if _experts_implementation(m) == "grouped_mm" and not m.is_transposed
                      for p in m.parameters(recurse=False) if p.dim() == 3)
 
 

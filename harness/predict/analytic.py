@@ -191,15 +191,15 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
                                                   and cell.strategy.layout("pp_degree") > 1)
     held_grads = cell.strategy.accumulation > 1 or pipelined or engine.grads_between_steps == "zeroed"
     # What the micro-steps before hold (EngineModel.accumulated_grads).
-    held = {"sharded": on_device["grads"], "unsharded_fp32": 4.0 * layout.numel,
-            "unsharded_compute": PRECISION_BYTES[cell.strategy.precision] * layout.numel}[engine.accumulated_grads]
-    held = held if cell.strategy.accumulation > 1 else on_device["grads"]
+    grads_held = ({"sharded": on_device["grads"], "unsharded_fp32": 4.0 * layout.numel,
+                   "unsharded_compute": PRECISION_BYTES[cell.strategy.precision] * layout.numel}
+                  [engine.accumulated_grads] if cell.strategy.accumulation > 1 else on_device["grads"])
     # A gradient partition allocated early in backward is held at its start by the rank
     # that reduces first, whose peak the record's (the max over ranks) is.
     partition = on_device["grads"] if engine.grad_partition_in_backward and not held_grads else 0.0
     backward = {
         "params": on_device["params"] + transient.get("gathered", 0.0),
-        "grads": held if held_grads else 0.0,
+        "grads": grads_held if held_grads else 0.0,
         "optimizer": on_device["optimizer"],
         "activations": layers_on_device + acts["logits"] + transient.get("autocast_copies", 0.0),
         "other": in_backward + transient.get("loss", 0.0) + transient.get("activation_grads", 0.0) + partition,

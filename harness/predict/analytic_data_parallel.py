@@ -676,7 +676,7 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
         gathered, prefetched = low * ds_live_numel(cell, layout), 0.0
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
     copies = 3 if device_type == "cpu" else 2
-    fp32_matmuls = len(s.blocks("fp32_blocks", spec.n_layers)) * layout.block_matmul_numel  # not cast
+    fp32_matmuls = n_fp32 * layout.block_matmul_numel  # not cast
     return {"gathered": gathered, "prefetched": prefetched,
             "autocast_copies": 2.0 * (layout.matmul_numel - fp32_matmuls) if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec, device_type), "loss": loss_bytes(cell, spec),

@@ -411,29 +411,28 @@ def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: D
             for size in vectors if size > 1 for gross in [add(size)]]
 
 
-def _memory_factor(steps: dict[str, tuple[Callable[[], None], dict[str, Any]]], rates: dict[str, Any],
-                   device: torch.device, env: DistEnv, alone: bool) -> list[list[float]]:
-    """``memory_factor``, [[op size, factor], ...], from the fp32 steps (module docstring):
-    the decoder's growth from OP_COST_SAMPLES' fewer to more samples, at the larger step's
-    typical op size; then the wide decoder's step less its ops (at the op cost the smaller
-    step leaves at that factor) and its kernels (kernel_seconds), at its own."""
-    small, large, wide = (steps[key] for key in ("small", "large", "wide"))
-    seconds = {key: _step_seconds(steps[key][0], device, env, alone) for key in steps}
-    kernels = {key: kernel_seconds(steps[key][1], rates, "fp32") for key in steps}
-    stream = {key: sum(t for _, t in _stream_seconds_by_size(steps[key][1], rates)) for key in steps}
+def _memory_factor(steps: dict[str, tuple[Callable[[], None], dict[str, Any]]], seconds: dict[str, float],
+                   rates: dict[str, Any]) -> list[list[float]]:
+    """``memory_factor``, [[op size, factor], ...], from the fp32 steps (module docstring) and
+    their ``seconds``: the decoder's growth from OP_COST_SAMPLES' fewer ("fp32") to more
+    ("large") samples, at the larger step's typical op size; then the wide decoder's step
+    ("wide") less its ops (at the op cost the smaller step leaves at that factor) and its
+    kernels (kernel_seconds), at its own."""
+    fp32_steps = ("fp32", "large", "wide")
+    kernels = {key: kernel_seconds(steps[key][1], rates, "fp32") for key in fp32_steps}
+    stream = {key: sum(t for _, t in _stream_seconds_by_size(steps[key][1], rates)) for key in fp32_steps}
     # Never below 1: the STREAM add is the fastest the host moves bytes, and noisy timings
     # must not price them faster still.
-    narrow = max(1.0, (seconds["large"] - seconds["small"] - (kernels["large"] - kernels["small"]))
-                 / (stream["large"] - stream["small"]))
-    op_s = _op_cost_at(seconds["small"], small[1], kernels["small"], narrow * stream["small"])
-    broad = max(1.0, (seconds["wide"] - wide[1]["ops"] * op_s - kernels["wide"]) / stream["wide"])
-    return sorted([[_typical_op_size(large[1]), narrow], [_typical_op_size(wide[1]), broad]])
+    narrow = max(1.0, (seconds["large"] - seconds["fp32"] - (kernels["large"] - kernels["fp32"]))
+                 / (stream["large"] - stream["fp32"]))
+    op_s = _op_cost_at(seconds["fp32"], steps["fp32"][1], kernels["fp32"], narrow * stream["fp32"])
+    broad = max(1.0, (seconds["wide"] - steps["wide"][1]["ops"] * op_s - kernels["wide"]) / stream["wide"])
+    return sorted([[_typical_op_size(steps["large"][1]), narrow], [_typical_op_size(steps["wide"][1]), broad]])
 
 
-def _op_cost(step: Callable[[], None], work: dict[str, Any], rates: dict[str, Any], precision: str,
-             device: torch.device, env: DistEnv, alone: bool) -> float:
-    """``op_s`` of one precision from its step at the fewer samples (module docstring)."""
-    seconds = _step_seconds(step, device, env, alone)
+def _op_cost(seconds: float, work: dict[str, Any], rates: dict[str, Any], precision: str) -> float:
+    """``op_s`` of one precision from its step at the fewer samples, which took ``seconds``
+    (module docstring)."""
     return _op_cost_at(seconds, work, kernel_seconds(work, rates, precision), memory_seconds(work, rates))
 
 
@@ -474,9 +473,11 @@ def measure(env: DistEnv) -> dict[str, Any]:
     device, kind = env.device, env.device.type
     vectors = {size: [torch.ones(size, device=device) for _ in range(3)] for size in (1, *STREAM_ELEMENTS[kind])}
     decoder = models.PRESETS[OP_COST_MODEL]
+    # Each precision's step at the fewer samples (op_s; fp32's is memory_factor's smaller step
+    # too), and the two further fp32 steps memory_factor reads.
     steps = {name: _model_step(decoder, device, name, OP_COST_SAMPLES[0]) for name in PRECISIONS}
-    fp32_steps = {"small": steps["fp32"], "large": _model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
-                  "wide": _model_step(OP_COST_WIDE, device, "fp32", 1)}
+    steps |= {"large": _model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
+              "wide": _model_step(OP_COST_WIDE, device, "fp32", 1)}
     rates: dict[str, Any] = {}
     for scope in ("concurrent", "alone"):
         alone = scope == "alone"
@@ -488,8 +489,9 @@ def measure(env: DistEnv) -> dict[str, Any]:
                             for name, dtype in PRECISIONS.items()} for family in KERNEL_FAMILIES},
                         "topk_elements_per_s_by_size": _topk_rates(kind, device, env, alone),
                         "memory_bytes_per_s": _stream(vectors, device, env, alone)}
-        rates[scope]["memory_factor"] = _memory_factor(fp32_steps, rates[scope], device, env, alone)
-        rates[scope]["op_s"] = {name: _op_cost(*steps[name], rates[scope], name, device, env, alone)
+        seconds = {key: _step_seconds(step, device, env, alone) for key, (step, _) in steps.items()}  # each once
+        rates[scope]["memory_factor"] = _memory_factor(steps, seconds, rates[scope])
+        rates[scope]["op_s"] = {name: _op_cost(seconds[name], steps[name][1], rates[scope], name)
                                 for name in PRECISIONS}
         rates[scope]["optimizer_op_s"], unavailable = _optimizer_op_costs(rates[scope], device, env, alone)
         if unavailable:
@@ -500,6 +502,6 @@ def measure(env: DistEnv) -> dict[str, Any]:
             "convolution_shapes": [list(shape) for shape in CONVOLUTION_SHAPES[kind]],
             "attention_heads": ATTENTION_HEADS[kind],
             "op_cost_model": OP_COST_MODEL, "op_cost_samples": list(OP_COST_SAMPLES),
-            "tiny_step_ops": {name: work["ops"] for name, (_, work) in steps.items()},
-            "tiny_step_matmul_flops": {name: work["matmul_flops"] for name, (_, work) in steps.items()},
+            "tiny_step_ops": {name: steps[name][1]["ops"] for name in PRECISIONS},
+            "tiny_step_matmul_flops": {name: steps[name][1]["matmul_flops"] for name in PRECISIONS},
             "world_size": env.world_size}

@@ -1,8 +1,9 @@
 """The collective bandwidth sweep: for real on 2 gloo ranks (CPU sizes, 1 KiB .. 16 MiB), its
 nccl-tests arithmetic, its table in the report's environment, and the compute rates the same
 launch measures. The sweep read is the smoke suite's run's (tests/conftest.py): a run sweeps
-before its cells, and a launch of its own would cost this module 20 s more (as the one-rank
-launch does, which has no sweep and measures the compute rates alone)."""
+before its cells, and a launch of its own would cost this module 20 s more. A one-rank launch,
+which has no sweep and measures the compute rates alone, is the two-node test's node 0's
+(tests/test_multinode.py)."""
 
 import json
 import os
@@ -15,13 +16,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness import calibration
-from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
 from harness.measure import bandwidth, compute_rate
 from harness.measure.comm import busbw_factor
-from harness.predict import analytic, step_time, traced
+from harness.predict import step_time
 from harness.report import html
-from harness.runner.launcher import run_bandwidth_sweep
 
 
 @pytest.fixture(scope="module")
@@ -69,22 +68,6 @@ def test_bandwidths_follow_nccl_tests(swept):
     assert by_op["all_to_all"]["busbw_gbps"] == pytest.approx(by_op["all_to_all"]["algbw_gbps"] / 2)
     for op in ("broadcast", "send_recv"):
         assert by_op[op]["busbw_gbps"] == pytest.approx(by_op[op]["algbw_gbps"])
-
-
-def test_one_rank_measures_its_compute_rates_without_a_sweep(tmp_path):
-    """A one-GPU run (the device check) has no peer to time a collective with, and its cells
-    still get a step time: the launch measures the compute rates and says why no sweep ran."""
-    launched = run_bandwidth_sweep(1, tmp_path, timeout_s=240, engines=("single",))
-    assert launched["rows"] == [] and launched["no_sweep"] == calibration.ONE_RANK_NO_SWEEP
-    assert launched["compute_rates"]["world_size"] == 1
-    assert launched["compute_rates"]["engines"]["single"]["step_s"] > 0
-    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), world_size=1)
-    predicted = step_time.predict(cell, analytic.predict(cell, device_type="cpu"),
-                                  traced.trace(cell, stand_in=False), launched, "cpu")
-    assert 0 < predicted["step_time_s"] == predicted["compute_s"] and predicted["comm_s"] == 0
-    page = html.ENV.get_template("_env.html.j2").render(
-        env=html._environment({"environment": {"bandwidth": {"scope": "1 rank(s) of one node", **launched}}}))
-    assert f"No sweep: {calibration.ONE_RANK_NO_SWEEP}" in page
 
 
 def test_sizes_are_whole_elements_per_rank():

@@ -1,6 +1,7 @@
 """Several nodes on one machine: two node launchers on 127.0.0.1 with one rank each against
 one node with two ranks (same cells ok, same losses bitwise, same peak memory but for frees
-on gloo's threads), node 1 running node 0's plan and writing nothing under results/, the two
+on gloo's threads), each node's own calibration a one-rank one (no sweep, the compute rates),
+node 1 running node 0's plan and writing nothing under results/, the two
 resuming a run that lost a record, a world of one refused with the reason in the record, and
 a follower refusing node 0's plan when their harness code differs."""
 
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import calibration
 from harness.cli import main as cli_main
 from harness.config import CellSpec, RunOptions, StrategySpec
-from harness.predict import traced
+from harness.predict import analytic, step_time, traced
 from harness.results.store import RunStore, load_records
 from harness.runner import launcher, node_spec, nodes
 from harness.runner.launcher import LaunchOptions
@@ -114,6 +116,19 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, smoke_run):
     assert across["scope"] == "2 rank(s) on 2 nodes" and across["nnodes"] == 2
     assert {row.get("scope") for row in across["rows"] if row["op"] == "send_recv"} == {"inter_node"}
     assert "bandwidth sweep across the nodes: done" in logs["n1"], logs["n1"]
+    # Node 0's own calibration ran on its one rank, as a one-GPU run's does (the device check):
+    # no peer to sweep with, and its compute rates and engines' steps still price a cell's step.
+    own = json.loads((n0_run / "run.json").read_text())["environment"]["bandwidth"]
+    assert own["rows"] == [] and own["no_sweep"] == calibration.ONE_RANK_NO_SWEEP
+    assert own["compute_rates"]["world_size"] == 1
+    engines = own["compute_rates"]["engines"]  # an engine one rank cannot run says why
+    assert engines["fsdp_full"]["step_s"] > 0 and engines["ddp"]["unavailable"] == "ddp needs world_size >= 2, got 1"
+    single = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), world_size=1)
+    predicted = step_time.predict(single, analytic.predict(single, device_type="cpu"),
+                                  traced.trace(single, stand_in=False), own, "cpu")
+    assert 0 < predicted["step_time_s"] == predicted["compute_s"] and predicted["comm_s"] == 0
+    page = (tmp_path / "n0" / "reports" / n0_run.name / "index.html").read_text()
+    assert f"No sweep: {calibration.ONE_RANK_NO_SWEEP}" in page
 
     # A run that lost a cell (as if killed before it was recorded): both nodes resume it, and
     # only that cell runs again, on both nodes.

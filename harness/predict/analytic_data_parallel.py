@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -19,7 +19,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
 from harness.features import compression, sparsification
 from harness.features.optimizers import BITSANDBYTES
-from harness.models import ModelSpec, ParamLayout, hf_config
+from harness.models import ModelSpec, hf_config
 from harness.predict import zero3_residency
 from harness.predict.formulas import (
     activation_bytes_per_layer,
@@ -34,6 +34,9 @@ from harness.predict.formulas import (
 from harness.predict.formulas.compression import int8_allgather_bytes, sparsified_bytes
 from harness.strategies import ddp, deepspeed_zero  # their rules; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
+
+if TYPE_CHECKING:  # a type only: importing it loads every model family and transformers
+    from harness.models import ParamLayout
 
 SPARSIFIED = ("topk", "randomk")
 # Bytes of one value in the cell's compute precision.

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from harness import strategies
 from harness.config import CellSpec
-from harness.models import ModelSpec, ParamLayout
+from harness.models import ModelSpec
 from harness.predict import pipeline_schedule
 from harness.predict.analytic_data_parallel import (
     PRECISION_BYTES,
@@ -40,6 +41,9 @@ from harness.predict.formulas import (
     tp_model_states,
 )
 from harness.strategies import pipeline  # its stage split; the schedules come from torch
+
+if TYPE_CHECKING:  # a type only: importing it loads every model family and transformers
+    from harness.models import ParamLayout
 
 # The residual stream that crosses a pipeline boundary stays fp32 under torch autocast.
 _BOUNDARY_BYTES = 4

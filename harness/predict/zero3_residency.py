@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import TYPE_CHECKING
 
-from harness.models import ParamLayout
+if TYPE_CHECKING:  # a type only: importing it loads every model family and transformers
+    from harness.models import ParamLayout
 
 
 def gathered_at_end_of_forward(layout: ParamLayout, *, persistence_threshold: int, prefetch_bucket_size: int,

@@ -76,6 +76,15 @@ def test_persistent_elements_follow_deepspeeds_two_thresholds():
     assert deepspeed_zero.persistent_numel(shapes, 640, 700) == 64 + 64 + 64
 
 
+def test_the_gradient_buffer_holds_every_parameter_of_a_ranks_share_whole():
+    # 20 elements in three parameters; on 4 ranks padded to 24 (a multiple of 2 × 4), shares
+    # of 6: rank 1's [6, 12) holds the first parameter's tail and the second's head.
+    shapes = [(10,), (2, 3), (4,)]
+    assert deepspeed_zero.gradient_partition_numel(shapes, 2) == 10
+    assert deepspeed_zero.gradient_partition_numel(shapes, 4) == 16
+    assert deepspeed_zero.gradient_partition_numel(shapes, 1) == 20
+
+
 def test_parameter_offload_is_refused_below_stage_3():
     for offload in ("params", "optimizer_params"):
         why = strategies.incompatibility(cell("gpt2-tiny", "deepspeed_zero2", offload=offload))

@@ -49,6 +49,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import itertools
 import math
 import os
 import sys
@@ -216,6 +217,20 @@ def persistent_numel(shapes: Iterable[tuple[int, ...]], param_threshold: int, mo
         if n <= param_threshold and total + n <= model_threshold:
             total += n
     return total
+
+
+def gradient_partition_numel(shapes: Iterable[tuple[int, ...]], world_size: int) -> int:
+    """Elements of the contiguous buffer ZeRO-1 and ZeRO-2 copy a rank's gradients into
+    (deepspeed/runtime/zero/stage_1_and_2.py, copy_grads_in_partition), the largest rank's:
+    every parameter with elements in the rank's equal share of the model flattened in the
+    module's parameter order (padded to a multiple of twice the world size, its
+    nccl_start_alignment_factor), whole."""
+    sizes = [math.prod(shape) for shape in shapes]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    padded = -(-starts[-1] // (2 * world_size)) * 2 * world_size
+    share = padded // world_size
+    return max(sum(n for start, n in zip(starts, sizes) if start < (rank + 1) * share and start + n > rank * share)
+               for rank in range(world_size))
 
 
 def _zero_config(cell: CellSpec, stage: int) -> dict[str, Any]:

@@ -174,9 +174,14 @@ def test_tp_communicates_two_all_reduces_per_block_each_way(records):
     assert comm["all_reduce"]["bytes"] == 8 * activation_bytes
 
 
-def test_the_trace_predicts_a_tp_cell_peak_to_the_byte(records):
+def test_the_trace_predicts_a_tp_cell_peak_to_the_byte_but_for_frees_on_gloos_threads(records):
     record = records[GPT2_TP.cell_id]
-    assert record["predicted"]["traced"]["peak_bytes"] == record["per_rank"][0]["peak_mem_bytes"]
+    rank0 = record["per_rank"][0]
+    # A buffer DTensor's collectives free on a gloo worker thread may be freed late, after the
+    # step's peak (measure/memory.py "Frees on another thread"): on a busy host rank 0 once
+    # measured 16,384 B over the trace, the 16,384 B it freed that way.
+    moved = abs(rank0["peak_mem_bytes"] - record["predicted"]["traced"]["peak_bytes"])
+    assert moved <= rank0["async_freed_bytes"], (moved, rank0["async_freed_bytes"])
 
 
 @pytest.mark.parametrize("cell, expected", [(GPT2_TP_BF16, 98_304), (GPT2_TP_CKPT, 163_840)],

@@ -229,8 +229,11 @@ def gradient_partition_numel(shapes: Iterable[tuple[int, ...]], world_size: int)
     starts = list(itertools.accumulate(sizes, initial=0))
     padded = -(-starts[-1] // (2 * world_size)) * 2 * world_size
     share = padded // world_size
-    return max(sum(n for start, n in zip(starts, sizes) if start < (rank + 1) * share and start + n > rank * share)
-               for rank in range(world_size))
+    held = [0] * world_size
+    for start, n in zip(starts, sizes):
+        for rank in range(start // share, (start + n - 1) // share + 1):  # the shares it has elements in
+            held[rank] += n
+    return max(held)
 
 
 def _zero_config(cell: CellSpec, stage: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Several nodes on one machine: two node launchers on 127.0.0.1 with one rank each against
 one node with two ranks (same cells ok, same losses bitwise, same peak memory but for frees
-on gloo's threads), each node's own calibration a one-rank one (no sweep, the compute rates),
+on gloo's threads), node 0's own calibration a one-rank one (no sweep, the compute rates),
 node 1 running node 0's plan and writing nothing under results/, the two
 resuming a run that lost a record, a world of one refused with the reason in the record, and
 a follower refusing node 0's plan when their harness code differs."""
@@ -111,14 +111,15 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, smoke_run):
     assert "2 ok, 0 not ok" in logs["n1"], logs["n1"]
     assert '"nnodes": 2' in (n0_run / "run.json").read_text()
     # Both nodes swept together first: one rank a node, so every point-to-point pair crosses.
-    across = json.loads((n0_run / "run.json").read_text())["environment"]["bandwidth_across_nodes"]
+    environment = json.loads((n0_run / "run.json").read_text())["environment"]
+    across = environment["bandwidth_across_nodes"]
     assert "error" not in across, across.get("error")
     assert across["scope"] == "2 rank(s) on 2 nodes" and across["nnodes"] == 2
     assert {row.get("scope") for row in across["rows"] if row["op"] == "send_recv"} == {"inter_node"}
     assert "bandwidth sweep across the nodes: done" in logs["n1"], logs["n1"]
     # Node 0's own calibration ran on its one rank, as a one-GPU run's does (the device check):
     # no peer to sweep with, and its compute rates and engines' steps still price a cell's step.
-    own = json.loads((n0_run / "run.json").read_text())["environment"]["bandwidth"]
+    own = environment["bandwidth"]
     assert own["rows"] == [] and own["no_sweep"] == calibration.ONE_RANK_NO_SWEEP
     assert own["compute_rates"]["world_size"] == 1
     engines = own["compute_rates"]["engines"]  # an engine one rank cannot run says why

@@ -92,8 +92,8 @@ class ParamLayout:
     shared_expert_gated: bool = False
     # The linear layers reading the attention's and a dense MLP's input, each of which takes its
     # own 16-bit copy of it under autocast: LLaMA's q, k, v and gate, up projections (3, 2),
-    # latent attention's two (q_a or q, and kv_a), one where a projection is fused (Phi-3's
-    # qkv_proj and gate_up_proj, GPT-2's c_attn) or named otherwise (BERT's, ViT's).
+    # BERT's and ViT's query, key, value (3, 1), latent attention's two (q_a or q, and kv_a),
+    # one where a projection is fused (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn).
     input_linears: tuple[int, int] = (1, 1)
     # Multi-head latent attention (DeepSeek-V2/V3), or None.
     latent_attention: LatentAttention | None = None
@@ -200,7 +200,7 @@ def _mlp_kinds(blocks: list[nn.Module]) -> tuple[tuple[bool, ...], int, int, boo
 def _input_linears(block: nn.Module) -> tuple[int, int]:
     """ParamLayout.input_linears."""
     names = {path.rpartition(".")[2] for path, _ in block.named_modules()}
-    attention = len(names & {"q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"})
+    attention = len(names & {"q_proj", "k_proj", "v_proj", "query", "key", "value", "q_a_proj", "kv_a_proj_with_mqa"})
     return max(1, attention), 2 if {"gate_proj", "up_proj"} <= names else 1
 
 

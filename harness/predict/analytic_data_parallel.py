@@ -190,7 +190,8 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
     the model; LLaMA's and Mixtral's RMSNorms keep more than a LayerNorm (``norm_keeps``),
     and under autocast LLaMA's separate projections each keep their own cast input.
     A decoder's ``logits`` term also holds what its head keeps: the final norm's tensors
-    and the head's input. Where a model's blocks differ (DeepSeek's dense first blocks before
+    and the head's input, a masked LM's its embeddings' norm and its head's transform
+    (``_head_keeps``). Where a model's blocks differ (DeepSeek's dense first blocks before
     its mixtures of experts) each kind counts at its own size, and ``per_layer`` is the
     largest kind's. ``device_type`` decides which attention kernel SDPA runs
     (``_fused_kernel``).
@@ -213,9 +214,24 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
     per_layer = max(own.values())
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
     norm = norm_keeps(_block_norms(spec)[0], _residual_bytes(cell))
-    tokens = spec.tokens_per_sample * cell.micro_batch
-    head = (norm + value_bytes) * tokens * spec.hidden if spec.task == "causal_lm" else 0.0
+    tokens_wide = spec.tokens_per_sample * cell.micro_batch * spec.hidden
+    head = _head_keeps(cell, spec, norm, value_bytes, device_type) * tokens_wide
     return {"per_layer": per_layer, "layers": layers, "logits": _kept_logits_bytes(cell, spec) + head}
+
+
+def _head_keeps(cell: CellSpec, spec: ModelSpec, norm: float, value_bytes: int, device_type: str) -> float:
+    """Bytes per hidden element of every token that a language model keeps outside its blocks
+    (``activation_bytes``' head): a decoder its final norm's and its head's input; a masked LM
+    its embeddings' norm and its head's transform, a dense layer, an activation and a
+    LayerNorm before the decoder, each keeping its input (BertForMaskedLM's saved tensors).
+    The transform's LayerNorm reads the activation's 16-bit output under autocast, which
+    CUDA's autocast runs in fp32 (keeping the cast copy) and the CPU's in the input's dtype."""
+    if spec.task == "causal_lm":
+        return norm + value_bytes
+    if spec.task == "masked_lm":
+        transform_norm = 4 if uses_autocast(cell) and device_type == "cuda" else value_bytes
+        return norm + 3 * value_bytes + transform_norm
+    return 0.0
 
 
 def _block_norms(spec: ModelSpec) -> tuple[str, ...]:

@@ -7,8 +7,12 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.cli_common import UsageError, measured_rates
+
+if TYPE_CHECKING:
+    from harness.predict.rough_time import Rates
 
 
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -29,6 +33,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     rates, measured, work_trace = None, None, None
+    if args.gpu is not None:
+        rates = _datasheet_rates(args.gpu, args.calibration, req.gpus)
     if args.calibration is not None:
         rates, run_dir = measured_rates(args.calibration)
         measured = _measured_steps(run_dir) if run_dir is not None else None
@@ -48,6 +54,20 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         print(plan.as_table(result, markdown=args.format == "markdown"))
     return 0
+
+
+def _datasheet_rates(gpu: str, calibration: str | None, gpus: int) -> Rates:
+    """rough_time's assumptions for the GPU ``gpu`` names (UsageError where it names none of
+    the listed GPUs or several, or where a calibration would price the steps instead)."""
+    from harness.measure import flops
+    from harness.predict import rough_time
+
+    if calibration is not None:
+        raise UsageError(f"--gpu with --calibration: {calibration}'s own device prices the steps; give one of them")
+    try:
+        return rough_time.assumed(flops.known_device(gpu), world_size=gpus)
+    except ValueError as error:
+        raise UsageError(f"--gpu {error}") from None
 
 
 def _measured_steps(run_dir: Path) -> dict[str, float]:

@@ -13,6 +13,7 @@ import pytest
 from harness import cli, markers, strategies, suite_files
 from harness.cli_catalogue import CATALOGUES
 from harness.models.presets import PRESETS
+from harness.predict import rough_time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,6 +140,12 @@ SUITE_FILES = {
          "/rates.json: neither a run's run.json nor a calibration's JSON (no compute_rates)"),
         (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--calibration",
           "{files}/unswept.json"], "/unswept.json (run r1) measured no compute rates: --no-bandwidth"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--gpu", "H100"],
+         "--gpu 'H100' names several GPUs: choose one of NVIDIA H100 80GB HBM3; NVIDIA H100 PCIe"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "24GiB", "--gpu", "RTX 4090"],
+         "--gpu 'RTX 4090' names no GPU whose peaks are known: choose one of NVIDIA A100-SXM4-40GB;"),
+        (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--gpu", "H200", "--calibration",
+          "{files}/rates.json"], "/rates.json's own device prices the steps; give one of them"),
         (["run", "--mem-cap-gib", "80GB"], "argument --mem-cap-gib: invalid float value: '80GB'"),
         (["run", "--repeat", "0"], "--repeat 0: must be 1 or more trials per cell"),
         (["run", "--suite", "{files}/missing.toml"], "missing.toml: cannot read it ([Errno 2] No such file"),
@@ -298,6 +305,27 @@ def test_plan_prices_steps_at_a_runs_calibration(smoke_run, capsys):
     assert beside == {f"{name}/fp32/ckpt_none": records[f"gpt2-tiny/{name}/fp32/ckpt_none/mb2/ws2/seed0"]["metrics"]
                       ["step_time_s"] for name in ("ddp", "fsdp_full")}
     assert plan["against_measured"]["count"] == 2
+
+
+def test_plan_prices_the_gpu_it_is_given_at_its_datasheet_peaks(capsys):
+    """--gpu names the GPU: an A100 SXM's dense bf16 peak is 312 TFLOP/s against an H100 SXM's
+    989, its memory bandwidth 2.039 TB/s against 3.35, so a configuration's compute (matmuls
+    and memory-bound work) takes between 3.35/2.039 and 989/312 as long, and its collectives
+    (priced at the fabric's assumed bandwidth, not the GPU's) as long."""
+    a100 = rough_time.assumed("NVIDIA A100-SXM4-80GB").calibration["compute_rates"]["alone"]
+    assert a100["matmul_flops_per_s"]["bf16"] == rough_time.ASSUMED_MFU * 312e12
+    assert a100["memory_bytes_per_s"] == [[1, rough_time.ASSUMED_HBM_FRACTION * 2.039e12]]
+    times = {}
+    for gpu in ("a100-sxm4-80gb", None):
+        assert cli.main(["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--format", "json",
+                         "--config", "ddp/bf16/ckpt_none"] + (["--gpu", gpu] if gpu else [])) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["named"] == "ddp/bf16/ckpt_none"
+        times[gpu] = next(row["step_time"] for row in plan["rows"] if row["config"] == plan["named"])
+        assert plan["rates"]["source"].startswith("NVIDIA A100-SXM4-80GB (assumed" if gpu else
+                                                  "NVIDIA H100 80GB HBM3 (assumed")
+    assert 3.35 / 2.039 < times["a100-sxm4-80gb"]["compute_s"] / times[None]["compute_s"] < 989 / 312
+    assert times["a100-sxm4-80gb"]["comm_s"] == pytest.approx(times[None]["comm_s"])
 
 
 def test_plan_for_one_gpu_runs_the_model_whole(capsys):

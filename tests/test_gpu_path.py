@@ -170,6 +170,15 @@ def test_fp32_takes_the_tf32_peak_only_with_tf32_matmuls():
     assert flops.peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
 
 
+def test_every_gpu_with_known_peaks_has_its_memory_bandwidth_and_a_name_a_user_can_type():
+    assert flops.PEAK_MEMORY_BYTES_PER_S.keys() == flops.PEAK_DENSE_FLOPS.keys()
+    assert flops.known_device("h200") == flops.known_device("NVIDIA H200") == "NVIDIA H200"
+    assert flops.known_device("A100 80GB PCIe") == "NVIDIA A100 80GB PCIe"
+    assert flops.known_device("a100-sxm4-40gb") == "NVIDIA A100-SXM4-40GB"
+    with pytest.raises(ValueError, match="names several GPUs: choose one of NVIDIA A100-SXM4-40GB; "):
+        flops.known_device("A100")
+
+
 def test_unknown_device_gets_one_warning_naming_it_and_no_mfu():
     assert flops.peak_flops("NVIDIA GeForce RTX 4090", "bf16") is None
     assert "NVIDIA GeForce RTX 4090" in flops.no_peak_warning("cuda", "NVIDIA GeForce RTX 4090")

@@ -1,4 +1,5 @@
-"""Peak dense FLOP/s of known devices, for MFU. Datasheet numbers (formulas.md, "FLOPs and
+"""Peak dense FLOP/s and memory bandwidth of known devices, for MFU and for pricing steps on a
+GPU no run has measured. Datasheet numbers (formulas.md, "FLOPs and
 MFU"; NVIDIA's A100 / H100 / H200 datasheets, dense, i.e. without 2:4 sparsity); an unknown
 device gets no MFU at all, never a guessed peak.
 
@@ -36,8 +37,36 @@ def compute_precision(precision: str, float32_matmul_precision: str | None) -> s
     return precision
 
 
+# device name -> memory bandwidth, B/s (the same datasheets: HBM2e for A100 80GB, HBM3 for
+# H100 SXM, HBM3e for H200), what the optimizer step's and other memory-bound traffic is priced at
+PEAK_MEMORY_BYTES_PER_S = {
+    "NVIDIA A100-SXM4-40GB": 1.555e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12,
+    "NVIDIA A100-PCIE-40GB": 1.555e12,
+    "NVIDIA A100 80GB PCIe": 1.935e12,
+    "NVIDIA H100 80GB HBM3": 3.35e12,
+    "NVIDIA H100 PCIe": 2.0e12,
+    "NVIDIA H200": 4.8e12,
+}
+
+
 def peak_flops(device_name: str | None, precision: str) -> float | None:
     return PEAK_DENSE_FLOPS.get(device_name or "", {}).get(precision)
+
+
+def known_device(name: str) -> str:
+    """The listed device ``name`` stands for: its exact name, or the one listed name that
+    contains it (case and spaces aside: "a100-sxm4-80gb", "H200"); ValueError, naming the
+    choices, where none or several do."""
+    wanted = name.lower().replace(" ", "")
+    if not wanted:
+        raise ValueError("an empty GPU name")
+    matches = [known for known in PEAK_DENSE_FLOPS if wanted in known.lower().replace(" ", "")]
+    exact = [known for known in matches if known.lower().replace(" ", "") == wanted]
+    if len(exact) == 1 or len(matches) == 1:
+        return (exact or matches)[0]
+    what = "several GPUs" if matches else "no GPU whose peaks are known"
+    raise ValueError(f"{name!r} names {what}: choose one of {'; '.join(matches or PEAK_DENSE_FLOPS)}")
 
 
 def no_peak_warning(device_type: str, device_name: str | None) -> str | None:

@@ -305,6 +305,7 @@ def as_json(result: dict) -> str:
                   "mfu": r["mfu"], "traced": r["traced"], "measured_step_time_s": r["measured_step_time_s"]}
                  for r in result["rows"]],
         "recommended": config_label(result["recommended"]["cell"]) if result["recommended"] else None,
+        "named": config_label(result["named"]["cell"]) if result["named"] else None,  # --config's
         "recommendation": recommendation_text(result),
         "against_measured": against_measured(result),
         "rates": {"source": result["rates"].source, "device_type": result["rates"].device_type,

@@ -7,13 +7,14 @@ The rates, each an assumption stated here (``assumed``):
   FLOPs fraction well-tuned dense training reaches on H100 (torchtitan's Llama-3 8B: 38-42 %),
   standing in for every kernel of forward and backward;
 - memory traffic (the optimizer step's, and the activations' in the analytic work) at
-  ``ASSUMED_HBM_BW``, H100 SXM's 3.35 TB/s at 80 %;
+  ``ASSUMED_HBM_FRACTION`` of the GPU's datasheet memory bandwidth (H100 SXM: 3.35 TB/s);
 - each collective call at ``ASSUMED_LATENCY_S`` plus its bytes at ``ASSUMED_BUS_BW`` bus
   bandwidth (nccl-tests' convention: algbw = busbw ÷ the op's bus factor);
 - no per-op cost: kernels are launched ahead of the GPU, asynchronously.
 Per cell, ``CELL_START_S`` (the model built and sharded, the warm-up's first-step compiles
 and allocations) on top of its steps. A GPU that measure/flops.py does not know is priced as
-``ASSUMED_GPU``.
+``ASSUMED_GPU``; the bus bandwidth is a fabric's, not a GPU's, and stays NVLink's whatever the GPU
+(a run's calibration measures the user's).
 
 A run's own calibration replaces them (``measured``; ``plan --calibration``, ``list
 --calibration``): its launch
@@ -33,7 +34,7 @@ from harness.predict import analytic, step_time
 
 ASSUMED_MFU = 0.4
 ASSUMED_BUS_BW = 300e9  # B/s: NVLink all-reduce bus bandwidth of an 8×H100 SXM node, below nccl-tests' ~450
-ASSUMED_HBM_BW = 0.8 * 3.35e12  # B/s: H100 SXM HBM3 datasheet bandwidth at a sustained 80 %
+ASSUMED_HBM_FRACTION = 0.8  # of the datasheet memory bandwidth, sustained
 ASSUMED_LATENCY_S = 20e-6  # one NCCL collective's fixed cost within a node
 CELL_START_S = 30.0
 ASSUMED_GPU = "NVIDIA H100 80GB HBM3"  # whose peak is used where the target GPU is not named
@@ -55,10 +56,11 @@ class Rates:
 
 def assumed(gpu_name: str | None = None, world_size: int = 2) -> Rates:
     """The module docstring's assumptions, for ``world_size`` GPUs of ``gpu_name``."""
-    known = gpu_name if flops.peak_flops(gpu_name, "bf16") else ASSUMED_GPU
+    known = gpu_name if gpu_name in flops.PEAK_DENSE_FLOPS else ASSUMED_GPU
     rates = {"matmul_flops_per_s": {p: (flops.peak_flops(known, flops.compute_precision(p, "high")) or 0.0)
                                     * ASSUMED_MFU for p in _PRECISIONS},
-             "memory_bytes_per_s": [[1, ASSUMED_HBM_BW]], "op_s": dict.fromkeys(_PRECISIONS, 0.0)}
+             "memory_bytes_per_s": [[1, ASSUMED_HBM_FRACTION * flops.PEAK_MEMORY_BYTES_PER_S[known]]],
+             "op_s": dict.fromkeys(_PRECISIONS, 0.0)}
     calibration = {"world_size": max(world_size, 2), "rows": _assumed_rows(max(world_size, 2)),
                    "compute_rates": {"concurrent": rates, "alone": rates, "world_size": max(world_size, 2)}}
     return Rates(calibration=calibration, device_type="cuda", gpu_name=known,

@@ -92,7 +92,7 @@ class ParamLayout:
     shared_expert_gated: bool = False
     # The linear layers reading the attention's and a dense MLP's input, each of which takes its
     # own 16-bit copy of it under autocast: LLaMA's q, k, v and gate, up projections (3, 2),
-    # BERT's and ViT's query, key, value (3, 1), latent attention's two (q_a or q, and kv_a),
+    # BERT's query, key, value (3, 1), latent attention's two (q_a or q, and kv_a),
     # one where a projection is fused (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn).
     input_linears: tuple[int, int] = (1, 1)
     # Multi-head latent attention (DeepSeek-V2/V3), or None.

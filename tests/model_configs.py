@@ -61,21 +61,27 @@ def write(folder: Path, name: str, **changes: object) -> Path:
     return path
 
 
-# Decoders users bring, by what sets their activations apart (tests/test_model_sources.py holds
-# the analytic peak of each against its trace): LLaMA's blocks; Qwen3's and Gemma's own head
+# Text models users bring, by what sets their activations apart (tests/test_model_sources.py
+# holds the analytic peak of each against its trace): LLaMA's blocks; Qwen3's and Gemma's own head
 # width and Qwen3's and OLMo2's query-key norms; Gemma2's four norms a block and soft-capped
 # scores and logits (eager only); Phi-3's fused projections; mixtures of experts named the
 # Mixtral, Qwen and OLMoE ways, Qwen2-MoE's with a shared expert, DeepSeek's and GLM-4.5's
 # after dense first blocks, gpt-oss's clamped experts. Left out, with the analytic peak they
 # read: Gemma3 and Phi-3 under SDPA (0.92 and 0.90: their sliding-window mask sends the CPU's
-# SDPA to its math kernel, which keeps the scores).
+# SDPA to its math kernel, which keeps the scores), and Falcon's new decoder architecture
+# (``UNCHECKED``).
 _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 128}
+# Falcon-40B's arrangement: 0.91 of its traced peak in fp32, 0.94 in bf16 (it expands K and V to
+# every head and keeps its fused QKV output beside them): `plan` says it was never held against
+# a trace.
+UNCHECKED = {"falcon": {"architectures": ["FalconForCausalLM"], "new_decoder_architecture": True,
+                        "num_kv_heads": 2}}
 _MOE = {"num_experts_per_tok": 2}
 _DEEPSEEK_MOE = {"n_routed_experts": 4, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
                  "n_group": 1, "topk_group": 1, **_MOE}
 _LATENT = {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
            "qk_rope_head_dim": 8, "v_head_dim": 16}
-PREDICTED_DECODERS: dict[str, dict] = {
+PREDICTED_TEXT_MODELS: dict[str, dict] = {
     "llama": {"architectures": ["LlamaForCausalLM"]},
     "mistral": {"architectures": ["MistralForCausalLM"]},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"]},
@@ -87,6 +93,23 @@ PREDICTED_DECODERS: dict[str, dict] = {
                     "query_pre_attn_scalar": 32, "attn_implementation": "eager"},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "pad_token_id": 0, "attn_implementation": "eager"},
     "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
+    "granite": {"architectures": ["GraniteForCausalLM"]},
+    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"]},
+    # GPT-2 and OPT read from their own keys (n_embd, n_inner; ffn_dim): the LLaMA keys beside
+    # them here, which their classes do not define and their models never read, must not be read
+    # either. OPT's ReLU keeps its output alone.
+    "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    "opt": {"architectures": ["OPTForCausalLM"], "ffn_dim": 128, "word_embed_proj_dim": 64},
+    # Phi-2: attention and MLP side by side behind one LayerNorm, half the head's channels rotated.
+    "phi": {"architectures": ["PhiForCausalLM"], "partial_rotary_factor": 0.5},
+    # GPT-NeoX (Pythia): side by side behind a norm each, reading the same residual stream; one
+    # fused QKV projection, whose output V keeps whole once Q and K are rotated.
+    "gpt_neox": {"architectures": ["GPTNeoXForCausalLM"], "rotary_pct": 0.25},
+    # OLMo: LayerNorms without weights, upcast to fp32 (what a norm keeps is measured).
+    "olmo": {"architectures": ["OlmoForCausalLM"]},
+    # A masked LM: its embeddings' LayerNorm and its head's transform (RoBERTa's positions start
+    # after the padding id, two more than the sequence).
+    "roberta": {"architectures": ["RobertaForMaskedLM"], "max_position_embeddings": 130},
     # Attention and MLP side by side behind one LayerNorm written in torch ops (fp32 upcast).
     "cohere": {"architectures": ["CohereForCausalLM"]},
     "stablelm": {"architectures": ["StableLmForCausalLM"]},

@@ -219,7 +219,7 @@ def test_cudas_attention_kernels_keep_no_scores_where_the_cpus_math_kernel_does(
     and log-sum-exp instead. Each trace is held against the analytic peak for its device."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "deepseek_v3", **model_configs._DECODER,
-                                **model_configs.PREDICTED_DECODERS["deepseek_v3"]}))
+                                **model_configs.PREDICTED_TEXT_MODELS["deepseek_v3"]}))
     spec = sources.resolve(str(path))
     cells = [CellSpec(model=spec, strategy=StrategySpec(name="single", precision="bf16"), world_size=1, micro_batch=4),
              CellSpec(model=spec, strategy=StrategySpec(name="fsdp_full"), world_size=2, micro_batch=4)]

@@ -14,12 +14,13 @@ from .presets import PRESETS, REAL_SIZE_PRESETS, get_preset
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
-    from .built import BuiltModel, ParamLayout, analytic_n_params, build, flops_per_sample, param_layout
+    from .built import BuiltModel, NormKeeps, ParamLayout, analytic_n_params, build, flops_per_sample, param_layout
 
-_BUILT = frozenset({"BuiltModel", "ParamLayout", "analytic_n_params", "build", "flops_per_sample", "param_layout"})
+_BUILT = frozenset({"BuiltModel", "NormKeeps", "ParamLayout", "analytic_n_params", "build", "flops_per_sample",
+                    "param_layout"})
 
-__all__ = ["PRESETS", "REAL_SIZE_PRESETS", "BuiltModel", "ModelSpec", "ParamLayout", "analytic_n_params", "build",
-           "flops_per_sample", "get_preset", "param_layout"]
+__all__ = ["PRESETS", "REAL_SIZE_PRESETS", "BuiltModel", "ModelSpec", "NormKeeps", "ParamLayout", "analytic_n_params",
+           "build", "flops_per_sample", "get_preset", "param_layout"]
 
 
 def __getattr__(name: str) -> object:

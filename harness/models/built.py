@@ -72,10 +72,16 @@ class ParamLayout:
     # Whether the repeated block's attention normalises each head's queries and keys (a
     # ``q_norm`` module: Qwen3, Gemma3, OLMo2), which keeps their projections' outputs.
     qk_norm: bool = False
-    # The repeated block's other norms, in order, by kind ("layernorm", "layernorm_upcast" or
-    # "rmsnorm"): two for GPT-2 and LLaMA, four for Gemma2 and Gemma3 (a norm before and after
-    # each sublayer), one for Cohere (attention and MLP side by side, reading the same norm).
-    block_norms: tuple[str, ...] = ()
+    # Whether one projection outputs the repeated block's queries, keys and values together
+    # (GPT-NeoX's query_key_value, Phi-3's qkv_proj, GPT-2's c_attn), which they are views of,
+    # and whether the model turns its queries and keys by a rotary embedding (a module whose
+    # class name says Rotary), which makes new tensors of them.
+    fused_qkv: bool = False
+    rotary: bool = False
+    # The repeated block's other norms, in order, each with what it keeps for backward
+    # (``NormKeeps``): two for GPT-2 and LLaMA, four for Gemma2 and Gemma3 (a norm before and
+    # after each sublayer), one for Cohere (attention and MLP side by side, reading the same norm).
+    block_norms: tuple[NormKeeps, ...] = ()
     # Whether the block's MLP is gated, a gate projection beside the up projection (SwiGLU,
     # GeGLU), separate (LLaMA's gate_proj) or fused (Phi-3's gate_up_proj).
     gated_mlp: bool = False
@@ -119,6 +125,23 @@ class ParamLayout:
 
 
 @dataclass(frozen=True)
+class NormKeeps:
+    """The bytes a norm keeps for backward per element of its input, from an fp32 input and
+    from a 16-bit one, its per-token statistics included: measured (``_norm_keeps``), since how
+    a norm is written decides it. torch's LayerNorm keeps its input (4 and 2); transformers'
+    RMSNorms an fp32 copy and the normalised value the weight multiplies (LLaMA's 8 and 6,
+    Gemma's, which multiplies in fp32, 8 and 8); OLMo's weightless LayerNorm its fp32 upcast
+    (4 and 4); Cohere's, written in torch ops, three fp32 values (12 and 12)."""
+
+    fp32: float
+    half: float
+
+    def at(self, input_bytes: int) -> float:
+        """Bytes per element from an input of ``input_bytes`` a value."""
+        return self.fp32 if input_bytes == 4 else self.half
+
+
+@dataclass(frozen=True)
 class LatentAttention:
     """The widths, per token, of what multi-head latent attention's projections output
     (DeepSeek-V2, Liu et al. 2024): queries through a low-rank latent (``q_rank``; 0 where the
@@ -151,6 +174,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
     params = list(module.parameters())  # de-duplicates tied weights
     matmul = {id(p): p.numel() for m in module.modules() if _is_matmul(m) for p in m.parameters(recurse=False)}
     expert_blocks, dense_ffn, shared_width, shared_gated = _mlp_kinds(blocks)
+    block_modules = {name.rpartition(".")[2] for name, _ in blocks[0].named_modules()} if blocks else set()
     return ParamLayout(
         shapes=tuple(tuple(p.shape) for p in params),
         root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
@@ -158,8 +182,10 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         matmul_numel=sum(matmul.values()),
         block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
-        qk_norm=any(name.rpartition(".")[2] == "q_norm" for name, _ in blocks[0].named_modules()) if blocks else False,
-        block_norms=_norms(blocks[0]) if blocks else (),
+        qk_norm="q_norm" in block_modules,
+        fused_qkv=bool(block_modules & _FUSED_QKV),
+        rotary=any("Rotary" in type(m).__name__ for m in module.modules()),
+        block_norms=_norms(blocks[0], spec.hidden) if blocks else (),
         gated_mlp=any(name.rpartition(".")[2] in ("gate_proj", "gate_up_proj")
                       for name, _ in [*blocks[0].named_modules(), *blocks[0].named_parameters()]) if blocks else False,
         modules=_modules(module, blocks, params),
@@ -170,6 +196,10 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         saved_as_views=_saved_as_views(module, params),
         grouped_experts=any(_experts_implementation(m) == "grouped_mm" for m in module.modules()),
     )
+
+
+# The names transformers gives a projection that outputs queries, keys and values together.
+_FUSED_QKV = frozenset({"query_key_value", "qkv_proj", "Wqkv", "c_attn"})
 
 
 def _named(block: nn.Module, name: str) -> nn.Module | None:
@@ -248,21 +278,42 @@ def _is_matmul(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def _norms(block: nn.Module) -> tuple[str, ...]:
+def _norms(block: nn.Module, width: int) -> tuple[NormKeeps, ...]:
     """ParamLayout.block_norms: the block's normalisation modules (by class name: LayerNorm,
     LlamaRMSNorm, Gemma2RMSNorm, ...) but the attention's own: the per-head query and key norms
-    and latent attention's norms of its latents (``LatentAttention``)."""
+    and latent attention's norms of its latents (``LatentAttention``), each normalising
+    ``width`` channels."""
     attention_norms = ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm")
-    return tuple(_norm_kind(m) for name, m in block.named_modules()
-                 if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in attention_norms)
+    # A convolution's BatchNorm or GroupNorm normalises images, not a token's channels: the
+    # convnet's activations have their own formula.
+    images = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)
+    return tuple(_norm_keeps(m, width) for name, m in block.named_modules()
+                 if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in attention_norms
+                 and not isinstance(m, images))
 
 
-def _norm_kind(norm: nn.Module) -> str:
-    """"rmsnorm", "layernorm" (torch's fused kernel) or "layernorm_upcast" (a LayerNorm written
-    in torch ops that upcasts to fp32: Cohere's)."""
-    if "RMS" in type(norm).__name__:
-        return "rmsnorm"
-    return "layernorm" if isinstance(norm, nn.LayerNorm) else "layernorm_upcast"
+def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
+    """What ``norm`` (on the meta device, as param_layout builds it) saves for backward per
+    element of its input: the bytes of its saved tensors (each storage once) from a meta input
+    of four tokens less those from two, over two tokens' elements, so that what it derives from
+    its weight alone (Gemma's 1 + weight, once a forward) is left out."""
+    def saved_bytes(tokens: int, dtype: torch.dtype) -> int:
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            saved[storage._cdata] = storage.nbytes()
+            return tensor
+
+        x = torch.empty(tokens, width, dtype=dtype, device="meta", requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            norm(x)
+        return sum(saved.values())
+
+    def per_element(dtype: torch.dtype) -> float:
+        return (saved_bytes(4, dtype) - saved_bytes(2, dtype)) / (2 * width)
+
+    return NormKeeps(fp32=per_element(torch.float32), half=per_element(torch.bfloat16))
 
 
 def _mlp_activation(block: nn.Module) -> str:

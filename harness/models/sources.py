@@ -22,7 +22,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib
+import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +164,40 @@ def _is_dropout(key: str, value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and "drop" in key and value > 0
 
 
+def _defined(config: object, name: str) -> Any:
+    """``config``'s ``name`` where its model can read it: its class defines it (a field its
+    ``__init__`` sets, or an alias in its attribute_map) or its model's code names it
+    (``config.name``, or ``"name"`` as GLM's ``getattr(config, "head_dim", ...)`` does); else
+    None. transformers keeps a key its class does not know as an attribute all the same, which
+    a model that never names it does not read: a GPT-2 config.json carrying LLaMA's
+    ``num_key_value_heads`` and ``intermediate_size`` still builds GPT-2's full heads and its
+    ``n_inner`` MLP."""
+    defaults, code = _class_knows(type(config))
+    readable = defaults is None or hasattr(defaults, name) or code is None or re.search(
+        rf'config\.{name}\b|"{name}"', code) is not None
+    return getattr(config, name, None) if readable else None
+
+
+_CLASS_KNOWS: dict[type, tuple[Any, str | None]] = {}
+
+
+def _class_knows(config_class: type) -> tuple[Any, str | None]:
+    """The class's config with every default, and its model's code (the modeling module beside
+    its configuration module); None for either where it cannot be had (then every key counts)."""
+    if config_class not in _CLASS_KNOWS:
+        try:
+            defaults = config_class()
+        except (TypeError, ValueError):  # a class whose __init__ requires an argument
+            defaults = None
+        try:
+            code: str | None = inspect.getsource(
+                importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_")))
+        except (ImportError, OSError, TypeError):
+            code = None
+        _CLASS_KNOWS[config_class] = (defaults, code)
+    return _CLASS_KNOWS[config_class]
+
+
 def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where: str) -> ModelSpec:
     """The ModelSpec of a resolved config: its sizes as transformers reads them, its layout
     and size from a build on the meta device."""
@@ -170,24 +207,26 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
     config_json = json.dumps(config, sort_keys=True)
     hf = TransformersConfig(model_type=model_type, task=task, config_json=config_json, source=path)
     c = hf_config.transformers_config(hf)
+    read = functools.partial(_defined, c)
     text = task != "image_classification"
-    max_positions = getattr(c, "max_position_embeddings", None) if text else None
+    max_positions = read("max_position_embeddings") if text else None
     sizes: dict[str, Any] = {
-        "n_layers": c.num_hidden_layers, "hidden": c.hidden_size, "n_heads": getattr(c, "num_attention_heads", None),
-        "n_kv_heads": getattr(c, "num_key_value_heads", None),
+        "n_layers": c.num_hidden_layers, "hidden": c.hidden_size, "n_heads": read("num_attention_heads"),
+        "n_kv_heads": read("num_key_value_heads"),
         # A mixture of experts' experts are moe_intermediate_size wide where the config sets it
-        # (Qwen-MoE, DeepSeek), intermediate_size otherwise (Mixtral).
-        "ffn_hidden": (getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
-                       or getattr(c, "n_inner", None)),
+        # (Qwen-MoE, DeepSeek), intermediate_size otherwise (Mixtral); GPT-2 names the MLP's
+        # width n_inner, OPT ffn_dim, Falcon ffn_hidden_size.
+        "ffn_hidden": (read("moe_intermediate_size") or read("intermediate_size") or read("n_inner")
+                       or read("ffn_dim") or read("ffn_hidden_size")),
         "vocab_size": c.vocab_size if text else None,
         "seq_len": _default_seq_len(max_positions) if text else None,
         "image_size": None if text else _side(c.image_size),
-        "patch_size": None if text or not hasattr(c, "patch_size") else _side(c.patch_size),
+        "patch_size": None if text or read("patch_size") is None else _side(c.patch_size),
         "num_classes": None if text else c.num_labels,
         # Mixtral names its experts num_local_experts, Qwen-MoE and OLMoE num_experts.
-        "n_experts": getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or None,
-        "top_k": getattr(c, "num_experts_per_tok", None),
-        "config_head_dim": getattr(c, "head_dim", None),
+        "n_experts": read("num_local_experts") or read("num_experts") or None,
+        "top_k": read("num_experts_per_tok"),
+        "config_head_dim": read("head_dim"),
     }
     if sizes["n_experts"] is None:
         sizes["top_k"] = None

@@ -35,8 +35,8 @@ from harness.predict.formulas.compression import int8_allgather_bytes, sparsifie
 from harness.strategies import ddp, deepspeed_zero  # their rules; DeepSpeed itself is imported on use
 from harness.strategies.base import EngineModel
 
-if TYPE_CHECKING:  # a type only: importing it loads every model family and transformers
-    from harness.models import ParamLayout
+if TYPE_CHECKING:  # types only: importing them loads every model family and transformers
+    from harness.models import NormKeeps, ParamLayout
 
 SPARSIFIED = ("topk", "randomk")
 # Bytes of one value in the cell's compute precision.
@@ -213,7 +213,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
                  for (checkpointed, fp32, experts), n in kinds.items())
     per_layer = max(own.values())
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
-    norm = norm_keeps(_block_norms(spec)[0], _residual_bytes(cell))
+    norm = _block_norms(spec)[0].at(_residual_bytes(cell))
     tokens_wide = spec.tokens_per_sample * cell.micro_batch * spec.hidden
     head = _head_keeps(cell, spec, norm, value_bytes, device_type) * tokens_wide
     return {"per_layer": per_layer, "layers": layers, "logits": _kept_logits_bytes(cell, spec) + head}
@@ -234,9 +234,10 @@ def _head_keeps(cell: CellSpec, spec: ModelSpec, norm: float, value_bytes: int, 
     return 0.0
 
 
-def _block_norms(spec: ModelSpec) -> tuple[str, ...]:
-    """The kinds of a block's norms (two LayerNorms where the layout does not say)."""
-    return models.param_layout(spec).block_norms or ("layernorm", "layernorm")
+def _block_norms(spec: ModelSpec) -> tuple[NormKeeps, ...]:
+    """What a block's norms keep (two LayerNorms' where the layout does not say)."""
+    layernorm = models.NormKeeps(fp32=4.0, half=2.0)
+    return models.param_layout(spec).block_norms or (layernorm, layernorm)
 
 
 def _residual_bytes(cell: CellSpec) -> int:
@@ -258,7 +259,7 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
     autocast = uses_autocast(cell)
     residual_bytes = _residual_bytes(cell)
     block_norms = _block_norms(spec)
-    norm = norm_keeps(block_norms[0], residual_bytes)
+    norm = block_norms[0].at(residual_bytes)
     mode = cell.strategy.checkpointing
     if mode == "full":  # the block's input alone, from the residual stream
         return float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
@@ -279,14 +280,25 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
         kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if experts else 1,
         router_experts=spec.required("n_experts") if experts else 0,
         attention_width=query_width, value_width=value_width,
-        mlp_value_bytes=residual_bytes if experts and autocast else None, norms=len(block_norms),
+        mlp_value_bytes=residual_bytes if experts and autocast else None, norms=_norm_inputs(spec, block_norms),
         score_bytes=4.0 if math_kernel else _score_bytes(spec, value_bytes, autocast),
     )
     upcast = (4 - value_bytes) * spec.tokens_per_sample * cell.micro_batch * (2 * query_width + value_width)
     return (per_layer + (upcast if math_kernel else 0.0) + _qk_norms(cell, spec, value_bytes)
+            + _fused_qkv_kept(cell, spec, value_bytes, query_width, fused)
             + (_shared_expert(cell, spec, value_bytes, autocast) if experts else 0.0)
             + (_latent_attention(cell, spec, value_bytes, fused) if latent else 0.0)
             + _output_copy(cell, spec, value_bytes, fused, device_type))
+
+
+def _norm_inputs(spec: ModelSpec, block_norms: tuple[NormKeeps, ...]) -> int:
+    """How many inputs a block's norms keep: one each, but one for two where attention and
+    MLP side by side read the same residual stream through a norm each (GPT-NeoX's
+    ``use_parallel_residual``, Falcon's ``parallel_attn`` with a norm for each): the second
+    norm keeps the first's input (its statistics aside, which are not counted)."""
+    config = hf_config.resolved(spec.hf) if spec.hf is not None else None
+    side_by_side = getattr(config, "use_parallel_residual", False) or getattr(config, "parallel_attn", False)
+    return 1 if side_by_side and len(block_norms) == 2 else len(block_norms)
 
 
 def _ffn(spec: ModelSpec, experts: bool) -> int:
@@ -376,6 +388,21 @@ def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
         tensor_parallel_degree(cell))
 
 
+def _fused_qkv_kept(cell: CellSpec, spec: ModelSpec, value_bytes: int, query_width: int, fused: bool) -> float:
+    """What a fused QKV projection's output costs beyond the Q, K and V the attention keeps:
+    where a rotary embedding turns Q and K into new tensors and V, a view of the projection's
+    output, reaches a fused attention kernel as it is (as many key/value heads as query heads:
+    nothing expands it), V keeps the whole output alive, Q's and K's widths besides its own
+    (GPT-NeoX; measured: its saved tensors). Eager attention's matmul keeps a contiguous copy
+    of V instead; without a rotary embedding Q and K are views of the same output (GPT-2's
+    c_attn), which the three terms already count once."""
+    layout = models.param_layout(spec)
+    if not (fused and layout.fused_qkv and layout.rotary) or spec.kv_heads != spec.required("n_heads"):
+        return 0.0
+    return (value_bytes * spec.tokens_per_sample * cell.micro_batch * 2 * query_width
+            / tensor_parallel_degree(cell))
+
+
 def _block_kinds(cell: CellSpec, spec: ModelSpec) -> collections.Counter[tuple[bool, bool, bool]]:
     """How many blocks are (checkpointed, computed in fp32, routed to experts), by the
     per-layer options and the model's blocks."""
@@ -463,7 +490,8 @@ def uses_autocast(cell: CellSpec) -> bool:
 def _mlp_kind(cell: CellSpec, spec: ModelSpec) -> str:
     """How the model's MLP keeps its activations (formulas.activation_bytes_per_layer's
     ``mlp``), read from the built block: a gated MLP (LLaMA's SwiGLU, Gemma's GeGLU, Phi-3's
-    fused gate and up projection) keeps what SwiGLU does, else its activation module decides.
+    fused gate and up projection) keeps what SwiGLU does, else its activation module decides
+    (a ReLU keeps its output alone: OPT's).
     Selective checkpointing saves the matmul outputs and recomputes the pointwise ops between
     them (features/checkpointing.py), so an unfused GeLU keeps only what a fused one does.
     gpt-oss's experts clamp their gate and up projections before the GLU (its config's
@@ -472,7 +500,10 @@ def _mlp_kind(cell: CellSpec, spec: ModelSpec) -> str:
         return "swiglu_clamped"
     if spec.layout in ("llama", "mixtral") or models.param_layout(spec).gated_mlp:
         return "swiglu"
-    unfused = models.param_layout(spec).mlp_activation == "NewGELUActivation"
+    activation = models.param_layout(spec).mlp_activation
+    if activation == "ReLU":
+        return "relu"
+    unfused = activation == "NewGELUActivation"
     return "gelu_tanh_unfused" if unfused and cell.strategy.checkpointing != "selective" else "gelu"
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # s·b·ffn-wide tensors an MLP keeps for backward, by how its activation is computed.
-_MLP_KEPT = {"gelu": 2, "swiglu": 4, "gelu_tanh_unfused": 5, "swiglu_clamped": 7}
+_MLP_KEPT = {"relu": 1, "gelu": 2, "swiglu": 4, "gelu_tanh_unfused": 5, "swiglu_clamped": 7}
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, ffn: int | None = None,
@@ -29,7 +29,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         without dropout): attention 10sbh + 2as²b, MLP 18sbh;
       - ``ffn`` (default 4h) widens the MLP terms; ``mlp="swiglu"`` (LLaMA) keeps the gate
         and up projections' outputs, the SiLU output and their product (4 × s·b·ffn) where
-        GeLU keeps 2; ``mlp="gelu_tanh_unfused"``, the tanh GeLU written as separate tensor
+        GeLU keeps 2 (``mlp="relu"`` 1: ReLU's backward reads its output, which the second
+        matmul keeps as its input anyway: OPT's); ``mlp="gelu_tanh_unfused"``, the tanh GeLU written as separate tensor
         ops (transformers' NewGELUActivation, GPT-2's), keeps 5: its input, the tanh output,
         0.5·x and 1 + tanh (the operands of its last multiply), and its output;
         ``mlp="swiglu_clamped"``, gpt-oss's experts, keeps 7: the fused gate and up

@@ -459,13 +459,17 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
 
 
 def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
-    """The fp32 logits the loss keeps: s·b·V (a classifier's b·classes; the MLP model's
-    are too few to count)."""
+    """The logits the loss keeps: s·b·V (a classifier's b·classes; the MLP model's are too
+    few to count), in fp32 where transformers' causal-LM loss upcasts them or autocast runs
+    the cross-entropy in fp32; a masked LM's or a classifier's loss takes them as the model
+    computed them, 16-bit where the engine casts the model (FSDP's mixed precision, DeepSpeed)."""
     if spec.family == "mlp":
         return 0.0
+    fp32 = spec.task == "causal_lm" or cell.strategy.precision == "fp32" or uses_autocast(cell)
+    value_bytes = 4.0 if fp32 else PRECISION_BYTES[cell.strategy.precision]
     if spec.task == "image_classification":
-        return 4.0 * cell.micro_batch * spec.required("num_classes")
-    return 4.0 * spec.tokens_per_sample * cell.micro_batch * spec.required("vocab_size")
+        return value_bytes * cell.micro_batch * spec.required("num_classes")
+    return value_bytes * spec.tokens_per_sample * cell.micro_batch * spec.required("vocab_size")
 
 
 def _kept_logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
@@ -509,9 +513,9 @@ def _mlp_kind(cell: CellSpec, spec: ModelSpec) -> str:
 
 def loss_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     """What the loss's backward holds at the start of backward: the gradients of the
-    log-probabilities and of the logits, two fp32 logits-sized tensors (transformers upcasts
-    the logits to fp32 and cross_entropy's log_softmax keeps its fp32 output, the
-    activations' ``logits`` term)."""
+    log-probabilities and of the logits, two logits-sized tensors (``_logits_bytes``:
+    transformers upcasts a causal LM's logits to fp32 and cross_entropy's log_softmax keeps
+    its output, the activations' ``logits`` term)."""
     return 2.0 * _logits_bytes(cell, spec)
 
 

@@ -71,9 +71,9 @@ def write(folder: Path, name: str, **changes: object) -> Path:
 # SDPA to its math kernel, which keeps the scores), and Falcon's new decoder architecture
 # (``UNCHECKED``).
 _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 128}
-# Falcon-40B's arrangement: 0.91 of its traced peak in fp32, 0.94 in bf16 (it expands K and V to
-# every head and keeps its fused QKV output beside them): `plan` says it was never held against
-# a trace.
+# Falcon-40B's arrangement: 0.91 of its traced peak in fp32, 0.94 in bf16 under SDPA (it hands
+# SDPA an explicit mask, which SDPA keeps, so K and V are expanded to every head): `plan` says it
+# was never held against a trace.
 UNCHECKED = {"falcon": {"architectures": ["FalconForCausalLM"], "new_decoder_architecture": True,
                         "num_kv_heads": 2}}
 _MOE = {"num_experts_per_tok": 2}

@@ -107,6 +107,16 @@ PREDICTED_TEXT_MODELS: dict[str, dict] = {
     "gpt_neox": {"architectures": ["GPTNeoXForCausalLM"], "rotary_pct": 0.25},
     # OLMo: LayerNorms without weights, upcast to fp32 (what a norm keeps is measured).
     "olmo": {"architectures": ["OlmoForCausalLM"]},
+    # GPT-J: attention and MLP side by side behind one LayerNorm, rotary on 8 of each head's 16
+    # channels; StarCoder's GPT-BigCode: one key/value head in a fused c_attn; Nemotron: a
+    # squared-ReLU MLP, half-rotary heads; Persimmon: per-head query and key LayerNorms over a
+    # head's channels, beside the block's own.
+    "gptj": {"architectures": ["GPTJForCausalLM"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+             "rotary_dim": 8},
+    "gpt_bigcode": {"architectures": ["GPTBigCodeForCausalLM"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+                    "n_positions": 128, "multi_query": True},
+    "nemotron": {"architectures": ["NemotronForCausalLM"], "partial_rotary_factor": 0.5},
+    "persimmon": {"architectures": ["PersimmonForCausalLM"], "partial_rotary_factor": 0.5},
     # A masked LM: its embeddings' LayerNorm and its head's transform (RoBERTa's positions start
     # after the padding id, two more than the sequence).
     "roberta": {"architectures": ["RobertaForMaskedLM"], "max_position_embeddings": 130},

@@ -283,13 +283,22 @@ def _norms(block: nn.Module, width: int) -> tuple[NormKeeps, ...]:
     LlamaRMSNorm, Gemma2RMSNorm, ...) but the attention's own: the per-head query and key norms
     and latent attention's norms of its latents (``LatentAttention``), each normalising
     ``width`` channels."""
-    attention_norms = ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm")
+    attention_norms = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "q_a_layernorm", "kv_a_layernorm")
     # A convolution's BatchNorm or GroupNorm normalises images, not a token's channels: the
     # convnet's activations have their own formula.
     images = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)
     return tuple(_norm_keeps(m, width) for name, m in block.named_modules()
                  if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in attention_norms
                  and not isinstance(m, images))
+
+
+def _normalised_width(norm: nn.Module, width: int) -> int:
+    """The channels ``norm`` normalises: its ``normalized_shape``'s or its weight's, else ``width``."""
+    shape = getattr(norm, "normalized_shape", None)
+    weight = getattr(norm, "weight", None)
+    if shape:
+        return int(shape[-1])
+    return int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() else width
 
 
 def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
@@ -305,13 +314,13 @@ def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
             saved[storage._cdata] = storage.nbytes()
             return tensor
 
-        x = torch.empty(tokens, width, dtype=dtype, device="meta", requires_grad=True)
+        x = torch.empty(tokens, _normalised_width(norm, width), dtype=dtype, device="meta", requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             norm(x)
         return sum(saved.values())
 
     def per_element(dtype: torch.dtype) -> float:
-        return (saved_bytes(4, dtype) - saved_bytes(2, dtype)) / (2 * width)
+        return (saved_bytes(4, dtype) - saved_bytes(2, dtype)) / (2 * _normalised_width(norm, width))
 
     return NormKeeps(fp32=per_element(torch.float32), half=per_element(torch.bfloat16))
 

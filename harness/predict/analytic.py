@@ -41,6 +41,7 @@ TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe", "hf_config")
 # type is counted by the same rules, unchecked; `plan` says so and `plan --traced` checks it.
 HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
                                 "olmo2", "granite", "starcoder2", "gpt2", "opt", "phi", "gpt_neox", "olmo", "roberta",
+                                "gptj", "gpt_bigcode", "nemotron", "persimmon",
                                 "stablelm", "cohere", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
                                 "deepseek_v2", "deepseek_v3", "gpt_oss"})
 

@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                           " e.g. fsdp_full/bf16/ckpt_full")
     pln.add_argument("--gpu", default=None, metavar="NAME",
                      help="the GPU to price steps on at its datasheet peaks, as torch.cuda.get_device_name()"
-                          " names it or a part naming one, e.g. A100-SXM4-80GB or H200 (default: H100 SXM)")
+                          " names it or by words naming one, e.g. A100-SXM4-80GB or H200 (default: NVIDIA H100 80GB"
+                          " HBM3)")
     pln.add_argument("--calibration", default=None, metavar="RUN",
                      help="price steps at the rates a run measured (its results directory, its run.json, or"
                           " harness.calibration's JSON) instead of datasheet assumptions")

@@ -177,6 +177,8 @@ def test_every_gpu_with_known_peaks_has_its_memory_bandwidth_and_a_name_a_user_c
     assert flops.known_device("a100-sxm4-40gb") == "NVIDIA A100-SXM4-40GB"
     with pytest.raises(ValueError, match="names several GPUs: choose one of NVIDIA A100-SXM4-40GB; "):
         flops.known_device("A100")
+    with pytest.raises(ValueError, match="'A100 80GB' names several GPUs: choose one of NVIDIA A100-SXM4-80GB; "):
+        flops.known_device("A100 80GB")  # SXM or PCIe: not the one whose name happens to contain it
 
 
 def test_unknown_device_gets_one_warning_naming_it_and_no_mfu():

@@ -55,18 +55,22 @@ def peak_flops(device_name: str | None, precision: str) -> float | None:
 
 
 def known_device(name: str) -> str:
-    """The listed device ``name`` stands for: its exact name, or the one listed name that
-    contains it (case and spaces aside: "a100-sxm4-80gb", "H200"); ValueError, naming the
-    choices, where none or several do."""
-    wanted = name.lower().replace(" ", "")
+    """The listed device ``name`` stands for: the one listed name holding each of its words
+    (case aside, "-" and spaces alike: "h200", "A100-SXM4-80GB", "a100 80gb pcie");
+    ValueError, naming the choices, where none or several do ("A100 80GB": SXM or PCIe)."""
+    wanted = _words(name)
     if not wanted:
         raise ValueError("an empty GPU name")
-    matches = [known for known in PEAK_DENSE_FLOPS if wanted in known.lower().replace(" ", "")]
-    exact = [known for known in matches if known.lower().replace(" ", "") == wanted]
+    matches = [known for known in PEAK_DENSE_FLOPS if wanted <= _words(known)]
+    exact = [known for known in matches if _words(known) == wanted]
     if len(exact) == 1 or len(matches) == 1:
         return (exact or matches)[0]
     what = "several GPUs" if matches else "no GPU whose peaks are known"
     raise ValueError(f"{name!r} names {what}: choose one of {'; '.join(matches or PEAK_DENSE_FLOPS)}")
+
+
+def _words(name: str) -> set[str]:
+    return set(name.lower().replace("-", " ").split())
 
 
 def no_peak_warning(device_type: str, device_name: str | None) -> str | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import bert, convnet, factory, gpt2, hf_config, layouts, llama, mlp, moe, vit
 from .common import on_meta
@@ -69,15 +71,19 @@ class ParamLayout:
     # The repeated block's MLP activation module, by class name (e.g. "NewGELUActivation",
     # "SiLUActivation"): how many tensors it keeps for backward depends on how it is written.
     mlp_activation: str = ""
-    # Whether the repeated block's attention normalises each head's queries and keys (a
-    # ``q_norm`` module: Qwen3, Gemma3, OLMo2), which keeps their projections' outputs.
-    qk_norm: bool = False
+    # What the repeated block's per-head query and key norm keeps (a ``q_norm`` module: Qwen3,
+    # Gemma3, OLMo2), beside their projections' outputs; None for an attention without one.
+    qk_norm: NormKeeps | None = None
     # Whether one projection outputs the repeated block's queries, keys and values together
     # (GPT-NeoX's query_key_value, Phi-3's qkv_proj, GPT-2's c_attn), which they are views of,
     # and whether the model turns its queries and keys by a rotary embedding (a module whose
     # class name says Rotary), which makes new tensors of them.
     fused_qkv: bool = False
     rotary: bool = False
+    # Whether the model's loss goes through transformers' loss functions (its forward calls
+    # ``self.loss_function``: its causal LMs, ModernBERT), which upcast the logits to fp32,
+    # rather than a CrossEntropyLoss on the logits as computed (BERT's, RoBERTa's).
+    loss_upcasts_logits: bool = False
     # The repeated block's other norms, in order, each with what it keeps for backward
     # (``NormKeeps``): two for GPT-2 and LLaMA, four for Gemma2 and Gemma3 (a norm before and
     # after each sublayer), one for Cohere (attention and MLP side by side, reading the same norm).
@@ -182,9 +188,10 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         matmul_numel=sum(matmul.values()),
         block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
-        qk_norm="q_norm" in block_modules,
+        qk_norm=_norm_keeps(q_norm, spec.hidden) if blocks and (q_norm := _named(blocks[0], "q_norm")) else None,
         fused_qkv=bool(block_modules & _FUSED_QKV),
         rotary=any("Rotary" in type(m).__name__ for m in module.modules()),
+        loss_upcasts_logits="self.loss_function" in _forward_source(module),
         block_norms=_norms(blocks[0], spec.hidden) if blocks else (),
         gated_mlp=any(name.rpartition(".")[2] in ("gate_proj", "gate_up_proj")
                       for name, _ in [*blocks[0].named_modules(), *blocks[0].named_parameters()]) if blocks else False,
@@ -200,6 +207,14 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
 
 # The names transformers gives a projection that outputs queries, keys and values together.
 _FUSED_QKV = frozenset({"query_key_value", "qkv_proj", "Wqkv", "c_attn"})
+
+
+def _forward_source(module: nn.Module) -> str:
+    """The source of the module's forward ("" where Python has none to give)."""
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _named(block: nn.Module, name: str) -> nn.Module | None:
@@ -283,13 +298,21 @@ def _norms(block: nn.Module, width: int) -> tuple[NormKeeps, ...]:
     LlamaRMSNorm, Gemma2RMSNorm, ...) but the attention's own: the per-head query and key norms
     and latent attention's norms of its latents (``LatentAttention``), each normalising
     ``width`` channels."""
-    attention_norms = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "q_a_layernorm", "kv_a_layernorm")
     # A convolution's BatchNorm or GroupNorm normalises images, not a token's channels: the
     # convnet's activations have their own formula.
     images = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)
     return tuple(_norm_keeps(m, width) for name, m in block.named_modules()
-                 if "Norm" in type(m).__name__ and name.rpartition(".")[2] not in attention_norms
-                 and not isinstance(m, images))
+                 if "Norm" in type(m).__name__ and not _in_attention_norm(name) and not isinstance(m, images))
+
+
+# The attention's own norms: per-head query and key norms (StableLM's and Persimmon's
+# q_layernorm, a module list of per-head LayerNorms in StableLM's), latent attention's.
+_ATTENTION_NORMS = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", "q_a_layernorm", "kv_a_layernorm"})
+
+
+def _in_attention_norm(path: str) -> bool:
+    """Whether the module at ``path`` is one of the attention's own norms or inside one."""
+    return not _ATTENTION_NORMS.isdisjoint(path.split("."))
 
 
 def _normalised_width(norm: nn.Module, width: int) -> int:
@@ -301,11 +324,24 @@ def _normalised_width(norm: nn.Module, width: int) -> int:
     return int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() else width
 
 
+# What a norm whose forward takes more than its input (Qwen3-Next's gated RMSNorm) is counted
+# at, by its class name, since the probe cannot call it: LLaMA's RMSNorm's, or a LayerNorm's.
+_RMSNORM_KEEPS = NormKeeps(fp32=8.0, half=6.0)
+_LAYERNORM_KEEPS = NormKeeps(fp32=4.0, half=2.0)
+
+
 def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
     """What ``norm`` (on the meta device, as param_layout builds it) saves for backward per
     element of its input: the bytes of its saved tensors (each storage once) from a meta input
     of four tokens less those from two, over two tokens' elements, so that what it derives from
-    its weight alone (Gemma's 1 + weight, once a forward) is left out."""
+    its weight alone (Gemma's 1 + weight, once a forward) is left out. Run with gradients on and
+    outside any dispatch mode (a traced step, whose fake mode and op counting must not see it,
+    may ask for the layout first)."""
+    required = [p for p in inspect.signature(norm.forward).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 1:
+        return _RMSNORM_KEEPS if "RMS" in type(norm).__name__ else _LAYERNORM_KEEPS
+
     def saved_bytes(tokens: int, dtype: torch.dtype) -> int:
         saved: dict[int, int] = {}
 
@@ -314,9 +350,10 @@ def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
             saved[storage._cdata] = storage.nbytes()
             return tensor
 
-        x = torch.empty(tokens, _normalised_width(norm, width), dtype=dtype, device="meta", requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            norm(x)
+        with _disable_current_modes(), torch.enable_grad():
+            x = torch.empty(tokens, _normalised_width(norm, width), dtype=dtype, device="meta", requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                norm(x)
         return sum(saved.values())
 
     def per_element(dtype: torch.dtype) -> float:

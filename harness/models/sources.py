@@ -26,6 +26,7 @@ import importlib
 import inspect
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ def _is_dropout(key: str, value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and "drop" in key and value > 0
 
 
-def _defined(config: object, name: str) -> Any:
+def config_value(config: object, name: str) -> Any:
     """``config``'s ``name`` where its model can read it: its class defines it (a field its
     ``__init__`` sets, or an alias in its attribute_map) or its model's code names it
     (``config.name``, or ``"name"`` as GLM's ``getattr(config, "head_dim", ...)`` does); else
@@ -172,29 +173,41 @@ def _defined(config: object, name: str) -> Any:
     a model that never names it does not read: a GPT-2 config.json carrying LLaMA's
     ``num_key_value_heads`` and ``intermediate_size`` still builds GPT-2's full heads and its
     ``n_inner`` MLP."""
-    defaults, code = _class_knows(type(config))
-    readable = defaults is None or hasattr(defaults, name) or code is None or re.search(
-        rf'config\.{name}\b|"{name}"', code) is not None
+    known, code = _class_knows(type(config))
+    readable = name in known or code is None or re.search(rf'config\.{name}\b|"{name}"', code) is not None
     return getattr(config, name, None) if readable else None
 
 
-_CLASS_KNOWS: dict[type, tuple[Any, str | None]] = {}
+_CLASS_KNOWS: dict[type, tuple[frozenset[str], str | None]] = {}
 
 
-def _class_knows(config_class: type) -> tuple[Any, str | None]:
-    """The class's config with every default, and its model's code (the modeling module beside
-    its configuration module); None for either where it cannot be had (then every key counts)."""
+def _class_knows(config_class: type) -> tuple[frozenset[str], str | None]:
+    """The names the class defines, and its model's code (the modeling module beside its
+    configuration module, None where it cannot be had: then every key counts). The names are
+    those its instance with every default has (what its ``__init__`` sets, Falcon's
+    num_key_value_heads among them), built with transformers' warnings about its own defaults
+    silenced; where a class cannot be built without arguments, its ``__init__``'s parameters
+    and its attribute_map's aliases."""
     if config_class not in _CLASS_KNOWS:
+        from transformers.utils import logging as transformers_logging
+
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
         try:
-            defaults = config_class()
-        except (TypeError, ValueError):  # a class whose __init__ requires an argument
-            defaults = None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                known = frozenset(dir(config_class()))
+        except Exception:  # a class that validates its defaults or requires arguments (strict dataclasses)
+            parameters = inspect.signature(config_class).parameters
+            known = frozenset(parameters) | frozenset(getattr(config_class, "attribute_map", {}))
+        finally:
+            transformers_logging.set_verbosity(verbosity)
         try:
             code: str | None = inspect.getsource(
                 importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_")))
         except (ImportError, OSError, TypeError):
             code = None
-        _CLASS_KNOWS[config_class] = (defaults, code)
+        _CLASS_KNOWS[config_class] = (known, code)
     return _CLASS_KNOWS[config_class]
 
 
@@ -207,7 +220,7 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
     config_json = json.dumps(config, sort_keys=True)
     hf = TransformersConfig(model_type=model_type, task=task, config_json=config_json, source=path)
     c = hf_config.transformers_config(hf)
-    read = functools.partial(_defined, c)
+    read = functools.partial(config_value, c)
     text = task != "image_classification"
     max_positions = read("max_position_embeddings") if text else None
     sizes: dict[str, Any] = {

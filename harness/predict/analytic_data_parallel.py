@@ -19,7 +19,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv, hsdp_shape
 from harness.features import compression, sparsification
 from harness.features.optimizers import BITSANDBYTES
-from harness.models import ModelSpec, hf_config
+from harness.models import ModelSpec, hf_config, sources
 from harness.predict import zero3_residency
 from harness.predict.formulas import (
     activation_bytes_per_layer,
@@ -27,7 +27,6 @@ from harness.predict.formulas import (
     adamw_state_bytes,
     blockwise_8bit_state_bytes,
     lamb_state_bytes,
-    norm_keeps,
     powersgd_elements,
     sgd_momentum_state_bytes,
 )
@@ -187,7 +186,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
     parallelism); a mixture of experts keeps each token's expert MLP terms top_k times.
     The norms read the residual stream, which stays fp32 under autocast (the embeddings
     are not cast, and fp32 + 16-bit adds to fp32) and is 16-bit only where the engine casts
-    the model; LLaMA's and Mixtral's RMSNorms keep more than a LayerNorm (``norm_keeps``),
+    the model; LLaMA's and Mixtral's RMSNorms keep more than a LayerNorm (measured: NormKeeps),
     and under autocast LLaMA's separate projections each keep their own cast input.
     A decoder's ``logits`` term also holds what its head keeps: the final norm's tensors
     and the head's input, a masked LM's its embeddings' norm and its head's transform
@@ -213,7 +212,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
                  for (checkpointed, fp32, experts), n in kinds.items())
     per_layer = max(own.values())
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
-    norm = _block_norms(spec)[0].at(_residual_bytes(cell))
+    norm = _mean_keeps(_block_norms(spec), _residual_bytes(cell))
     tokens_wide = spec.tokens_per_sample * cell.micro_batch * spec.hidden
     head = _head_keeps(cell, spec, norm, value_bytes, device_type) * tokens_wide
     return {"per_layer": per_layer, "layers": layers, "logits": _kept_logits_bytes(cell, spec) + head}
@@ -232,6 +231,12 @@ def _head_keeps(cell: CellSpec, spec: ModelSpec, norm: float, value_bytes: int, 
         transform_norm = 4 if uses_autocast(cell) and device_type == "cuda" else value_bytes
         return norm + 3 * value_bytes + transform_norm
     return 0.0
+
+
+def _mean_keeps(norms: tuple[NormKeeps, ...], input_bytes: int) -> float:
+    """What a block's norms keep per element of their input, on average (the formula counts
+    ``norms`` inputs at one value each; the final norm is taken for one of them)."""
+    return sum(norm.at(input_bytes) for norm in norms) / len(norms)
 
 
 def _block_norms(spec: ModelSpec) -> tuple[NormKeeps, ...]:
@@ -259,7 +264,7 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
     autocast = uses_autocast(cell)
     residual_bytes = _residual_bytes(cell)
     block_norms = _block_norms(spec)
-    norm = block_norms[0].at(residual_bytes)
+    norm = _mean_keeps(block_norms, residual_bytes)
     mode = cell.strategy.checkpointing
     if mode == "full":  # the block's input alone, from the residual stream
         return float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
@@ -295,9 +300,12 @@ def _norm_inputs(spec: ModelSpec, block_norms: tuple[NormKeeps, ...]) -> int:
     """How many inputs a block's norms keep: one each, but one for two where attention and
     MLP side by side read the same residual stream through a norm each (GPT-NeoX's
     ``use_parallel_residual``, Falcon's ``parallel_attn`` with a norm for each): the second
-    norm keeps the first's input (its statistics aside, which are not counted)."""
-    config = hf_config.resolved(spec.hf) if spec.hf is not None else None
-    side_by_side = getattr(config, "use_parallel_residual", False) or getattr(config, "parallel_attn", False)
+    norm keeps the first's input (its per-token statistics aside). The keys are read as the
+    model reads them (``sources.config_value``)."""
+    if spec.hf is None:
+        return len(block_norms)
+    config = hf_config.resolved(spec.hf)
+    side_by_side = any(sources.config_value(config, key) for key in ("use_parallel_residual", "parallel_attn"))
     return 1 if side_by_side and len(block_norms) == 2 else len(block_norms)
 
 
@@ -379,13 +387,14 @@ def _score_bytes(spec: ModelSpec, value_bytes: int, autocast: bool) -> float:
 
 def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
     """What a block's per-head query and key norms keep (Qwen3, Gemma3, OLMo2: an RMSNorm on
-    the q and k projections' outputs, before eager attention expands K to every head), beside
-    the Q and K the attention keeps; 0 for a model without them."""
-    if not models.param_layout(spec).qk_norm:
+    the q and k projections' outputs, before eager attention expands K to every head; what it
+    keeps per element measured, ``ParamLayout.qk_norm``), beside the Q and K the attention
+    keeps; 0 for a model without them."""
+    keeps = models.param_layout(spec).qk_norm
+    if keeps is None:
         return 0.0
     width = (spec.required("n_heads") + spec.kv_heads) * spec.head_dim
-    return norm_keeps("rmsnorm", value_bytes) * spec.tokens_per_sample * cell.micro_batch * width / (
-        tensor_parallel_degree(cell))
+    return keeps.at(value_bytes) * spec.tokens_per_sample * cell.micro_batch * width / tensor_parallel_degree(cell)
 
 
 def _fused_qkv_kept(cell: CellSpec, spec: ModelSpec, value_bytes: int, query_width: int, fused: bool) -> float:
@@ -460,12 +469,15 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
 
 def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     """The logits the loss keeps: s·b·V (a classifier's b·classes; the MLP model's are too
-    few to count), in fp32 where transformers' causal-LM loss upcasts them or autocast runs
-    the cross-entropy in fp32; a masked LM's or a classifier's loss takes them as the model
-    computed them, 16-bit where the engine casts the model (FSDP's mixed precision, DeepSpeed)."""
+    few to count), in fp32 where transformers' loss functions upcast them
+    (``ParamLayout.loss_upcasts_logits``: its causal LMs) or autocast runs the cross-entropy in
+    fp32; a loss that takes them as the model computed them (BERT's and RoBERTa's
+    CrossEntropyLoss) keeps them 16-bit where the engine casts the model (FSDP's mixed
+    precision, DeepSpeed)."""
     if spec.family == "mlp":
         return 0.0
-    fp32 = spec.task == "causal_lm" or cell.strategy.precision == "fp32" or uses_autocast(cell)
+    fp32 = (models.param_layout(spec).loss_upcasts_logits or cell.strategy.precision == "fp32"
+            or uses_autocast(cell))
     value_bytes = 4.0 if fp32 else PRECISION_BYTES[cell.strategy.precision]
     if spec.task == "image_classification":
         return value_bytes * cell.micro_batch * spec.required("num_classes")

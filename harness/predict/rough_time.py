@@ -13,8 +13,9 @@ The rates, each an assumption stated here (``assumed``):
 - no per-op cost: kernels are launched ahead of the GPU, asynchronously.
 Per cell, ``CELL_START_S`` (the model built and sharded, the warm-up's first-step compiles
 and allocations) on top of its steps. A GPU that measure/flops.py does not know is priced as
-``ASSUMED_GPU``; the bus bandwidth is a fabric's, not a GPU's, and stays NVLink's whatever the GPU
-(a run's calibration measures the user's).
+``ASSUMED_GPU``. The bus bandwidth stays the H100 node's whatever the GPU: it is the fabric's
+(an A100's NVLink is slower, a PCIe part without NVSwitch much slower), which a run's
+calibration measures (``--calibration``); the plan's header states the figure it assumed.
 
 A run's own calibration replaces them (``measured``; ``plan --calibration``, ``list
 --calibration``): its launch

@@ -7,7 +7,7 @@ the published figures they are checked against: ../shared/reference/formulas.md.
 
 from __future__ import annotations
 
-from .activations import activation_bytes_per_layer, norm_keeps
+from .activations import activation_bytes_per_layer
 from .compression import POWERSGD_MIN_COMPRESSION_RATE, powersgd_elements
 from .context_parallel import context_parallel_kv_bytes
 from .expert_parallel import (
@@ -55,7 +55,6 @@ __all__ = [
     "megatron_tp_all_reduce_bytes",
     "model_flops_per_step",
     "moe_params",
-    "norm_keeps",
     "pipeline_bubble_fraction",
     "pipeline_first_stage_layer_activations",
     "pipeline_p2p_bytes",

@@ -54,7 +54,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         output before its routing weight multiplies it, 2·k·sbh (transformers' grouped-matmul
         Mixtral experts, measured);
       - ``norm_bytes``: what each of the two norms keeps per element of its input, where
-        that is not one ``value_bytes`` value (``norm_keeps`` gives it for the models here);
+        that is not one ``value_bytes`` value (measured for the models here: models.NormKeeps);
       - ``input_copies``: how many copies of the attention's and of the MLP's input the
         layer keeps: one, unless torch autocast casts it once for each linear layer that reads
         it (it caches the weights' casts, not the activations'): LLaMA's separate q, k, v
@@ -114,22 +114,3 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     outside = (attention_in * v * sbh + mlp_in * v * sbh + norms * norm * sbh + 2 * mask * sbh
                + 4.0 * s * b * router_experts)
     return inside / t + outside / (t if sequence_parallel else 1)
-
-
-def norm_keeps(norm: str, residual_bytes: int) -> float:
-    """Bytes per element a norm keeps for backward, its input arriving at ``residual_bytes``.
-
-    A LayerNorm (torch's fused kernel) keeps its input (and per-row statistics). transformers'
-    RMSNorm (LLaMA, Mixtral) upcasts to fp32, normalises, casts back to the input's dtype and
-    multiplies by its weight, so it keeps the fp32 input (the upcast copy where the input is
-    16-bit) and the normalised value in the input's dtype, which the weight multiplies: 8
-    bytes an element from an fp32 residual stream, 6 from a 16-bit one. Measured: the saved
-    tensors of transformers' LlamaDecoderLayer.
-    """
-    if norm == "layernorm":
-        return float(residual_bytes)
-    if norm == "layernorm_upcast":  # Cohere's: three fp32 values an element (measured)
-        return 12.0
-    if norm == "rmsnorm":
-        return 4.0 + residual_bytes
-    raise ValueError(f"norm={norm!r}: choose layernorm, layernorm_upcast or rmsnorm")

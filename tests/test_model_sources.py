@@ -258,6 +258,31 @@ def test_a_masked_lm_cast_to_bf16_by_its_engine_keeps_its_logits_in_bf16(tmp_pat
         assert ratio == pytest.approx(1, abs=0.05), (cell.cell_id, ratio)
 
 
+def test_what_a_norm_keeps_is_measured_whatever_the_caller_runs_under_and_whatever_it_takes(tmp_path):
+    """The block's norms are run on the meta device: with gradients on and outside a traced
+    step's fake mode, whichever asks for the layout first; one whose forward takes more than its
+    input (Qwen3-Next's gated RMSNorm) is counted by its class name; the attention's own
+    per-head norms (StableLM's list of LayerNorms) are not the block's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    probed = models.param_layout.__wrapped__  # uncached
+    llama = models.get_preset("llama-tiny")
+    with torch.no_grad(), FakeTensorMode():
+        assert probed(llama).block_norms == models.param_layout(llama).block_norms
+    assert models.param_layout(llama).block_norms[0] == models.NormKeeps(fp32=8 + 4 / 64, half=6 + 4 / 64)
+    stablelm = tmp_path / "stablelm.json"
+    stablelm.write_text(json.dumps({"model_type": "stablelm", **model_configs._DECODER,
+                                    **model_configs.PREDICTED_TEXT_MODELS["stablelm"], "qk_layernorm": True}))
+    assert len(models.param_layout(sources.resolve(str(stablelm))).block_norms) == 2
+    path = tmp_path / "qwen3_next.json"
+    path.write_text(json.dumps({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                                **model_configs._DECODER, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                                "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                                "linear_value_head_dim": 16, "full_attention_interval": 2}))
+    assert models.param_layout(sources.resolve(str(path))).block_norms[0] == models.NormKeeps(fp32=8.0, half=6.0)
+
+
 def test_every_preset_is_built_with_the_layout_it_declares():
     for name, spec in models.PRESETS.items():
         if spec.n_layers * spec.hidden > 64 * 64:

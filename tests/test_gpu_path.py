@@ -11,7 +11,7 @@ from torch import nn
 from harness import faults, training
 from harness.config import CellSpec, StrategySpec
 from harness.measure import flops, memory, summary
-from harness.predict import traced
+from harness.predict import rough_time, traced
 from harness.report import figures, html
 from harness.results.store import RunStore
 from harness.runner.launcher import LaunchOptions, run_batch
@@ -183,6 +183,9 @@ def test_every_gpu_with_known_peaks_has_its_memory_bandwidth_and_a_name_a_user_c
 
 def test_unknown_device_gets_one_warning_naming_it_and_no_mfu():
     assert flops.peak_flops("NVIDIA GeForce RTX 4090", "bf16") is None
+    # A GPU matrix listed for it prices its steps at the assumed GPU's peaks, and says so.
+    assert rough_time.assumed("NVIDIA GeForce RTX 4090").source.startswith(
+        "NVIDIA H100 80GB HBM3 (assumed for NVIDIA GeForce RTX 4090, whose peaks are not listed: 40% MFU")
     assert "NVIDIA GeForce RTX 4090" in flops.no_peak_warning("cuda", "NVIDIA GeForce RTX 4090")
     assert flops.no_peak_warning("cuda", "NVIDIA H200") is None
 

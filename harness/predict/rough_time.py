@@ -64,8 +64,10 @@ def assumed(gpu_name: str | None = None, world_size: int = 2) -> Rates:
              "op_s": dict.fromkeys(_PRECISIONS, 0.0)}
     calibration = {"world_size": max(world_size, 2), "rows": _assumed_rows(max(world_size, 2)),
                    "compute_rates": {"concurrent": rates, "alone": rates, "world_size": max(world_size, 2)}}
+    stands_in = f" for {gpu_name}, whose peaks are not listed" if gpu_name and gpu_name != known else ""
     return Rates(calibration=calibration, device_type="cuda", gpu_name=known,
-                 source=f"{known} (assumed: {ASSUMED_MFU:.0%} MFU, {ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth)")
+                 source=f"{known} (assumed{stands_in}: {ASSUMED_MFU:.0%} MFU, {ASSUMED_BUS_BW / 1e9:.0f} GB/s bus"
+                        " bandwidth)")
 
 
 def measured(calibration: dict, run: str) -> Rates:

@@ -14,13 +14,22 @@ from .presets import PRESETS, REAL_SIZE_PRESETS, get_preset
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
-    from .built import BuiltModel, NormKeeps, ParamLayout, analytic_n_params, build, flops_per_sample, param_layout
+    from .built import (
+        LAYERNORM_KEEPS,
+        BuiltModel,
+        NormKeeps,
+        ParamLayout,
+        analytic_n_params,
+        build,
+        flops_per_sample,
+        param_layout,
+    )
 
-_BUILT = frozenset({"BuiltModel", "NormKeeps", "ParamLayout", "analytic_n_params", "build", "flops_per_sample",
-                    "param_layout"})
+_BUILT = frozenset({"LAYERNORM_KEEPS", "BuiltModel", "NormKeeps", "ParamLayout", "analytic_n_params", "build",
+                    "flops_per_sample", "param_layout"})
 
-__all__ = ["PRESETS", "REAL_SIZE_PRESETS", "BuiltModel", "ModelSpec", "NormKeeps", "ParamLayout", "analytic_n_params",
-           "build", "flops_per_sample", "get_preset", "param_layout"]
+__all__ = ["LAYERNORM_KEEPS", "PRESETS", "REAL_SIZE_PRESETS", "BuiltModel", "ModelSpec", "NormKeeps", "ParamLayout",
+           "analytic_n_params", "build", "flops_per_sample", "get_preset", "param_layout"]
 
 
 def __getattr__(name: str) -> object:

@@ -325,9 +325,10 @@ def _normalised_width(norm: nn.Module, width: int) -> int:
 
 
 # What a norm whose forward takes more than its input (Qwen3-Next's gated RMSNorm) is counted
-# at, by its class name, since the probe cannot call it: LLaMA's RMSNorm's, or a LayerNorm's.
+# at, by its class name, since the probe cannot call it: LLaMA's RMSNorm's, or a LayerNorm's
+# (also what a model whose blocks name no norm is taken to have).
 _RMSNORM_KEEPS = NormKeeps(fp32=8.0, half=6.0)
-_LAYERNORM_KEEPS = NormKeeps(fp32=4.0, half=2.0)
+LAYERNORM_KEEPS = NormKeeps(fp32=4.0, half=2.0)
 
 
 def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
@@ -340,7 +341,8 @@ def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
     required = [p for p in inspect.signature(norm.forward).parameters.values()
                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(required) > 1:
-        return _RMSNORM_KEEPS if "RMS" in type(norm).__name__ else _LAYERNORM_KEEPS
+        return _RMSNORM_KEEPS if "RMS" in type(norm).__name__ else LAYERNORM_KEEPS
+    channels = _normalised_width(norm, width)
 
     def saved_bytes(tokens: int, dtype: torch.dtype) -> int:
         saved: dict[int, int] = {}
@@ -351,13 +353,13 @@ def _norm_keeps(norm: nn.Module, width: int) -> NormKeeps:
             return tensor
 
         with _disable_current_modes(), torch.enable_grad():
-            x = torch.empty(tokens, _normalised_width(norm, width), dtype=dtype, device="meta", requires_grad=True)
+            x = torch.empty(tokens, channels, dtype=dtype, device="meta", requires_grad=True)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 norm(x)
         return sum(saved.values())
 
     def per_element(dtype: torch.dtype) -> float:
-        return (saved_bytes(4, dtype) - saved_bytes(2, dtype)) / (2 * _normalised_width(norm, width))
+        return (saved_bytes(4, dtype) - saved_bytes(2, dtype)) / (2 * channels)
 
     return NormKeeps(fp32=per_element(torch.float32), half=per_element(torch.bfloat16))
 

@@ -241,8 +241,7 @@ def _mean_keeps(norms: tuple[NormKeeps, ...], input_bytes: int) -> float:
 
 def _block_norms(spec: ModelSpec) -> tuple[NormKeeps, ...]:
     """What a block's norms keep (two LayerNorms' where the layout does not say)."""
-    layernorm = models.NormKeeps(fp32=4.0, half=2.0)
-    return models.param_layout(spec).block_norms or (layernorm, layernorm)
+    return models.param_layout(spec).block_norms or (models.LAYERNORM_KEEPS,) * 2
 
 
 def _residual_bytes(cell: CellSpec) -> int:

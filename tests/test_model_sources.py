@@ -1,6 +1,7 @@
 """Models as data: a transformers config.json resolved into a cell's model (harness/models/
 sources.py), its layout recognised from its modules, sequence length as a cell option."""
 
+import dataclasses
 import json
 from typing import get_args
 
@@ -156,6 +157,28 @@ def test_a_qwen_moe_config_names_its_experts_and_their_width_its_own_way(tmp_pat
     cell = CellSpec(model=spec, strategy=StrategySpec(name="single"), world_size=1, micro_batch=4)
     assert analytic.predict(cell, device_type="cpu")["peak_bytes"] == pytest.approx(
         traced.trace(cell)["peak_bytes"], rel=0.02)
+
+
+def test_a_configs_mixture_of_experts_counts_in_its_flops_the_experts_a_token_is_routed_to(tmp_path):
+    # Mixtral-8x7B as a config.json: the preset's FLOPs, 12.9B of its 46.7B parameters active
+    # (counted on the built model, not by the preset's formula).
+    path = tmp_path / "mixtral.json"
+    preset = models.get_preset("mixtral-8x7b")
+    path.write_text(json.dumps({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                                "hidden_size": preset.hidden, "num_hidden_layers": preset.n_layers,
+                                "num_attention_heads": preset.n_heads, "num_key_value_heads": preset.n_kv_heads,
+                                "intermediate_size": preset.ffn, "vocab_size": preset.vocab_size,
+                                "num_local_experts": preset.n_experts, "num_experts_per_tok": preset.top_k,
+                                "max_position_embeddings": 32768}))
+    spec = dataclasses.replace(sources.resolve(str(path)), seq_len=preset.seq_len)
+    assert models.flops_per_sample(spec) == models.flops_per_sample(preset)
+    # DeepSeek's dense first block and shared expert pass every token: of the second block's
+    # four routed experts (gate_up 4×64×64, down 4×64×32) two are idle for each token.
+    path = tmp_path / "deepseek.json"
+    path.write_text(json.dumps({"model_type": "deepseek_v3", **model_configs._DECODER,
+                                **model_configs.PREDICTED_TEXT_MODELS["deepseek_v3"]}))
+    count = models.hf_config.count_params(sources.resolve(str(path)))
+    assert count.inactive == (4 * 64 * 64 + 4 * 64 * 32) * (4 - 2) // 4
 
 
 def test_deepseeks_blocks_and_latent_attention_are_read_from_the_built_model(tmp_path):

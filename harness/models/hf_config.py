@@ -90,7 +90,28 @@ def count_module(module: nn.Module) -> ParamCount:
     head = getattr(module, "get_output_embeddings", lambda: None)()
     tied = head is not None and any(head.weight is t for t in tables)
     return ParamCount(total=sum(p.numel() for p in params), embedding=sum(t.numel() for t in tables),
-                      tied_head=head.weight.numel() if head is not None and tied else 0)
+                      tied_head=head.weight.numel() if head is not None and tied else 0,
+                      inactive=_inactive_experts(module))
+
+
+def _inactive_experts(module: nn.Module) -> int:
+    """The routed experts' parameters a token does not pass through: of each module named
+    ``experts`` (transformers' experts of Mixtral, Qwen-MoE, OLMoE, DeepSeek, GLM-4.5, gpt-oss,
+    their weights stacked over ``num_experts``; or an nn.ModuleList of one module an expert),
+    all but the share ``num_experts_per_tok / num_experts`` of the model's config. A shared
+    expert and a dense block are not named so and count whole. 0 where the model has no
+    config saying how many experts a token goes to (a factory's own module)."""
+    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    if not isinstance(top_k, int):
+        return 0
+    inactive = 0
+    for name, experts in module.named_modules():
+        if name.rpartition(".")[2] != "experts":
+            continue
+        n_experts = len(experts) if isinstance(experts, nn.ModuleList) else experts.num_experts
+        numel = sum(p.numel() for p in experts.parameters())
+        inactive += numel * (n_experts - top_k) // n_experts
+    return inactive
 
 
 def _hf(spec: ModelSpec) -> TransformersConfig:

@@ -181,6 +181,19 @@ def test_a_configs_mixture_of_experts_counts_in_its_flops_the_experts_a_token_is
     assert count.inactive == (4 * 64 * 64 + 4 * 64 * 32) * (4 - 2) // 4
 
 
+def test_a_configs_heads_are_read_as_its_model_builds_them(tmp_path):
+    # Falcon-7B's multi-query attention: one key/value head, whatever num_kv_heads says; Bloom
+    # names its heads n_head, num_attention_heads being an alias of its attribute_map.
+    falcon = tmp_path / "falcon.json"
+    falcon.write_text(json.dumps({"model_type": "falcon", **model_configs._DECODER, "multi_query": True,
+                                  "new_decoder_architecture": False, "num_kv_heads": 2}))
+    bloom = tmp_path / "bloom.json"
+    bloom.write_text(json.dumps({"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 4,
+                                 "vocab_size": 512}))
+    assert [(spec.n_heads, spec.kv_heads) for spec in map(sources.resolve, (str(falcon), str(bloom)))] == [(4, 1),
+                                                                                                           (4, 4)]
+
+
 def test_deepseeks_blocks_and_latent_attention_are_read_from_the_built_model(tmp_path):
     # A dense first block (intermediate_size wide), then experts with a shared one
     # (n_shared_experts × moe_intermediate_size); the latent attention's projections' widths.

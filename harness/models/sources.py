@@ -186,8 +186,8 @@ def _class_knows(config_class: type) -> tuple[frozenset[str], str | None]:
     configuration module, None where it cannot be had: then every key counts). The names are
     those its instance with every default has (what its ``__init__`` sets, Falcon's
     num_key_value_heads among them), built with transformers' warnings about its own defaults
-    silenced; where a class cannot be built without arguments, its ``__init__``'s parameters
-    and its attribute_map's aliases."""
+    silenced, or where a class cannot be built without arguments its ``__init__``'s
+    parameters; and its attribute_map's aliases."""
     if config_class not in _CLASS_KNOWS:
         from transformers.utils import logging as transformers_logging
 
@@ -198,10 +198,11 @@ def _class_knows(config_class: type) -> tuple[frozenset[str], str | None]:
                 warnings.simplefilter("ignore")
                 known = frozenset(dir(config_class()))
         except Exception:  # a class that validates its defaults or requires arguments (strict dataclasses)
-            parameters = inspect.signature(config_class).parameters
-            known = frozenset(parameters) | frozenset(getattr(config_class, "attribute_map", {}))
+            known = frozenset(inspect.signature(config_class).parameters)
         finally:
             transformers_logging.set_verbosity(verbosity)
+        # An alias is no attribute of the instance (Bloom's num_attention_heads reads its n_head).
+        known |= frozenset(getattr(config_class, "attribute_map", {}))
         try:
             code: str | None = inspect.getsource(
                 importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_")))
@@ -258,7 +259,19 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
     sdpa = bool(getattr(type(module), "_supports_sdpa", False))
     built_as = {"layout": layout, "model_class": type(module).__name__, "sdpa": sdpa}
     return ModelSpec(**{**provisional.__dict__, "name": f"{model_type}-{_size(n_params)}-{digest}",
+                        "n_kv_heads": _built_kv_heads(module, provisional),
                         "hf": TransformersConfig(**{**hf.__dict__, **built_as})})
+
+
+def _built_kv_heads(module: Any, provisional: ModelSpec) -> int | None:
+    """The key/value heads the built attention runs with: its heads over transformers'
+    ``num_key_value_groups`` (Falcon-7B's multi_query takes one, whatever its num_kv_heads
+    says), the config's count where no attention module states its groups."""
+    groups = next((m.num_key_value_groups for m in module.modules()
+                   if isinstance(getattr(m, "num_key_value_groups", None), int)), None)
+    if groups is None or provisional.n_heads is None:
+        return provisional.n_kv_heads
+    return provisional.n_heads // groups
 
 
 @functools.cache

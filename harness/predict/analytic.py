@@ -46,16 +46,23 @@ HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "
                                 "deepseek_v2", "deepseek_v3", "gpt_oss"})
 
 
+def model_unavailable_reason(spec: ModelSpec) -> str | None:
+    """Why the analytic model describes no cell of this model, or None."""
+    if spec.family not in TRANSFORMER_FAMILIES + ("mlp", "convnet"):
+        return f"family {spec.family}: no activation or parameter formula for it in harness/predict/analytic.py"
+    if spec.family == "hf_config" and not spec.has_attention:
+        return (f"{spec.name}: an attention-free sequence model (a state-space or recurrent layer): no activation"
+                " formula for its layers; the traced predictor follows it")
+    return None
+
+
 def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
     """Why the analytic model has no prediction for this cell, or None. A strategy or model
     it does not describe gets none rather than another strategy's formula."""
     name, family, layout = cell.strategy.name, spec.family, spec.layout
     kind = strategies.get(name).engine_model.analytic  # which part of the model describes it
-    if family not in TRANSFORMER_FAMILIES + ("mlp", "convnet"):
-        return f"family {family}: no activation or parameter formula for it in harness/predict/analytic.py"
-    if family == "hf_config" and not spec.has_attention:
-        return (f"{spec.name}: an attention-free sequence model (a state-space or recurrent layer): no activation"
-                " formula for its layers; the traced predictor follows it")
+    if (why := model_unavailable_reason(spec)) is not None:
+        return why
     if family == "convnet" and (cell.strategy.precision != "fp32" or cell.strategy.checkpointing != "none"):
         return ("family convnet: its activations are modelled in fp32 without checkpointing only (which dtype"
                 " autocast gives a convolution's and BatchNorm's outputs, and what recompute keeps, are not)")

@@ -82,6 +82,9 @@ class PlanRequest:
         if self.optimizer not in get_args(Optimizer):
             raise ValueError(f"--optimizer {self.optimizer}: choose one of {', '.join(get_args(Optimizer))}")
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
+        if (why := analytic.model_unavailable_reason(spec)) is not None:
+            raise ValueError(f"--model: plan ranks configurations by their analytic peak, and there is none here"
+                             f" ({why}); its cells run all the same, each record with its traced peak")
         if self.seq is not None and spec.seq_len is None:
             raise ValueError(f"--seq applies to text models; {spec.name} is a {spec.family} model")
         if self.attention is not None:

@@ -68,14 +68,12 @@ def write(folder: Path, name: str, **changes: object) -> Path:
 # Mixtral, Qwen and OLMoE ways, Qwen2-MoE's with a shared expert, DeepSeek's and GLM-4.5's
 # after dense first blocks, gpt-oss's clamped experts. Left out, with the analytic peak they
 # read: Gemma3 and Phi-3 under SDPA (0.92 and 0.90: their sliding-window mask sends the CPU's
-# SDPA to its math kernel, which keeps the scores), and Falcon's new decoder architecture
-# (``UNCHECKED``).
+# SDPA to its math kernel, which keeps the scores), and Bloom (``UNCHECKED``).
 _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 128}
-# Falcon-40B's arrangement: 0.91 of its traced peak in fp32, 0.94 in bf16 under SDPA (it hands
-# SDPA an explicit mask, which SDPA keeps, so K and V are expanded to every head): `plan` says it
-# was never held against a trace.
-UNCHECKED = {"falcon": {"architectures": ["FalconForCausalLM"], "new_decoder_architecture": True,
-                        "num_kv_heads": 2}}
+# Bloom (ALiBi, eager attention only): 0.95 of its traced peak at its default 2,048 tokens, what
+# its ALiBi attention holds beyond LLaMA's eager attention not counted: `plan` says it was never
+# held against a trace.
+UNCHECKED = {"bloom": {"architectures": ["BloomForCausalLM"]}}
 _MOE = {"num_experts_per_tok": 2}
 _DEEPSEEK_MOE = {"n_routed_experts": 4, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
                  "n_group": 1, "topk_group": 1, **_MOE}
@@ -123,6 +121,10 @@ PREDICTED_TEXT_MODELS: dict[str, dict] = {
     # Attention and MLP side by side behind one LayerNorm written in torch ops (fp32 upcast).
     "cohere": {"architectures": ["CohereForCausalLM"]},
     "stablelm": {"architectures": ["StableLmForCausalLM"]},
+    # Falcon-40B's arrangement (grouped key/value heads in one fused projection, attention and
+    # MLP side by side): it hands SDPA a causal mask it has made, so transformers expands K and V
+    # to every head and SDPA keeps an additive copy of the mask in every block.
+    "falcon": {"architectures": ["FalconForCausalLM"], "new_decoder_architecture": True, "num_kv_heads": 2},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, **_MOE},
     "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "num_experts": 4,
                   "moe_intermediate_size": 64, **_MOE},

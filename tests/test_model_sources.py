@@ -242,9 +242,9 @@ def test_the_model_types_plan_calls_checked_are_the_ones_tested_here():
 
 def test_plan_says_when_a_configs_model_type_was_never_held_against_a_trace(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "falcon", **model_configs._DECODER, **model_configs.UNCHECKED["falcon"]}))
+    path.write_text(json.dumps({"model_type": "bloom", **model_configs._DECODER, **model_configs.UNCHECKED["bloom"]}))
     result = plan.plan(plan.PlanRequest(model=sources.resolve(str(path)), gpus=2, gpu_mem_bytes=2**30))
-    assert ("has not been held against a trace for model_type falcon: --traced traces"
+    assert ("has not been held against a trace for model_type bloom: --traced traces"
             in plan.as_table(result, False).splitlines()[0])
     preset = plan.plan(plan.PlanRequest(model="llama-1b", gpus=2, gpu_mem_bytes=80 * 2**30))
     assert "held against a trace" not in plan.as_table(preset, False)

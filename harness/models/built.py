@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -126,6 +127,15 @@ class ParamLayout:
     # Whether the experts run as one grouped matmul (transformers' grouped_mm, which the
     # harness's builds and config.json models take), an op the selective policy recomputes.
     grouped_experts: bool = False
+    # Whether the model hands its attention a causal mask it has made even where the causal
+    # flag alone would do (Falcon's create_causal_mask(allow_is_causal_skip=False), to add
+    # ALiBi onto): transformers' SDPA then expands grouped keys and values to every head
+    # (repeat_kv) rather than letting the kernel read them grouped.
+    explicit_mask: bool = False
+    # Whether the model's eager attention computes its softmax in fp32 whatever its scores'
+    # dtype (transformers' eager_attention_forward of LLaMA and most decoders:
+    # softmax(..., dtype=torch.float32).to(query.dtype)); GPT-2's and BERT's take the scores'.
+    softmax_fp32: bool = False
 
     @property
     def numel(self) -> int:
@@ -204,6 +214,8 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         latent_attention=_latent_attention(blocks[0]) if blocks else None,
         saved_as_views=_saved_as_views(module, params),
         grouped_experts=any(_experts_implementation(m) == "grouped_mm" for m in module.modules()),
+        explicit_mask="allow_is_causal_skip=False" in _forward_source(getattr(module, "base_model", module)),
+        softmax_fp32=_softmax_in_fp32(blocks[0]) if blocks else False,
     )
 
 
@@ -217,6 +229,17 @@ def _forward_source(module: nn.Module) -> str:
         return inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return ""
+
+
+def _softmax_in_fp32(block: nn.Module) -> bool:
+    """``ParamLayout.softmax_fp32``, read from the source of the module that defines the block:
+    where the eager attention is written (no op traced on fake tensors tells it apart: under
+    autocast every softmax computes in fp32)."""
+    try:
+        source = inspect.getsource(inspect.getmodule(type(block)))  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+    return re.search(r"softmax\([^)]*dtype=torch\.float32", source) is not None
 
 
 def _named(block: nn.Module, name: str) -> nn.Module | None:

@@ -41,7 +41,7 @@ TRANSFORMER_FAMILIES = ("gpt2", "llama", "bert", "vit", "moe", "hf_config")
 # type is counted by the same rules, unchecked; `plan` says so and `plan --traced` checks it.
 HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
                                 "olmo2", "granite", "starcoder2", "gpt2", "opt", "phi", "gpt_neox", "olmo", "roberta",
-                                "gptj", "gpt_bigcode", "nemotron", "persimmon",
+                                "gptj", "gpt_bigcode", "nemotron", "persimmon", "falcon",
                                 "stablelm", "cohere", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
                                 "deepseek_v2", "deepseek_v3", "gpt_oss"})
 
@@ -169,7 +169,8 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
       first; ZeRO-3's, made with the engine).
     - The last block's backward under checkpointing: the same, less the logits (the
       head's backward is done), plus what the block recomputes and the blocks prefetched
-      beside it.
+      beside it; where attention makes its scores, further into it, its softmax's backward:
+      the loss's gradients gone, the scores' gradients held (``transient["score_grads"]``).
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries; where the engine frees the 16-bit gradients before it
       (DeepSpeed ZeRO-1/2 under bf16 or fp16), without them, and the end of backward with
@@ -222,6 +223,10 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     step = {**on_device, "grads": 0.0 if freed else on_device["grads"],
             "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0, "other": buffers}
     moments = [backward, recomputing, step]
+    if transient.get("score_grads"):
+        # Further into that block's backward, its softmax's: the loss's gradients are gone too,
+        # and the scores' gradients held (traced: eager attention at 2,048 tokens peaks here).
+        moments.append({**recomputing, "other": in_backward + partition + transient["score_grads"]})
     if freed:
         # Backward done, the 16-bit gradients not yet freed: ZeRO-1's whole (its gradients
         # are not partitioned), ZeRO-2's partition (Moonlight under ZeRO-1: the trace's peak).

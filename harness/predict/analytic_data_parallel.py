@@ -281,7 +281,8 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
         spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=_ffn(spec, experts),
         mlp=_mlp_kind(cell, spec), value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
         input_copies=(attention_in, 1 if experts else mlp_in), tensor_parallel=tensor_parallel_degree(cell),
-        kv_heads=spec.kv_heads if fused else heads, experts_per_token=spec.required("top_k") if experts else 1,
+        kv_heads=spec.kv_heads if fused and not layout.explicit_mask else heads,
+        experts_per_token=spec.required("top_k") if experts else 1,
         router_experts=spec.required("n_experts") if experts else 0,
         attention_width=query_width, value_width=value_width,
         mlp_value_bytes=residual_bytes if experts and autocast else None, norms=_norm_inputs(spec, block_norms),
@@ -292,7 +293,8 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
             + _fused_qkv_kept(cell, spec, value_bytes, query_width, fused)
             + (_shared_expert(cell, spec, value_bytes, autocast) if experts else 0.0)
             + (_latent_attention(cell, spec, value_bytes, fused) if latent else 0.0)
-            + _output_copy(cell, spec, value_bytes, fused, device_type))
+            + _output_copy(cell, spec, value_bytes, fused, device_type)
+            + (_explicit_mask(cell, spec, value_bytes) if fused and layout.explicit_mask else 0.0))
 
 
 def _norm_inputs(spec: ModelSpec, block_norms: tuple[NormKeeps, ...]) -> int:
@@ -341,6 +343,14 @@ def _output_copy(cell: CellSpec, spec: ModelSpec, value_bytes: int, fused: bool,
     return value_bytes * spec.tokens_per_sample * cell.micro_batch * width / tensor_parallel_degree(cell)
 
 
+def _explicit_mask(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
+    """The mask a model hands SDPA where the causal flag would do (``ParamLayout.explicit_mask``:
+    Falcon): torch's SDPA turns the boolean mask into an additive one in the query's dtype, a
+    new s×s tensor per micro-batch sample in every attention call, which its kernel keeps
+    for backward (measured on the CPU: Falcon's saved tensors)."""
+    return float(value_bytes * cell.micro_batch * spec.tokens_per_sample ** 2)
+
+
 def _latent_attention(cell: CellSpec, spec: ModelSpec, value_bytes: int, fused: bool) -> float:
     """What multi-head latent attention keeps beside the Q, K, V and output that every
     attention keeps (``activation_bytes_per_layer``): the query latent's RMSNorm and the
@@ -376,12 +386,19 @@ def _shared_expert(cell: CellSpec, spec: ModelSpec, value_bytes: int, autocast: 
 
 
 def _score_bytes(spec: ModelSpec, value_bytes: int, autocast: bool) -> float:
-    """What eager attention keeps per score: the softmax's output, in fp32 under autocast
-    (softmax is on its fp32 list, and transformers' eager attention asks for fp32) with the
-    16-bit copy the matmul with V saves beside it; and the tanh's output where the model
-    soft-caps its scores (Gemma2)."""
-    softmax = 4.0 + value_bytes if autocast else float(value_bytes)
+    """What eager attention keeps per score: the softmax's output, in fp32 where it computes
+    in fp32 from 16-bit scores (``_softmax_upcast``) with the 16-bit copy the matmul with V
+    saves beside it; and the tanh's output where the model soft-caps its scores (Gemma2)."""
+    softmax = 4.0 + value_bytes if _softmax_upcast(spec, value_bytes, autocast) else float(value_bytes)
     return softmax + (value_bytes if _soft_capped(spec, "attn_logit_softcapping") else 0)
+
+
+def _softmax_upcast(spec: ModelSpec, value_bytes: int, autocast: bool) -> bool:
+    """Whether eager attention's softmax computes in fp32 from 16-bit scores: under autocast
+    (softmax is on its fp32 list) and, where the engine casts the model itself, where the
+    model asks for it (``ParamLayout.softmax_fp32``: traced, LLaMA eager at 2,048 tokens under
+    FSDP2's bf16, 0.47 of its peak without it)."""
+    return value_bytes < 4 and (autocast or models.param_layout(spec).softmax_fp32)
 
 
 def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
@@ -702,6 +719,11 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       transformer a few s·b·h, small beside the ~34 s·b·h its block keeps, and left out; for
       the convnet two maps as large as each kept one (the gradients of the ReLU's and of the
       convolution's outputs), a third of what a block keeps;
+    - ``score_grads``: where attention makes its s×s scores (eager, or the CPU's math kernel),
+      the gradients of the softmax's output and of its input, both held as the last block's
+      softmax runs its backward, less the 16-bit copy of the softmax's output that the V
+      matmul's backward has freed by then (``_score_grads``): at long sequences this, not the
+      start of backward, is the peak;
     - ``root_reduce``: FSDP reduce-scatters the root unit's gradients last in backward, in
       fp32: the unsharded gradients, the flat input they are copied into and, on gloo, the
       copy of it that gloo all-reduces instead (harness/predict/traced.py): three root-sized
@@ -746,9 +768,26 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
             "autocast_copies": 2.0 * (layout.matmul_numel - fp32_matmuls) if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec, device_type), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
+            "score_grads": _score_grads(cell, spec, device_type),
             "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0,
             "block_reduce": copies * 4.0 * layout.block_numel if reduces_root_last else 0.0,
             "buffers_after_backward": _buffers_after_backward(cell, layout, device_type)}
+
+
+def _score_grads(cell: CellSpec, spec: ModelSpec, device_type: str) -> float:
+    """``transient_bytes``'s ``score_grads``, per score (b·heads·s² of them): two gradients of
+    4 bytes where the softmax computes in fp32 (``_softmax_upcast``, the CPU's math kernel),
+    else of the precision's, less the 16-bit copy of an upcast softmax's output, freed (traced: LLaMA,
+    GPT-2 and Bloom eager at 2,048 tokens, 0.55-0.74 of their traced peaks without them). 0
+    where a fused kernel makes no scores."""
+    if spec.family in ("mlp", "convnet") or _fused_kernel(cell, spec, device_type):
+        return 0.0
+    math_kernel = attention_is_fused(cell)  # the CPU's fallback: its scores in fp32
+    value_bytes = PRECISION_BYTES[cell.strategy.precision]
+    upcast = not math_kernel and _softmax_upcast(spec, value_bytes, uses_autocast(cell))
+    per_score = 2 * (4.0 if math_kernel or upcast else value_bytes) - (value_bytes if upcast else 0)
+    scores = cell.micro_batch * spec.required("n_heads") * spec.tokens_per_sample ** 2
+    return per_score * scores / tensor_parallel_degree(cell)
 
 
 def _fp32_block_extra(cell: CellSpec, layout: ParamLayout) -> float:

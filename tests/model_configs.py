@@ -66,9 +66,9 @@ def write(folder: Path, name: str, **changes: object) -> Path:
 # width and Qwen3's and OLMo2's query-key norms; Gemma2's four norms a block and soft-capped
 # scores and logits (eager only); Phi-3's fused projections; mixtures of experts named the
 # Mixtral, Qwen and OLMoE ways, Qwen2-MoE's with a shared expert, DeepSeek's and GLM-4.5's
-# after dense first blocks, gpt-oss's clamped experts. Left out, with the analytic peak they
-# read: Gemma3 and Phi-3 under SDPA (0.92 and 0.90: their sliding-window mask sends the CPU's
-# SDPA to its math kernel, which keeps the scores), and Bloom (``UNCHECKED``).
+# after dense first blocks, gpt-oss's clamped experts; a sliding window shorter than the
+# sequence (Mistral's on every block, Gemma3's on those its layer_types names), for which
+# transformers hands SDPA a mask. Left out: Bloom (``UNCHECKED``).
 _DECODER = {**_TEXT, "intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 128}
 # Bloom (ALiBi, eager attention only): 0.95 of its traced peak at its default 2,048 tokens, what
 # its ALiBi attention holds beyond LLaMA's eager attention not counted: `plan` says it was never
@@ -81,15 +81,17 @@ _LATENT = {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_
            "qk_rope_head_dim": 8, "v_head_dim": 16}
 PREDICTED_TEXT_MODELS: dict[str, dict] = {
     "llama": {"architectures": ["LlamaForCausalLM"]},
-    "mistral": {"architectures": ["MistralForCausalLM"]},
+    "mistral": {"architectures": ["MistralForCausalLM"], "sliding_window": 64},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"]},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
     "gemma": {"architectures": ["GemmaForCausalLM"], "head_dim": 32},
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "head_dim": 32, "sliding_window": 64,
                "query_pre_attn_scalar": 32},
     "gemma3_text": {"architectures": ["Gemma3ForCausalLM"], "head_dim": 32, "sliding_window": 64,
-                    "query_pre_attn_scalar": 32, "attn_implementation": "eager"},
-    "phi3": {"architectures": ["Phi3ForCausalLM"], "pad_token_id": 0, "attn_implementation": "eager"},
+                    "query_pre_attn_scalar": 32},
+    # Phi-3: one fused qkv_proj whose V, a view, keeps it whole beside grouped K; its rotary
+    # embedding concatenates, so the kernel's output is copied for o_proj.
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "pad_token_id": 0},
     "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
     "granite": {"architectures": ["GraniteForCausalLM"]},
     "starcoder2": {"architectures": ["Starcoder2ForCausalLM"]},

@@ -194,6 +194,21 @@ def test_a_configs_heads_are_read_as_its_model_builds_them(tmp_path):
                                                                                                            (4, 4)]
 
 
+def test_a_blocks_sliding_window_is_read_as_transformers_builds_it(tmp_path):
+    # Mistral's on every block; Gemma3's on the blocks its layer_types calls sliding (five in
+    # six); none for Qwen2 unless use_sliding_window, nor for a key LLaMA's class does not define.
+    def windows(model_type: str, **own: object) -> tuple:
+        path = tmp_path / f"{model_type}-{len(own)}.json"
+        path.write_text(json.dumps({"model_type": model_type, **model_configs._DECODER, "num_hidden_layers": 6,
+                                    **own}))
+        return sources.attention_windows(sources.resolve(str(path)))
+
+    assert windows("mistral", sliding_window=64) == (64,) * 6
+    assert windows("gemma3_text", sliding_window=64, head_dim=16) == (64,) * 5 + (None,)
+    assert windows("qwen2", sliding_window=64) == (None,) * 6
+    assert windows("llama", sliding_window=64) == (None,) * 6
+
+
 def test_deepseeks_blocks_and_latent_attention_are_read_from_the_built_model(tmp_path):
     # A dense first block (intermediate_size wide), then experts with a shared one
     # (n_shared_experts × moe_intermediate_size); the latent attention's projections' widths.

@@ -136,6 +136,10 @@ class ParamLayout:
     # dtype (transformers' eager_attention_forward of LLaMA and most decoders:
     # softmax(..., dtype=torch.float32).to(query.dtype)); GPT-2's and BERT's take the scores'.
     softmax_fp32: bool = False
+    # Whether the model's rotary embedding concatenates what it turns with what it does not
+    # (Phi-3's apply_rotary_pos_emb, whatever share it turns), making the query a new
+    # heads-first tensor, as a partial rotary embedding written in the attention does.
+    rotary_concatenates: bool = False
 
     @property
     def numel(self) -> int:
@@ -216,6 +220,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         grouped_experts=any(_experts_implementation(m) == "grouped_mm" for m in module.modules()),
         explicit_mask="allow_is_causal_skip=False" in _forward_source(getattr(module, "base_model", module)),
         softmax_fp32=_softmax_in_fp32(blocks[0]) if blocks else False,
+        rotary_concatenates="torch.cat(" in _function_source(blocks[0], "apply_rotary_pos_emb") if blocks else False,
     )
 
 
@@ -240,6 +245,16 @@ def _softmax_in_fp32(block: nn.Module) -> bool:
     except (OSError, TypeError):
         return False
     return re.search(r"softmax\([^)]*dtype=torch\.float32", source) is not None
+
+
+def _function_source(block: nn.Module, name: str) -> str:
+    """The source of the function ``name`` of the module that defines the block ("" where it
+    has none)."""
+    function = getattr(inspect.getmodule(type(block)), name, None)
+    try:
+        return inspect.getsource(function) if function is not None else ""
+    except (OSError, TypeError):
+        return ""
 
 
 def _named(block: nn.Module, name: str) -> nn.Module | None:

@@ -263,6 +263,25 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
                         "hf": TransformersConfig(**{**hf.__dict__, **built_as})})
 
 
+def attention_windows(spec: ModelSpec) -> tuple[int | None, ...]:
+    """Per block, the sliding window its attention is masked to (None: the whole causal
+    context), as transformers builds the model: the config's ``sliding_window`` on the blocks
+    its ``layer_types`` calls sliding_attention (Gemma2, Gemma3, gpt-oss, Qwen2's upper
+    blocks), on every block where it names none (Mistral, Phi-3, Starcoder2)."""
+    if spec.hf is None:
+        return (None,) * spec.n_layers
+    from . import hf_config
+
+    config = hf_config.resolved(spec.hf)
+    window = config_value(config, "sliding_window")
+    types = config_value(config, "layer_types")
+    if window is None:
+        return (None,) * spec.n_layers
+    if not types:
+        return (window,) * spec.n_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in types[:spec.n_layers])
+
+
 def _built_kv_heads(module: Any, provisional: ModelSpec) -> int | None:
     """The key/value heads the built attention runs with: its heads over transformers'
     ``num_key_value_groups`` (Falcon-7B's multi_query takes one, whatever its num_kv_heads

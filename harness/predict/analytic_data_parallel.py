@@ -206,10 +206,10 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
                 "logits": 4.0 * cell.micro_batch * (spec.hidden + spec.required("num_classes"))}
     kinds = _block_kinds(cell, spec)
     uniform = len({kind[:2] for kind in kinds}) == 1  # no per-layer option: each block as the cell
-    own = {experts: _block_bytes(cell, spec, experts, device_type) for *_, experts in kinds}  # as the cell
-    layers = sum(n * (own[experts] if uniform else _block_bytes(as_block(cell, checkpointed, fp32), spec, experts,
-                                                                device_type))
-                 for (checkpointed, fp32, experts), n in kinds.items())
+    own = {kind[2:]: _block_bytes(cell, spec, *kind[2:], device_type) for kind in kinds}  # as the cell
+    layers = sum(n * (own[experts, masked] if uniform
+                      else _block_bytes(as_block(cell, checkpointed, fp32), spec, experts, masked, device_type))
+                 for (checkpointed, fp32, experts, masked), n in kinds.items())
     per_layer = max(own.values())
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
     norm = _mean_keeps(_block_norms(spec), _residual_bytes(cell))
@@ -252,9 +252,10 @@ def _residual_bytes(cell: CellSpec) -> int:
     return PRECISION_BYTES[cell.strategy.precision]
 
 
-def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: str) -> float:
+def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, masked: bool, device_type: str) -> float:
     """What one block keeps (``activation_bytes``' per layer): a mixture-of-experts block where
-    ``experts``, else a dense one (``ParamLayout.dense_ffn`` wide where the model has both)."""
+    ``experts``, else a dense one (``ParamLayout.dense_ffn`` wide where the model has both);
+    one whose attention SDPA gets with a mask where ``masked`` (``_masked_blocks``)."""
     layout = models.param_layout(spec)
     latent = layout.latent_attention
     fused = _fused_kernel(cell, spec, device_type)
@@ -281,7 +282,7 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
         spec.tokens_per_sample, cell.micro_batch, spec.hidden, heads, ffn=_ffn(spec, experts),
         mlp=_mlp_kind(cell, spec), value_bytes=value_bytes, dropout=False, fused_attention=fused, norm_bytes=norm,
         input_copies=(attention_in, 1 if experts else mlp_in), tensor_parallel=tensor_parallel_degree(cell),
-        kv_heads=spec.kv_heads if fused and not layout.explicit_mask else heads,
+        kv_heads=spec.kv_heads if fused and not masked else heads,
         experts_per_token=spec.required("top_k") if experts else 1,
         router_experts=spec.required("n_experts") if experts else 0,
         attention_width=query_width, value_width=value_width,
@@ -290,11 +291,11 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, device_type: st
     )
     upcast = (4 - value_bytes) * spec.tokens_per_sample * cell.micro_batch * (2 * query_width + value_width)
     return (per_layer + (upcast if math_kernel else 0.0) + _qk_norms(cell, spec, value_bytes)
-            + _fused_qkv_kept(cell, spec, value_bytes, query_width, fused)
+            + _fused_qkv_kept(cell, spec, value_bytes, query_width, fused, masked)
             + (_shared_expert(cell, spec, value_bytes, autocast) if experts else 0.0)
             + (_latent_attention(cell, spec, value_bytes, fused) if latent else 0.0)
             + _output_copy(cell, spec, value_bytes, fused, device_type)
-            + (_explicit_mask(cell, spec, value_bytes) if fused and layout.explicit_mask else 0.0))
+            + (_kept_mask(cell, spec, value_bytes) if masked else 0.0))
 
 
 def _norm_inputs(spec: ModelSpec, block_norms: tuple[NormKeeps, ...]) -> int:
@@ -330,24 +331,26 @@ def _output_copy(cell: CellSpec, spec: ModelSpec, value_bytes: int, fused: bool,
     """The copy of a fused kernel's output that the output projection takes, where the CPU's
     kernel gives its output heads-first: where the query it gets is laid out heads-first, made
     by a concatenation (a partial rotary embedding's turned and unturned channels: GLM-4.5,
-    StableLM; latent attention's rotary and plain parts), transformers' transpose to
+    StableLM; Phi-3's rotary embedding, which concatenates whatever share it turns,
+    ``ParamLayout.rotary_concatenates``; latent attention's rotary and plain parts), transformers' transpose to
     tokens-first copies it, and both are kept. A query that is a projection's transposed view
     (LLaMA's) gives an output already tokens-first: no copy. Measured on the CPU only; on CUDA
     the fused kernels write their output tokens-first."""
     if not fused or device_type != "cpu" or spec.hf is None:
         return 0.0
-    latent = models.param_layout(spec).latent_attention
-    if latent is None and hf_config.rotary_fraction(spec.hf) == 1.0:
+    layout = models.param_layout(spec)
+    latent = layout.latent_attention
+    if latent is None and hf_config.rotary_fraction(spec.hf) == 1.0 and not layout.rotary_concatenates:
         return 0.0
     width = latent.value if latent else spec.required("n_heads") * spec.head_dim
     return value_bytes * spec.tokens_per_sample * cell.micro_batch * width / tensor_parallel_degree(cell)
 
 
-def _explicit_mask(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
-    """The mask a model hands SDPA where the causal flag would do (``ParamLayout.explicit_mask``:
-    Falcon): torch's SDPA turns the boolean mask into an additive one in the query's dtype, a
-    new s×s tensor per micro-batch sample in every attention call, which its kernel keeps
-    for backward (measured on the CPU: Falcon's saved tensors)."""
+def _kept_mask(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
+    """The mask a block hands SDPA (``_masked_blocks``): torch's SDPA turns the boolean mask
+    into an additive one in the query's dtype, a new s×s tensor per micro-batch sample in
+    every attention call, which its kernel keeps for backward (measured on the CPU: Falcon's
+    saved tensors)."""
     return float(value_bytes * cell.micro_batch * spec.tokens_per_sample ** 2)
 
 
@@ -413,29 +416,50 @@ def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
     return keeps.at(value_bytes) * spec.tokens_per_sample * cell.micro_batch * width / tensor_parallel_degree(cell)
 
 
-def _fused_qkv_kept(cell: CellSpec, spec: ModelSpec, value_bytes: int, query_width: int, fused: bool) -> float:
+def _fused_qkv_kept(cell: CellSpec, spec: ModelSpec, value_bytes: int, query_width: int, fused: bool,
+                    masked: bool) -> float:
     """What a fused QKV projection's output costs beyond the Q, K and V the attention keeps:
     where a rotary embedding turns Q and K into new tensors and V, a view of the projection's
-    output, reaches a fused attention kernel as it is (as many key/value heads as query heads:
-    nothing expands it), V keeps the whole output alive, Q's and K's widths besides its own
-    (GPT-NeoX; measured: its saved tensors). Eager attention's matmul keeps a contiguous copy
-    of V instead; without a rotary embedding Q and K are views of the same output (GPT-2's
-    c_attn), which the three terms already count once."""
+    output, reaches a fused attention kernel as it is (grouped K and V go to SDPA as they are
+    unless a mask makes transformers expand them: ``_masked_blocks``), V keeps the whole
+    output alive, Q's and K's widths besides its own (GPT-NeoX, Phi-3; measured: their saved
+    tensors). Eager attention's matmul keeps a contiguous copy of V instead; without a rotary
+    embedding Q and K are views of the same output (GPT-2's c_attn), which the three terms
+    already count once."""
     layout = models.param_layout(spec)
-    if not (fused and layout.fused_qkv and layout.rotary) or spec.kv_heads != spec.required("n_heads"):
+    grouped = spec.kv_heads != spec.required("n_heads")
+    if not (fused and layout.fused_qkv and layout.rotary) or (grouped and masked):
         return 0.0
-    return (value_bytes * spec.tokens_per_sample * cell.micro_batch * 2 * query_width
+    key_width = query_width * spec.kv_heads // spec.required("n_heads")
+    return (value_bytes * spec.tokens_per_sample * cell.micro_batch * (query_width + key_width)
             / tensor_parallel_degree(cell))
 
 
-def _block_kinds(cell: CellSpec, spec: ModelSpec) -> collections.Counter[tuple[bool, bool, bool]]:
-    """How many blocks are (checkpointed, computed in fp32, routed to experts), by the
-    per-layer options and the model's blocks."""
+def _block_kinds(cell: CellSpec, spec: ModelSpec) -> collections.Counter[tuple[bool, bool, bool, bool]]:
+    """How many blocks are (checkpointed, computed in fp32, routed to experts, handed a mask),
+    by the per-layer options and the model's blocks."""
     n_blocks = spec.n_layers
     checked, fp32 = (cell.strategy.blocks(option, n_blocks) for option in ("checkpoint_blocks", "fp32_blocks"))
     routed = models.param_layout(spec).expert_blocks or (spec.layout == "mixtral",) * n_blocks
-    return collections.Counter((i in checked, i in fp32 or cell.strategy.precision == "fp32", routed[i])
+    masked = _masked_blocks(cell, spec)
+    return collections.Counter((i in checked, i in fp32 or cell.strategy.precision == "fp32", routed[i], masked[i])
                                for i in range(n_blocks))
+
+
+def _masked_blocks(cell: CellSpec, spec: ModelSpec) -> tuple[bool, ...]:
+    """Per block, whether SDPA gets its attention with a mask rather than the causal flag:
+    every block of a model that makes its causal mask (``ParamLayout.explicit_mask``: Falcon),
+    and a block masked to a sliding window the sequence reaches (transformers then cannot skip
+    the mask: Mistral's, Phi-3's and Gemma3's sliding blocks; ``sources.attention_windows``).
+    transformers then expands grouped K and V to every head for SDPA (repeat_kv), and SDPA
+    keeps an additive copy of the mask (``_kept_mask``); flash attention takes the window as a
+    number, eager adds the mask to scores it keeps anyway."""
+    n_blocks = spec.n_layers
+    if cell.attention != "sdpa":
+        return (False,) * n_blocks
+    if models.param_layout(spec).explicit_mask:
+        return (True,) * n_blocks
+    return tuple(window is not None and spec.tokens_per_sample >= window for window in sources.attention_windows(spec))
 
 
 def as_block(cell: CellSpec, checkpointed: bool, fp32: bool) -> CellSpec:

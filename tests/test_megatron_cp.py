@@ -16,7 +16,9 @@ import torch.multiprocessing as mp
 
 from harness import markers, strategies, suites
 from harness.config import CellSpec, StrategySpec
+from harness.models import sources
 from harness.strategies import context_parallel, megatron
+from model_configs import write  # tests/ is on sys.path (rootdir conftest, prepend import mode)
 
 HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
                  and importlib.util.find_spec("megatron.core") is not None)
@@ -73,6 +75,18 @@ def test_megatron_is_unsupported_on_cpu_and_runs_on_cuda_when_installed(monkeypa
 def test_megatron_refuses_what_it_cannot_express(options, refusal):
     why = strategies.incompatibility(cell("megatron", **{"attention": "eager", **options}))
     assert why is not None and refusal in why
+
+
+@pytest.mark.parametrize("strategy, attention, engine", [("megatron", "eager", "GPTModel as built here"),
+                                                         ("cp", "sdpa", "the ring attention")])
+def test_a_sliding_window_the_sequence_passes_is_refused_where_the_engine_attends_to_all(
+        tmp_path, strategy, attention, engine):
+    spec = sources.resolve(str(write(tmp_path, "mistral", sliding_window=4)))
+    cells = [CellSpec(model=spec, strategy=StrategySpec(name=strategy), attention=attention, seq_len=seq)
+             for seq in (16, 4)]
+    why = [strategies.incompatibility(c) for c in cells]
+    assert why[0] is not None and f"4-token sliding window, which 16 tokens pass; {engine}" in why[0]
+    assert why[1] is None  # 4 tokens see their whole context through a 4-token window
 
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])

@@ -1,13 +1,18 @@
 """Pipeline parallelism (harness/strategies/pipeline.py): the hand-written split, the refused
 combinations, and real 2-rank runs of the three schedules against the reference."""
 
+import dataclasses
+
 import pytest
+import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from harness import models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.features import checkpointing
+from harness.models import sources
 from harness.strategies import pipeline
+from model_configs import write  # tests/ is on sys.path (rootdir conftest, prepend import mode)
 
 
 def test_blocks_are_split_evenly_and_the_middle_stages_take_the_extra_ones():
@@ -45,6 +50,18 @@ def test_every_parameter_is_on_exactly_one_stage_but_a_tied_embedding(model_name
     assert counts["transformer.wte.weight" if tied else "model.embed_tokens.weight"] == 1 + len(tied)
     blocks = [len(stage.blocks) for stage in stages]
     assert blocks == ([1, 1] if n_stages == 2 else [0, 1, 1, 0])
+
+
+@pytest.mark.parametrize("changes", [{}, {"sliding_window": 4}], ids=["causal", "sliding_window4"])
+def test_the_stages_one_after_another_compute_the_models_own_logits(tmp_path, changes):
+    """Each stage masks its blocks as the model's own forward does: a Mistral whose 4-token
+    sliding window the 16-token sequence passes would otherwise attend to the whole context."""
+    spec = sources.resolve(str(write(tmp_path, "mistral", **changes)))
+    built = models.build(dataclasses.replace(spec, seq_len=16))
+    ids = built.make_batch(torch.Generator().manual_seed(0), 2)["input_ids"]
+    stages = [pipeline.build_stage(built.module, "llama", i, 2) for i in range(2)]
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](ids)), built.module(input_ids=ids).logits)
 
 
 def test_the_split_keeps_the_checkpoint_wrapped_blocks():

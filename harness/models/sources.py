@@ -264,22 +264,31 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
 
 
 def attention_windows(spec: ModelSpec) -> tuple[int | None, ...]:
-    """Per block, the sliding window its attention is masked to (None: the whole causal
-    context), as transformers builds the model: the config's ``sliding_window`` on the blocks
-    its ``layer_types`` calls sliding_attention (Gemma2, Gemma3, gpt-oss, Qwen2's upper
-    blocks), on every block where it names none (Mistral, Phi-3, Starcoder2)."""
+    """``config_windows`` of a config's model; no window for the built-in families."""
     if spec.hf is None:
         return (None,) * spec.n_layers
     from . import hf_config
 
-    config = hf_config.resolved(spec.hf)
+    return config_windows(hf_config.resolved(spec.hf), spec.n_layers)
+
+
+def window_passed(spec: ModelSpec) -> int | None:
+    """The narrowest sliding window of the model's blocks that its sequence is longer than
+    (there it attends to fewer tokens than the whole causal context), or None."""
+    return min((w for w in attention_windows(spec) if w is not None and spec.tokens_per_sample > w), default=None)
+
+
+def config_windows(config: object, n_layers: int) -> tuple[int | None, ...]:
+    """Per block, the sliding window its attention is masked to (None: the whole causal
+    context), as transformers builds the model: the config's ``sliding_window`` on the blocks
+    its ``layer_types`` calls sliding_attention (Gemma2, Gemma3, gpt-oss, Qwen2's upper
+    blocks), on every block where it names none (Mistral, Phi-3, Starcoder2)."""
     window = config_value(config, "sliding_window")
-    types = config_value(config, "layer_types")
+    types = config_value(config, "layer_types") or ("sliding_attention",) * n_layers
     if window is None:
-        return (None,) * spec.n_layers
-    if not types:
-        return (window,) * spec.n_layers
-    return tuple(window if kind == "sliding_attention" else None for kind in types[:spec.n_layers])
+        return (None,) * n_layers
+    kinds = [*types[:n_layers], *("full_attention",) * (n_layers - len(types))]
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
 def _built_kv_heads(module: Any, provisional: ModelSpec) -> int | None:

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness import distributed
 from harness.features import optimizers
+from harness.models import sources
 from harness.strategies.base import RECOMPUTE_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ def combination_problem(cell: CellSpec) -> str | None:
     if cell.attention != "sdpa":
         # Any other attention would run on the local shard alone: a silent wrong answer.
         return f"attention={cell.attention}: context parallel replaces SDPA, so it needs attention='sdpa'"
+    if (window := sources.window_passed(spec)) is not None:
+        return (f"model {cell.model_name}: its attention is masked to a {window}-token sliding window, which"
+                f" {spec.tokens_per_sample} tokens pass; the ring attention takes the causal flag alone, no mask")
     if spec.required("seq_len") % (2 * cell.world_size):
         return (f"model {cell.model_name}: seq_len={spec.seq_len} must be divisible by 2 x world_size ="
                 f" {2 * cell.world_size} (the causal load balancer cuts it into 2W chunks)")

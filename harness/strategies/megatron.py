@@ -49,6 +49,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 from harness import models
+from harness.models import sources
 from harness.models.spec import ModelSpec
 from harness.strategies.base import Capabilities, EngineModel, Prepared, Strategy
 
@@ -111,6 +112,9 @@ def combination_problem(cell: CellSpec) -> str | None:
     if models.param_layout(spec).qk_norm:
         return (f"model {cell.model_name}: its attention normalises queries and keys per head (q_norm), which"
                 " GPTModel as built here (no qk_layernorm) and its weight copy do not carry")
+    if (window := sources.window_passed(spec)) is not None:
+        return (f"model {cell.model_name}: its attention is masked to a {window}-token sliding window, which"
+                f" {spec.tokens_per_sample} tokens pass; GPTModel as built here attends to the whole causal context")
     if cell.attention != "eager":
         return (f"attention={cell.attention}: Megatron-core's local layer spec computes attention unfused"
                 " (DotProductAttention), which is HF's eager; set attention='eager'")

@@ -42,9 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from harness.features import optimizers
+from harness.models import sources
 from harness.strategies.base import RECOMPUTE_CHECKPOINTING, Capabilities, EngineModel, Prepared, Strategy, always
 
 if TYPE_CHECKING:
@@ -120,20 +121,26 @@ class _Stage(nn.Module):
     embed: Callable[[torch.Tensor], torch.Tensor]
     head: Callable[[torch.Tensor], torch.Tensor]
 
-    def __init__(self, config: PreTrainedConfig, blocks: list[nn.Module], first: bool, last: bool):
+    def __init__(self, config: PreTrainedConfig, blocks: list[nn.Module], indices: range, first: bool, last: bool):
         super().__init__()
         self.config = config
         self.blocks = nn.ModuleList(blocks)
+        # Each block's mask as the model's own forward makes it: a sliding window's where the
+        # config gives the block one (Mistral's every block), else the whole causal context.
+        windows = sources.config_windows(config, config.num_hidden_layers)
+        self.sliding = [windows[i] is not None for i in indices]
         self.first, self.last = first, last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(x) if self.first else x
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                  position_ids=positions)
+        masks = {sliding: make(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                               position_ids=positions)
+                 for sliding, make in ((False, create_causal_mask), (True, create_sliding_window_causal_mask))
+                 if sliding in self.sliding}
         extra = self.block_kwargs(hidden, positions)
-        for block in self.blocks:
-            hidden = block(hidden, attention_mask=mask, position_ids=positions, **extra)
+        for block, sliding in zip(self.blocks, self.sliding, strict=True):
+            hidden = block(hidden, attention_mask=masks[sliding], position_ids=positions, **extra)
         return self.head(hidden) if self.last else hidden
 
     def block_kwargs(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
@@ -143,7 +150,7 @@ class _Stage(nn.Module):
 class _GPT2Stage(_Stage):
     def __init__(self, model: GPT2LMHeadModel, blocks: range, first: bool, last: bool):
         body = model.transformer
-        super().__init__(model.config, [body.h[i] for i in blocks], first, last)
+        super().__init__(model.config, [body.h[i] for i in blocks], blocks, first, last)
         if first:
             self.wte, self.wpe, self.drop = body.wte, body.wpe, body.drop
         if last:
@@ -162,7 +169,7 @@ class _GPT2Stage(_Stage):
 class _LlamaStage(_Stage):
     def __init__(self, model: LlamaForCausalLM, blocks: range, first: bool, last: bool):
         body = model.model
-        super().__init__(model.config, [body.layers[i] for i in blocks], first, last)
+        super().__init__(model.config, [body.layers[i] for i in blocks], blocks, first, last)
         self.rotary_emb = body.rotary_emb  # no parameters: every stage computes its own
         if first:
             self.embed_tokens = body.embed_tokens

@@ -106,7 +106,7 @@ SUITE_FILES = {
         (["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "80GiB", "--nodes", "2"],
          "--gpus 1 is not divisible by --nodes 2"),
         (["plan", "--model", str(REPO / "suites/configs/mamba-tiny.json"), "--gpus", "2", "--gpu-mem", "80GiB"],
-         "--model: plan ranks configurations by their analytic peak, and there is none here (mamba-"),
+         "--model: plan ranks configurations by their analytic peak, and none of mamba-"),
         (["run", "--nnodes", "0"], "--nnodes 0: must be 1 or more"),
         (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
          "--node-rank 2: must be in [0, 2)"),

@@ -263,6 +263,12 @@ def test_plan_says_when_a_configs_model_type_was_never_held_against_a_trace(tmp_
             in plan.as_table(result, False).splitlines()[0])
     preset = plan.plan(plan.PlanRequest(model="llama-1b", gpus=2, gpu_mem_bytes=80 * 2**30))
     assert "held against a trace" not in plan.as_table(preset, False)
+    # Falcon is held, but not with ALiBi (Falcon-RW), whose float mask is heads times larger.
+    falcon = {"model_type": "falcon", **model_configs._DECODER, **model_configs.PREDICTED_TEXT_MODELS["falcon"]}
+    for alibi, held in ((False, True), (True, False)):
+        path = tmp_path / f"falcon-alibi-{alibi}.json"
+        path.write_text(json.dumps({**falcon, "alibi": alibi}))
+        assert (analytic.unheld(sources.resolve(str(path))) is None) == held
 
 
 def test_the_analytic_peak_of_each_kind_of_text_model_is_its_traced_one(tmp_path):

@@ -489,6 +489,17 @@ def test_plan_recommends_a_fitting_configuration():
     assert none["recommended"] is None and "Nothing fits" in plan.recommendation_text(none)
 
 
+def test_plan_lists_apart_what_the_analytic_predictor_does_not_describe():
+    """The convnet's analytic peak covers fp32 without checkpointing: the other configurations
+    are named, not ranked; in bf16 it has none to rank, and plan says so."""
+    fp32 = plan.plan(plan.PlanRequest(model="convnet-digits", gpus=2, gpu_mem_bytes=2**30, precision="fp32"))
+    assert {r["cell"].strategy.checkpointing for r in fp32["rows"]} == {"none"}
+    assert "ddp/fp32/ckpt_full" in fp32["unplanned"]
+    assert "Not ranked, with no analytic peak: ddp/fp32/ckpt_selective" in plan.as_table(fp32, False)
+    with pytest.raises(ValueError, match="none of convnet-digits's has one"):
+        plan.plan(plan.PlanRequest(model="convnet-digits", gpus=2, gpu_mem_bytes=2**30))
+
+
 def test_plan_calls_a_runner_up_of_the_same_step_time_a_tie_and_says_what_broke_it():
     # llama3-8b on 8 × 80 GiB: FSDP's SHARD_GRAD_OP and DeepSpeed ZeRO-1 with selective
     # checkpointing print the same step and the same peak.

@@ -237,19 +237,24 @@ def _forward_source(module: nn.Module) -> str:
 
 
 def _softmax_in_fp32(block: nn.Module) -> bool:
-    """``ParamLayout.softmax_fp32``, read from the source of the module that defines the block:
-    where the eager attention is written (no op traced on fake tensors tells it apart: under
-    autocast every softmax computes in fp32)."""
-    try:
-        source = inspect.getsource(inspect.getmodule(type(block)))  # type: ignore[arg-type]
-    except (OSError, TypeError):
-        return False
+    """``ParamLayout.softmax_fp32``, read from the source of the eager attention: transformers'
+    ``eager_attention_forward`` of the module that defines the block, else the whole module
+    (Bloom writes it in its attention's forward). No op traced on fake tensors tells it apart:
+    under autocast every softmax computes in fp32."""
+    source = _function_source(block, "eager_attention_forward")
+    if not source:
+        try:
+            source = inspect.getsource(inspect.getmodule(type(block)))  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            return False
     return re.search(r"softmax\([^)]*dtype=torch\.float32", source) is not None
 
 
 def _function_source(block: nn.Module, name: str) -> str:
-    """The source of the function ``name`` of the module that defines the block ("" where it
-    has none)."""
+    """The source of the function ``name`` of the module that defines the block; "" where it
+    has none, or where transformers has made it a module to swap in a hub kernel (LLaMA's
+    and most decoders' ``apply_rotary_pos_emb``, which turn the whole query and concatenate
+    nothing)."""
     function = getattr(inspect.getmodule(type(block)), name, None)
     try:
         return inspect.getsource(function) if function is not None else ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from harness import models, strategies
 from harness.config import CellSpec
-from harness.models import ModelSpec
+from harness.models import ModelSpec, hf_config, sources
 from harness.predict.analytic_data_parallel import (
     PRECISION_BYTES,
     activation_bytes,
@@ -46,13 +46,17 @@ HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "
                                 "deepseek_v2", "deepseek_v3", "gpt_oss"})
 
 
-def model_unavailable_reason(spec: ModelSpec) -> str | None:
-    """Why the analytic model describes no cell of this model, or None."""
-    if spec.family not in TRANSFORMER_FAMILIES + ("mlp", "convnet"):
-        return f"family {spec.family}: no activation or parameter formula for it in harness/predict/analytic.py"
-    if spec.family == "hf_config" and not spec.has_attention:
-        return (f"{spec.name}: an attention-free sequence model (a state-space or recurrent layer): no activation"
-                " formula for its layers; the traced predictor follows it")
+def unheld(spec: ModelSpec) -> str | None:
+    """What of a config's model the analytic predictor has not been held against a trace
+    for (None where it has): a model type outside ``HELD_AGAINST_TRACE``, or a Falcon with
+    ALiBi (Falcon-RW), which adds its position biases to a float mask heads times larger than
+    the causal one counted."""
+    if spec.hf is None:
+        return None
+    if spec.hf.model_type not in HELD_AGAINST_TRACE:
+        return f"model_type {spec.hf.model_type}"
+    if sources.config_value(hf_config.resolved(spec.hf), "alibi"):
+        return f"model_type {spec.hf.model_type} with ALiBi position biases"
     return None
 
 
@@ -61,8 +65,11 @@ def unavailable_reason(cell: CellSpec, spec: ModelSpec) -> str | None:
     it does not describe gets none rather than another strategy's formula."""
     name, family, layout = cell.strategy.name, spec.family, spec.layout
     kind = strategies.get(name).engine_model.analytic  # which part of the model describes it
-    if (why := model_unavailable_reason(spec)) is not None:
-        return why
+    if family not in TRANSFORMER_FAMILIES + ("mlp", "convnet"):
+        return f"family {family}: no activation or parameter formula for it in harness/predict/analytic.py"
+    if family == "hf_config" and not spec.has_attention:
+        return (f"{spec.name}: an attention-free sequence model (a state-space or recurrent layer): no activation"
+                " formula for its layers; the traced predictor follows it")
     if family == "convnet" and (cell.strategy.precision != "fp32" or cell.strategy.checkpointing != "none"):
         return ("family convnet: its activations are modelled in fp32 without checkpointing only (which dtype"
                 " autocast gives a convolution's and BatchNorm's outputs, and what recompute keeps, are not)")

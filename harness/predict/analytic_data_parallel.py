@@ -180,10 +180,11 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
     logits term is the fp32 s·b·V output of the LM head that the loss keeps (HF upcasts
     logits to fp32), which Korthikanti leaves out.
     The attention follows ``cell.attention``: fused (sdpa, flash) keeps no scores and takes
-    grouped K and V as they are; eager keeps the softmax output, and transformers expands
-    grouped K and V to every head (repeat_kv) before its score matmuls, so it keeps them full
-    width. A tensor-parallel cell divides the TP region's terms by its degree (no sequence
-    parallelism); a mixture of experts keeps each token's expert MLP terms top_k times.
+    grouped K and V as they are, unless SDPA is handed a mask (``_masked_blocks``); eager keeps
+    the softmax output, and transformers expands grouped K and V to every head (repeat_kv)
+    before its score matmuls, so it keeps them full width. A tensor-parallel cell divides the
+    TP region's terms by its degree (no sequence parallelism); a mixture of experts keeps each
+    token's expert MLP terms top_k times.
     The norms read the residual stream, which stays fp32 under autocast (the embeddings
     are not cast, and fp32 + 16-bit adds to fp32) and is 16-bit only where the engine casts
     the model; LLaMA's and Mixtral's RMSNorms keep more than a LayerNorm (measured: NormKeeps),
@@ -273,9 +274,7 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, masked: bool, d
     # Attention and MLP side by side behind one norm (Cohere) read the same input: kept once,
     # but for autocast's own copies.
     attention_in, mlp_in = layout.input_linears if autocast else (1, 0 if len(block_norms) == 1 else 1)
-    # SDPA fell back to the CPU's math kernel (_fused_kernel): it keeps its own fp32 copies of
-    # Q, K and V and fp32 scores, whatever the precision the model computes in.
-    math_kernel = attention_is_fused(cell) and not fused
+    math_kernel = _math_kernel(cell, spec, device_type)
     query_width = latent.query if latent else heads * spec.head_dim
     value_width = latent.value if latent else query_width
     per_layer = activation_bytes_per_layer(
@@ -325,6 +324,12 @@ def _fused_kernel(cell: CellSpec, spec: ModelSpec, device_type: str) -> bool:
     latent = models.param_layout(spec).latent_attention
     unequal_heads = latent is not None and latent.query != latent.value
     return attention_is_fused(cell) and not (device_type == "cpu" and unequal_heads)
+
+
+def _math_kernel(cell: CellSpec, spec: ModelSpec, device_type: str) -> bool:
+    """Whether SDPA falls back to the CPU's math kernel (``_fused_kernel``), which keeps its
+    scores and its own copies of Q, K and V in fp32, whatever the model computes in."""
+    return attention_is_fused(cell) and not _fused_kernel(cell, spec, device_type)
 
 
 def _output_copy(cell: CellSpec, spec: ModelSpec, value_bytes: int, fused: bool, device_type: str) -> float:
@@ -455,7 +460,10 @@ def _masked_blocks(cell: CellSpec, spec: ModelSpec) -> tuple[bool, ...]:
     keeps an additive copy of the mask (``_kept_mask``); flash attention takes the window as a
     number, eager adds the mask to scores it keeps anyway."""
     n_blocks = spec.n_layers
-    if cell.attention != "sdpa":
+    # Megatron builds its own model; context parallel's ring attention takes no mask (both
+    # refuse a window the sequence passes).
+    own_model = strategies.get(cell.strategy.name).engine_model.analytic in ("megatron", "context_parallel")
+    if cell.attention != "sdpa" or own_model:
         return (False,) * n_blocks
     if models.param_layout(spec).explicit_mask:
         return (True,) * n_blocks
@@ -806,7 +814,7 @@ def _score_grads(cell: CellSpec, spec: ModelSpec, device_type: str) -> float:
     where a fused kernel makes no scores."""
     if spec.family in ("mlp", "convnet") or _fused_kernel(cell, spec, device_type):
         return 0.0
-    math_kernel = attention_is_fused(cell)  # the CPU's fallback: its scores in fp32
+    math_kernel = _math_kernel(cell, spec, device_type)
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
     upcast = not math_kernel and _softmax_upcast(spec, value_bytes, uses_autocast(cell))
     per_score = 2 * (4.0 if math_kernel or upcast else value_bytes) - (value_bytes if upcast else 0)

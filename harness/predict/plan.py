@@ -82,9 +82,6 @@ class PlanRequest:
         if self.optimizer not in get_args(Optimizer):
             raise ValueError(f"--optimizer {self.optimizer}: choose one of {', '.join(get_args(Optimizer))}")
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
-        if (why := analytic.model_unavailable_reason(spec)) is not None:
-            raise ValueError(f"--model: plan ranks configurations by their analytic peak, and there is none here"
-                             f" ({why}); its cells run all the same, each record with its traced peak")
         if self.seq is not None and spec.seq_len is None:
             raise ValueError(f"--seq applies to text models; {spec.name} is a {spec.family} model")
         if self.attention is not None:
@@ -167,6 +164,16 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
     rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus)
     # A CPU host's rates price what a CPU runs (no activation offload: its tensors are on the host).
     cells = [c for c in candidates(req) if strategies.unsupported_reason(c, rates.device_type) is None]
+    # Ranked by the analytic peak: a configuration it does not describe is listed apart, and a
+    # model none of whose configurations it describes (a Mamba, a factory's) cannot be planned.
+    unplanned = {config_label(c): why for c in cells if (why := analytic.unavailable_reason(c, c.model_spec))}
+    if cells and len(unplanned) == len(cells):
+        raise ValueError(f"--model: plan ranks configurations by their analytic peak, and none of {req.spec.name}'s"
+                         f" has one ({next(iter(unplanned.values()))}); its cells run all the same, each record"
+                         " with its traced peak")
+    if named in unplanned:
+        raise ValueError(f"--config {named}: no analytic peak to plan it by ({unplanned[named]})")
+    cells = [c for c in cells if config_label(c) not in unplanned]
     works = plan_work.stand_ins(cells, work_trace, rates.device_type, req.nodes) if work_trace else {}
     rows = [{**_row(cell, req, rates, works.get(cell.cell_id)),
              "measured_step_time_s": (measured or {}).get(cell.cell_id)} for cell in cells]
@@ -190,7 +197,7 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
             pending = []
     fitting = sorted((r for r in rows if r["fits"]), key=_preference)
     return {"request": req, "rates": rates, "rows": sorted(rows, key=lambda r: r["predicted"]["peak_bytes"]),
-            "recommended": fitting[0] if fitting else None,
+            "unplanned": unplanned, "recommended": fitting[0] if fitting else None,
             "named": by_label.get(named) if named is not None else None}
 
 
@@ -236,9 +243,9 @@ def against_measured(result: dict) -> dict | None:
 
 
 def _unchecked_text(spec: models.ModelSpec) -> str:
-    if spec.hf is None or spec.hf.model_type in analytic.HELD_AGAINST_TRACE:
+    if (what := analytic.unheld(spec)) is None:
         return ""
-    return (f" The analytic predictor has not been held against a trace for model_type {spec.hf.model_type}:"
+    return (f" The analytic predictor has not been held against a trace for {what}:"
             " --traced traces the leading configurations.")
 
 
@@ -307,6 +314,7 @@ def as_json(result: dict) -> str:
                   "predicted": r["predicted"], "step_time": r["step_time"], "tokens_per_s": r["tokens_per_s"],
                   "mfu": r["mfu"], "traced": r["traced"], "measured_step_time_s": r["measured_step_time_s"]}
                  for r in result["rows"]],
+        "unplanned": result["unplanned"],  # label -> why the analytic predictor has no peak for it
         "recommended": config_label(result["recommended"]["cell"]) if result["recommended"] else None,
         "named": config_label(result["named"]["cell"]) if result["named"] else None,  # --config's
         "recommendation": recommendation_text(result),
@@ -359,6 +367,12 @@ def as_table(result: dict, markdown: bool) -> str:
               " traced: the FakeTensorMode peak with CUDA's attention kernels, for the configurations --traced traced"
               + ("; measured s: the step the calibrating run measured" if beside else "") + ")",
               "", recommendation_text(result)]
+    by_reason: dict[str, list[str]] = {}
+    for label, why in result["unplanned"].items():
+        by_reason.setdefault(why, []).append(label)
+    for why, labels in by_reason.items():
+        shown = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+        lines.append(f"Not ranked, with no analytic peak: {shown}: {why}.")
     if beside:
         lines.append(f"The calibrating run measured {beside['count']} of these configurations: the predicted step"
                      f" over the measured, median {beside['median']:.3f} ({beside['min']:.3f}-{beside['max']:.3f}).")

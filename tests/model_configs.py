@@ -122,7 +122,8 @@ PREDICTED_TEXT_MODELS: dict[str, dict] = {
     "roberta": {"architectures": ["RobertaForMaskedLM"], "max_position_embeddings": 130},
     # Attention and MLP side by side behind one LayerNorm written in torch ops (fp32 upcast).
     "cohere": {"architectures": ["CohereForCausalLM"]},
-    "stablelm": {"architectures": ["StableLmForCausalLM"]},
+    # StableLM-2-12B's per-head query and key LayerNorms (one a head, over views of one tensor).
+    "stablelm": {"architectures": ["StableLmForCausalLM"], "qk_layernorm": True},
     # Falcon-40B's arrangement (grouped key/value heads in one fused projection, attention and
     # MLP side by side): it hands SDPA a causal mask it has made, so transformers expands K and V
     # to every head and SDPA keeps an additive copy of the mask in every block.

@@ -204,7 +204,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         matmul_numel=sum(matmul.values()),
         block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
-        qk_norm=_norm_keeps(q_norm, spec.hidden) if blocks and (q_norm := _named(blocks[0], "q_norm")) else None,
+        qk_norm=_qk_norm_keeps(blocks[0], spec.hidden) if blocks else None,
         fused_qkv=bool(block_modules & _FUSED_QKV),
         rotary=any("Rotary" in type(m).__name__ for m in module.modules()),
         loss_upcasts_logits="self.loss_function" in _forward_source(module),
@@ -358,6 +358,19 @@ _ATTENTION_NORMS = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", 
 def _in_attention_norm(path: str) -> bool:
     """Whether the module at ``path`` is one of the attention's own norms or inside one."""
     return not _ATTENTION_NORMS.isdisjoint(path.split("."))
+
+
+def _qk_norm_keeps(block: nn.Module, width: int) -> NormKeeps | None:
+    """``ParamLayout.qk_norm``: what the block's query norm keeps (Qwen3's ``q_norm``,
+    Persimmon's and StableLM's ``q_layernorm``; StableLM's is a LayerNorm a head over views of
+    one tensor, probed through its first), or None where it has none."""
+    norm = _named(block, "q_norm")
+    if norm is None:
+        norm = _named(block, "q_layernorm")
+    if norm is None:
+        return None
+    per_head = getattr(norm, "norms", None)
+    return _norm_keeps(per_head[0] if isinstance(per_head, nn.ModuleList) else norm, width)
 
 
 def _normalised_width(norm: nn.Module, width: int) -> int:

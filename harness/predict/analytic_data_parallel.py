@@ -413,31 +413,39 @@ def _qk_norms(cell: CellSpec, spec: ModelSpec, value_bytes: int) -> float:
     """What a block's per-head query and key norms keep (Qwen3, Gemma3, OLMo2: an RMSNorm on
     the q and k projections' outputs, before eager attention expands K to every head; what it
     keeps per element measured, ``ParamLayout.qk_norm``), beside the Q and K the attention
-    keeps; 0 for a model without them."""
-    keeps = models.param_layout(spec).qk_norm
-    if keeps is None:
+    keeps; 0 for a model without them. Where a fused projection makes Q and K (Persimmon), the
+    norms' inputs are views of its output, counted with it (``_fused_qkv_kept``)."""
+    layout = models.param_layout(spec)
+    if layout.qk_norm is None:
         return 0.0
+    per_element = layout.qk_norm.at(value_bytes) - (value_bytes if layout.fused_qkv else 0)
     width = (spec.required("n_heads") + spec.kv_heads) * spec.head_dim
-    return keeps.at(value_bytes) * spec.tokens_per_sample * cell.micro_batch * width / tensor_parallel_degree(cell)
+    return per_element * spec.tokens_per_sample * cell.micro_batch * width / tensor_parallel_degree(cell)
 
 
 def _fused_qkv_kept(cell: CellSpec, spec: ModelSpec, value_bytes: int, query_width: int, fused: bool,
                     masked: bool) -> float:
-    """What a fused QKV projection's output costs beyond the Q, K and V the attention keeps:
-    where a rotary embedding turns Q and K into new tensors and V, a view of the projection's
-    output, reaches a fused attention kernel as it is (grouped K and V go to SDPA as they are
-    unless a mask makes transformers expand them: ``_masked_blocks``), V keeps the whole
-    output alive, Q's and K's widths besides its own (GPT-NeoX, Phi-3; measured: their saved
-    tensors). Eager attention's matmul keeps a contiguous copy of V instead; without a rotary
-    embedding Q and K are views of the same output (GPT-2's c_attn), which the three terms
-    already count once."""
+    """What a fused QKV projection's output costs beyond the Q, K and V the attention keeps.
+    Where a rotary embedding or a query-key norm turns Q and K into new tensors and V, a view
+    of the projection's output, reaches a fused attention kernel as it is (grouped K and V go to
+    SDPA as they are unless a mask makes transformers expand them: ``_masked_blocks``), V keeps
+    the whole output alive, Q's and K's widths besides its own (GPT-NeoX, Phi-3; measured: their
+    saved tensors). Eager attention's matmul keeps a contiguous copy of V instead, so nothing,
+    unless query-key norms keep views of the output as their inputs: then all of it (Persimmon).
+    Without either, Q and K are views of the same output (GPT-2's c_attn), which the three
+    terms already count once."""
     layout = models.param_layout(spec)
-    grouped = spec.kv_heads != spec.required("n_heads")
-    if not (fused and layout.fused_qkv and layout.rotary) or (grouped and masked):
+    heads = spec.required("n_heads")
+    key_width = query_width * spec.kv_heads // heads
+    tokens = spec.tokens_per_sample * cell.micro_batch / tensor_parallel_degree(cell)
+    if not layout.fused_qkv:
         return 0.0
-    key_width = query_width * spec.kv_heads // spec.required("n_heads")
-    return (value_bytes * spec.tokens_per_sample * cell.micro_batch * (query_width + key_width)
-            / tensor_parallel_degree(cell))
+    if not fused:
+        return value_bytes * tokens * (query_width + 2 * key_width) if layout.qk_norm else 0.0
+    turned = layout.rotary or layout.qk_norm is not None
+    if not turned or (spec.kv_heads != heads and masked):
+        return 0.0
+    return value_bytes * tokens * (query_width + key_width)
 
 
 def _block_kinds(cell: CellSpec, spec: ModelSpec) -> collections.Counter[tuple[bool, bool, bool, bool]]:

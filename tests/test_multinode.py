@@ -122,6 +122,7 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, smoke_run):
     own = environment["bandwidth"]
     assert own["rows"] == [] and own["no_sweep"] == calibration.ONE_RANK_NO_SWEEP
     assert own["compute_rates"]["world_size"] == 1
+    assert own["compute_rates"]["alone"] == own["compute_rates"]["concurrent"]  # one rank: timed once
     engines = own["compute_rates"]["engines"]  # an engine one rank cannot run says why
     assert engines["fsdp_full"]["step_s"] > 0 and engines["ddp"]["unavailable"] == "ddp needs world_size >= 2, got 1"
     single = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), world_size=1)
@@ -136,7 +137,7 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, smoke_run):
     lost = "gpt2-tiny/fsdp_full/fp32/ckpt_none/mb2/ws2/seed0"
     lines = (n0_run / "cells.jsonl").read_text().splitlines(keepends=True)
     (n0_run / "cells.jsonl").write_text("".join(line for line in lines if lost not in line))
-    resume = ["--resume", n0_run.name]
+    resume = ["--resume", n0_run.name, "--no-trace"]  # a resume traces its cells unless told not to
     logs = _finish(_two_nodes(multi, tmp_path, resume, resume, "resume"), tmp_path, "resume")
     assert "1 cell runs that span the nodes" in logs["n1"] and "1 ok, 0 not ok" in logs["n1"], logs["n1"]
     resumed = _records(n0_run)

@@ -19,10 +19,10 @@ def gpt2(strategy: str, **options) -> CellSpec:
     return CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=strategy, **options))
 
 
-def run_matrix(cells, tmp_path: Path, **run_options) -> dict[str, dict]:
+def run_matrix(cells, tmp_path: Path, recorded=None, **run_options) -> dict[str, dict]:
     store = RunStore(tmp_path / "results", "run")
     return MatrixRun(cells, store, untraced(**run_options), device_type="cpu", device_name=None,
-                     progress=print).run()
+                     progress=print, recorded=recorded).run()
 
 
 # In the run tests/conftest.py's shared_matrix makes of every module's MATRIX_CELLS: a DDP
@@ -62,21 +62,33 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     after_crash = CellSpec(model="bert-tiny", strategy=StrategySpec(name="ddp"))
     hanging = CellSpec(model="mlp-tiny", strategy=StrategySpec(name="ddp"))
     after_hang = CellSpec(model="vit-tiny", strategy=StrategySpec(name="ddp"))
+    after_restart = CellSpec(model="llama-tiny", strategy=StrategySpec(name="fsdp_full"))
     monkeypatch.setenv(faults.ENV_VAR, f"{raising.cell_id}=raise,{crashing.cell_id}=segfault,{hanging.cell_id}=hang,"
-                                       f"{after_crash.cell_id}={faults.HOST_MEMORY_LOW}")
+                                       f"{after_hang.cell_id}={faults.HOST_MEMORY_LOW}")
     outcomes = []
-    batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang]
-    # Each cell's default limit, scaled to it (runner/timeouts.py), with the start-up allowance
-    # cut from minutes to 15 s: the first cell of a launch reports within about 8 s of it, and
-    # the hang costs the 15 s and its compute allowance.
-    monkeypatch.setattr(timeouts, "START_UP_S", 15.0)
+    # Launches: the first three cells (the raise ends it), the next two (the crash), a cell and
+    # the hang, the cell after it (the host short of memory), the last.
+    batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang, after_restart]
+    # Each cell's default limit, scaled to it (runner/timeouts.py), the hanging cell's with
+    # the start-up allowance cut from minutes to 15 s: the hang, second in its launch, costs
+    # the 15 s and its compute allowance. The others keep theirs: on a busy host a launch's
+    # first cell can take longer than 15 s to start.
+    scaled = timeouts.for_cell
+
+    def for_cell(cell: CellSpec, *args) -> timeouts.CellTimeout:
+        with monkeypatch.context() as patch:
+            if cell == hanging:
+                patch.setattr(timeouts, "START_UP_S", 15.0)
+            return scaled(cell, *args)
+
+    monkeypatch.setattr(timeouts, "for_cell", for_cell)
     run_batch(batch, LaunchOptions(), tmp_path, outcomes.append)
 
     by_order = [(o.cell.cell_id, o.status) for o in outcomes]
     assert by_order == [
         (first.cell_id, "ok"), (gpt2("fsdp_full").cell_id, "ok"), (raising.cell_id, "failed"),
         (first.cell_id, "ok"), (crashing.cell_id, "failed"), (after_crash.cell_id, "ok"),
-        (hanging.cell_id, "timeout"), (after_hang.cell_id, "ok"),
+        (hanging.cell_id, "timeout"), (after_hang.cell_id, "ok"), (after_restart.cell_id, "ok"),
     ]
     # The same cell first and after three others in one process group: no memory carried over.
     peaks = [[r["peak_mem_bytes"] for r in o.per_rank] for o in outcomes if o.cell == first]
@@ -89,8 +101,8 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     # A host short of memory after a good cell: the workers leave, the next cell gets fresh ones.
     launches = sorted(tmp_path.glob("launch-*"))
     assert [d.name for d in launches] == [f"launch-{n:03d}" for n in range(1, 6)]
-    restarts = [line for line in (launches[2] / "stream.jsonl").read_text().splitlines() if '"restart"' in line]
-    assert len(restarts) == 1 and f"available after {after_crash.cell_id}" in restarts[0]
+    restarts = [line for line in (launches[3] / "stream.jsonl").read_text().splitlines() if '"restart"' in line]
+    assert len(restarts) == 1 and f"available after {after_hang.cell_id}" in restarts[0]
     assert _worker_processes(tmp_path) == [], "a launch left worker processes behind"
 
 
@@ -119,11 +131,15 @@ def test_a_cell_over_the_memory_cap_records_oom_with_its_peak_and_the_next_cell_
     small_peak, big_peak = (uncapped[c.cell_id]["metrics"]["peak_mem_bytes"] for c in (small, big))
     assert small_peak < big_peak
     cap = (small_peak + big_peak) // 2
-    records = run_matrix([big, small], tmp_path, mem_cap_gib=cap / 2**30)  # the references run under the cap too
+    # Their references' records kept from the shared run, as a resume keeps them: one launch
+    # for the cell over the cap, one for the cell after it.
+    references = {(c.reference().cell_id, 0): uncapped[c.reference().cell_id] for c in (small, big)}
+    records = run_matrix([big, small], tmp_path, recorded=references, mem_cap_gib=cap / 2**30)
 
     over, after = records[big.cell_id], records[small.cell_id]
     assert (over["status"], after["status"]) == ("oom", "ok")
     assert over["metrics"] == {"peak_mem_bytes": big_peak}  # the peak it reached, to the byte (fp32 on CPU)
     assert f"({cap:,} B per rank)" in over["reason"] and f"peaked at {big_peak:,} B" in over["reason"]
-    assert after["metrics"]["peak_mem_bytes"] == small_peak
+    assert after["metrics"]["peak_mem_bytes"] == small_peak and after["equivalence"]["passed"]
+    assert [p.name for p in (tmp_path / "results" / "run" / "launches").iterdir()] == ["ws2"]
     assert _worker_processes(tmp_path) == []

@@ -4,7 +4,7 @@
 
 The rates, each timed on every rank at once (the ranks share the host's cores and memory
 bus as a cell's ranks do; the slowest rank's time is kept) and again on rank 0 alone while
-the others wait (as the single-process reference runs):
+the others wait (as the single-process reference runs; a one-rank launch times them once):
 
 - ``matmul_flops_per_s``, per precision: a square matmul of ``MATMUL_SIZE`` (CPU: 512, one
   thread's tile-friendly size; CUDA: 8192, large enough to reach the tensor cores' rate),
@@ -479,7 +479,8 @@ def measure(env: DistEnv) -> dict[str, Any]:
     steps |= {"large": _model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
               "wide": _model_step(OP_COST_WIDE, device, "fp32", 1)}
     rates: dict[str, Any] = {}
-    for scope in ("concurrent", "alone"):
+    # A rank with no others is alone either way: its concurrent rates are its alone ones.
+    for scope in ("concurrent", "alone") if env.world_size > 1 else ("concurrent",):
         alone = scope == "alone"
         by_size = {name: _matmul_rates(dtype, kind, device, env, alone) for name, dtype in PRECISIONS.items()}
         rates[scope] = {"matmul_flops_per_s": {name: curve[-1][1] for name, curve in by_size.items()},
@@ -496,6 +497,7 @@ def measure(env: DistEnv) -> dict[str, Any]:
         rates[scope]["optimizer_op_s"], unavailable = _optimizer_op_costs(rates[scope], device, env, alone)
         if unavailable:
             rates["optimizer_op_unavailable"] = unavailable
+    rates.setdefault("alone", rates["concurrent"])
     return {**rates, **datasheet_efficiency(device, rates["concurrent"]["matmul_flops_per_s"]),
             "matmul_size": MATMUL_SIZE[kind], "matmul_sizes": list(MATMUL_SIZES[kind]),
             "attention_shapes": [list(shape) for shape in ATTENTION_SHAPES[kind]],

@@ -24,6 +24,12 @@ os.environ[DEVICE_ENV_VAR] = "cpu"
 os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The test modules are imported with gc's collections paused, as every process of the
+    harness imports its modules (harness/entry.py)."""
+    gc.disable()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What importing torch, transformers and the test modules made goes to gc's permanent
     generation, as the worker's does (runner/worker.py): the full collections the memory
@@ -31,6 +37,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     tests made (a third of a second each otherwise; 133 of them took 44 s of the predictor's
     tests)."""
     gc.collect()
+    gc.freeze()
+    gc.enable()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """As harness/entry.py's processes end: interpreter shutdown's collections skip the frozen."""
     gc.freeze()
 
 

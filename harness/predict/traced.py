@@ -647,7 +647,7 @@ def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float, done: list[int
     with tempfile.TemporaryDirectory(prefix="shardbench-trace-") as tmp:
         cells_path, out_path = Path(tmp) / "cells.json", Path(tmp) / "out.json"
         cells_path.write_text(json.dumps([cell.to_dict() for cell in cells]))
-        command = [sys.executable, "-m", "harness.predict.traced",
+        command = [sys.executable, "-m", "harness.entry", "harness.predict.traced",
                    "--cells", str(cells_path), "--out", str(out_path), "--kernels", kernels]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         assert process.stderr is not None  # PIPE

@@ -3,7 +3,7 @@
 Also the run's calibration, its bandwidth sweep among it (``run_bandwidth_sweep``): one short
 torchrun of harness.calibration before the cells.
 
-One torchrun serves many cells (a launch costs ~5.5 s on the reference CPU host, a tiny cell
+One torchrun serves many cells (a launch costs ~5 s on the reference CPU host before its first cell, a tiny cell
 ~1 s). If the workers die or stop making progress, the cell that was running is recorded as
 ``failed`` / ``timeout`` with the tail of the log, torchrun and every worker it started are
 killed, and the cells not yet run are relaunched. A launch that spans several nodes is not
@@ -222,7 +222,7 @@ def _launch_once(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
         *torchrun_args(world_size, options.nodes, rdzv_id, max(limit.seconds for limit in limits)),
         # Each rank's output also in a file of its own, for the reason of a rank that dies.
         "--log-dir", str(workdir / "ranks"), "--tee", "3",
-        "-m", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
+        "-m", "harness.entry", "harness.runner.worker", "--cells", str(cells_file), "--stream", str(stream_file),
         "--expect-nnodes", str(nodes_of(world_size, options.nodes)), *options.run.to_args("worker"),
         *(["--memory-snapshot-dir", str(options.memory_snapshot_dir)] if options.memory_snapshot_dir else []),
         *(["--profile-dir", str(options.profile_dir)] if options.profile_dir else []),
@@ -311,7 +311,7 @@ def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float, nodes:
     out, log_file = workdir / "bandwidth.json", workdir / "log.txt"
     across = nodes_of(world_size, nodes) > 1
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(world_size, nodes, rdzv_id, timeout_s),
-           "-m", "harness.calibration", "--out", str(out),
+           "-m", "harness.entry", "harness.calibration", "--out", str(out),
            *(["--collectives-only"] if across else ["--engines", ",".join(engines)])]
     launch = _Launch(cmd, log_file, {"OMP_NUM_THREADS": "1", **os.environ})
     try:

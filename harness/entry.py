@@ -8,7 +8,9 @@ predictor its subprocesses (harness.predict.traced), and ``python -m harness`` t
 that live as long as the process, and the collector, running as they are made, scanned them
 over and over (importing the worker and a transformers model: 3.8 s on this project's CPU host,
 2.7 s with the collector paused). Once imported they go to gc's permanent generation
-(``gc.freeze``), as the worker's do between cells, so no later collection scans them. A
+(``gc.freeze``), as the worker's do between cells, so no later collection scans them; the
+worker and the tracer read their cells, which imports the strategies' files and transformers,
+the same way (``collector_paused``). A
 process that returns from ``main`` freezes again before it exits: interpreter shutdown's
 collections over what is still alive took 1.3 s after the CLI's run, 0.2 s frozen. A tiny cell
 and its reference, run by the CLI (two launches), took a median 18.8 s here against 21.1 s

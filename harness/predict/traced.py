@@ -140,7 +140,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from harness import distributed, strategies, training
+from harness import distributed, entry, strategies, training
 from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.measure import memory
@@ -709,11 +709,9 @@ def _write_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _import_and_freeze(cells: list[CellSpec]) -> None:
-    """Import what the cells will need, then move every object alive to gc's permanent
-    generation: the collection memory.track_step_memory makes after each step then scans
-    only what the traces made (0.15 s a cell otherwise, for torch's and transformers' objects)."""
-    import gc
+def _import_engines(cells: list[CellSpec]) -> None:
+    """Import the trackers and the engines the cells will need before the first trace, so
+    that they are frozen with the rest (main) and no trace's collections scan them."""
     import importlib
 
     from harness.features import optimizers
@@ -734,8 +732,6 @@ def _import_and_freeze(cells: list[CellSpec]) -> None:
                     importlib.import_module("bitsandbytes")
         except Exception:  # the cell's own trace reports it
             pass
-    gc.collect()
-    gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -747,13 +743,17 @@ def main(argv: list[str] | None = None) -> None:
     specs = json.loads(args.cells.read_text())
     cells: list[CellSpec | None] = []
     results: dict[str, dict] = {}
-    for i, spec in enumerate(specs):
-        try:
-            cells.append(CellSpec.from_dict(spec))
-        except Exception as error:  # a bad spec is a result; the list goes on
-            cells.append(None)
-            results[f"cells[{i}]"] = {"unavailable": f"not a cell: {_condensed(error)}"}
-    _import_and_freeze([cell for cell in cells if cell is not None])
+    # What reading the cells and their engines imports is frozen with the rest (harness/entry.py):
+    # the collection memory.track_step_memory makes after each step then scans only what the
+    # traces made (0.15 s a cell otherwise, for torch's and transformers' objects).
+    with entry.collector_paused():
+        for i, spec in enumerate(specs):
+            try:
+                cells.append(CellSpec.from_dict(spec))
+            except Exception as error:  # a bad spec is a result; the list goes on
+                cells.append(None)
+                results[f"cells[{i}]"] = {"unavailable": f"not a cell: {_condensed(error)}"}
+        _import_engines([cell for cell in cells if cell is not None])
     for cell in cells:
         if cell is None:
             continue

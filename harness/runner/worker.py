@@ -43,7 +43,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from harness import faults
+from harness import entry, faults
 from harness.config import CellSpec, RunOptions, add_run_options
 from harness.distributed import DistEnv, init_from_torchrun
 from harness.training import MemoryCapExceeded, run_cell
@@ -167,7 +167,8 @@ def main() -> None:
     # Each node's launcher reads its own stream: which node holds global rank 0 is the
     # rendezvous's choice, and every rank sees the same gathered results anyway.
     stream = Stream(args.stream, enabled=int(os.environ.get("LOCAL_RANK", env.rank)) == 0)
-    cells = [CellSpec.from_dict(spec) for spec in json.loads(args.cells.read_text())]
+    with entry.collector_paused():  # reading the cells imports their strategies' files and transformers
+        cells = [CellSpec.from_dict(spec) for spec in json.loads(args.cells.read_text())]
     problem = world_problem(env, cells, args.expect_nnodes)
     if problem:
         print(f"shardbench worker: {problem}", file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ them on and its imports frozen, sees its own command line and exits with what ma
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,3 +32,15 @@ def test_without_a_module_it_says_how_to_call_it():
     done = subprocess.run([sys.executable, "-m", "harness.entry"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "usage: python -m harness.entry MODULE" in done.stderr
+
+
+def test_the_shardbench_command_runs_the_cli_through_entry_and_ends_quietly_when_its_reader_does():
+    (script,) = metadata.entry_points(group="console_scripts", name="shardbench")
+    assert script.value == "harness.entry:shardbench"
+    command = Path(sys.executable).parent / "shardbench"
+    assert subprocess.run([str(command), "--version"], capture_output=True, text=True,
+                          timeout=120).stdout == f"shardbench {metadata.version('shardbench')}\n"
+    # A listing piped into `head`: SIGPIPE ends it as it does other Unix tools, without a traceback.
+    piped = subprocess.run(f"{command} list --suite full | head -1", shell=True, capture_output=True, text=True,
+                           timeout=120)
+    assert len(piped.stdout.splitlines()) == 1 and piped.stderr == ""

@@ -3,10 +3,10 @@
 Also the run's calibration, its bandwidth sweep among it (``run_bandwidth_sweep``): one short
 torchrun of harness.calibration before the cells.
 
-One torchrun serves many cells (a launch costs ~5 s on the reference CPU host before its first cell, a tiny cell
-~1 s). If the workers die or stop making progress, the cell that was running is recorded as
-``failed`` / ``timeout`` with the tail of the log, torchrun and every worker it started are
-killed, and the cells not yet run are relaunched. A launch that spans several nodes is not
+One torchrun serves many cells (a launch costs ~5 s on the reference CPU host before its first
+cell, a tiny cell ~1 s). If the workers die or stop making progress, the cell that was running
+is recorded as ``failed`` / ``timeout`` with the tail of the log, torchrun and every worker it
+started are killed, and the cells not yet run are relaunched. A launch that spans several nodes is not
 started, or is ended while it waits, once a follower node has refused the run
 (``LaunchOptions.follower_refusal``, runner/nodes.py): its cells are recorded ``failed`` with
 the follower's reason.

@@ -75,6 +75,39 @@ def test_fsdp2_full_shards_the_optimizer_state_by_the_world_size():
     assert single["peak_bytes"] > ws2["peak_bytes"] > ws4["peak_bytes"]
 
 
+# Cells whose ranks hold different amounts (traced.traced_ranks), run for real in
+# tests/conftest.py's shared_matrix; test_deepspeed.py and test_fairscale.py list them too.
+UNEVEN_RANKS = [_cell("deepspeed_zero2", 2, optimizer="adamw8bit"), _cell("fairscale_sdp", 2)]
+MATRIX_CELLS = UNEVEN_RANKS
+
+
+@pytest.mark.parametrize("cell", UNEVEN_RANKS, ids=lambda c: c.cell_id)
+def test_where_another_rank_holds_more_its_peak_is_the_prediction(cell, shared_matrix):
+    """DeepSpeed ZeRO-2's last rank allocates its gradient partition while the activations
+    are held; FairScale's rank 1 holds the larger share of whole optimizer tensors. The trace
+    follows that rank beside rank 0 and predicts the record's peak (the max over ranks) to
+    the byte, where rank 0's alone was 0.90 and 0.993 of it."""
+    record = shared_matrix.records[cell.cell_id]
+    per_rank = [rank["peak_mem_bytes"] for rank in record["per_rank"]]
+    assert per_rank[1] > per_rank[0]  # the case this is about
+    assert traced.traced_ranks(cell) == [0, 1]
+    predicted = traced.trace(cell)
+    _assert_prediction(predicted)
+    assert predicted["peak_bytes"] == record["metrics"]["peak_mem_bytes"] == max(per_rank)
+    assert predicted["breakdown_bytes"] == record["per_rank"][1]["mem_breakdown_bytes"]
+
+
+def test_the_ranks_traced_follow_the_engines_partition():
+    assert traced.traced_ranks(_cell("ddp", 4)) == [0]
+    assert traced.traced_ranks(_cell("deepspeed_zero3", 4)) == [0]
+    assert traced.traced_ranks(_cell("deepspeed_zero2", 4)) == [0, 3]
+    # FairScale OSS deals whole tensors in the model's order: at 8 ranks gpt2-tiny's token
+    # table and position table go to ranks 0 and 1, and rank 0's is the larger share.
+    assert traced.traced_ranks(_cell("fairscale_oss", 8)) == [0]
+    assert traced.traced_ranks(_cell("fairscale_oss", 2)) == [0, 1]
+    assert traced.traced_ranks(_cell("pp_gpipe", 2, model="llama-tiny")) == [0, 1]
+
+
 @pytest.mark.parametrize("cell, reason", [
     (_cell("fsdp1_full", 2, offload="params"), "pins host memory"),
     (_cell("ddp", 2, compression="bf16"), "bf16_compress_hook"),

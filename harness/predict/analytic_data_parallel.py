@@ -149,11 +149,29 @@ def model_states_at_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) ->
 
 def _fullest_rank_state(layout: ParamLayout, optimizer: str, degree: int,
                         partition: Literal["largest_first", "in_order"]) -> float:
-    """The optimizer state of the rank holding the most, where each rank steps whole tensors:
-    each tensor goes to the rank holding the fewest elements so far, in the engine's order
-    (EngineModel.optimizer_partition; the first such rank on a tie, as both engines pick).
-    The record's peak is the fullest rank's: gpt2-124m's token table, 31 % of its
-    parameters, is one rank's whole share at 8 ranks."""
+    """The optimizer state of the rank holding the most, where each rank steps whole tensors
+    (``_whole_tensor_states``). The record's peak is the fullest rank's: gpt2-124m's token
+    table, 31 % of its parameters, is one rank's whole share at 8 ranks."""
+    return max(_whole_tensor_states(layout, optimizer, degree, partition))
+
+
+def fullest_optimizer_rank(cell: CellSpec) -> int:
+    """The rank holding the most optimizer state where the cell's engine deals out whole
+    tensors (EngineModel.optimizer_partition; the first on a tie), else 0: the rank the
+    traced predictor steps beside rank 0 (harness/predict/traced.py)."""
+    partition = _engine(cell).optimizer_partition
+    if partition == "even":
+        return 0
+    held = _whole_tensor_states(models.param_layout(cell.model_spec), cell.strategy.optimizer,
+                                shard_degree(cell), partition)
+    return held.index(max(held))
+
+
+def _whole_tensor_states(layout: ParamLayout, optimizer: str, degree: int,
+                         partition: Literal["largest_first", "in_order"]) -> list[float]:
+    """Each rank's optimizer state bytes where each tensor goes to the rank holding the fewest
+    elements so far, in the engine's order (EngineModel.optimizer_partition; the first such
+    rank on a tie, as both engines pick)."""
     shapes = sorted(layout.shapes, key=math.prod, reverse=True) if partition == "largest_first" else layout.shapes
     held: list[list[tuple[int, ...]]] = [[] for _ in range(degree)]
     sizes = [0] * degree
@@ -161,7 +179,7 @@ def _fullest_rank_state(layout: ParamLayout, optimizer: str, degree: int,
         rank = sizes.index(min(sizes))
         held[rank].append(shape)
         sizes[rank] += math.prod(shape)
-    return max(optimizer_state_bytes(rank_shapes, optimizer) for rank_shapes in held)
+    return [optimizer_state_bytes(rank_shapes, optimizer) for rank_shapes in held]
 
 
 def attention_is_fused(cell: CellSpec) -> bool:

@@ -1,8 +1,10 @@
 """Peak memory of one training step, predicted by tracing it: no tensor memory is allocated.
 
-What is predicted: rank 0's peak tensor bytes (a pipeline's: its first or last rank's, the
-heavier) in the memory-tracked step of a cell, by category (memory.BREAKDOWN_KEYS, summing
-to the peak), i.e. what ``record["per_rank"][0]`` reports for the cell run on the CPU with gloo.
+What is predicted: the heaviest rank's peak tensor bytes in the memory-tracked step of a
+cell, by category (memory.BREAKDOWN_KEYS, summing to the peak), i.e. what the record's
+``metrics`` (the max over ranks) report for the cell run on the CPU with gloo: rank 0's, and
+where another rank can hold more, that rank's too (``traced_ranks``: a pipeline's last stage,
+DeepSpeed ZeRO-2's last rank, the fullest rank of a whole-tensor optimizer partition).
 
 How: the harness's own code runs the cell under ``FakeTensorMode`` (tensors carry shapes,
 dtypes and storages but no data) in a fake process group of the cell's world size
@@ -63,15 +65,14 @@ real peers:
   run's does (no stage is given its shapes).
 
 Known differences from the measurement (default suite, CPU, 2 ranks):
-- Rank 0 only, but for a pipeline, whose first and last ranks are both traced (the last
-  stage keeps the logits: GPipe's of every micro-batch, 1.40× rank 0's on llama-tiny) and the
-  heavier is the prediction; the record's peak is the max over ranks. llama-tiny on 2 ranks:
-  GPipe's rank 1 and 1F1B's to the byte, interleaved 1F1B 0.964 (its rank 1 holds stages 1
-  and 3, traced from rank 0's forward metadata). Where shards are uneven another rank can hold more:
-  FairScale OSS/SDP on gpt2-tiny (rank 1's optimizer shard: max 0.7% above rank 0), FSDP2
-  on llama-tiny (0.26%); ZeroRedundancyOptimizer's greedy partition
-  can do the same, and DeepSpeed ZeRO-2 fp32, whose rank 1 allocates its gradient partition
-  early in backward (gpt2-tiny: 9.9% above rank 0; README "Predicted beside measured").
+- Two ranks at most (``traced_ranks``). A pipeline's first and last: llama-tiny on 2 ranks,
+  GPipe's rank 1 (1.40× rank 0's: the last stage keeps every micro-batch's logits) and
+  1F1B's to the byte, interleaved 1F1B 0.964 (its rank 1 holds stages 1 and 3, traced from
+  rank 0's forward metadata). DeepSpeed ZeRO-2's last rank (gpt2-tiny fp32: 9.9 % above
+  rank 0, rank 1 to the byte) and the fullest rank of FairScale OSS/SDP's and
+  ZeroRedundancyOptimizer's partitions (gpt2-tiny: 0.7 % above rank 0) are traced too. Where
+  even shards still leave one rank a little more (FSDP2 on llama-tiny: 0.26 %), rank 0 stands
+  for them all.
 - Comm hooks' future callbacks (PowerSGD's P/Q temporaries): the trace completes futures on
   the caller's thread, where the callbacks run inline; track_step_memory runs them without
   the tracker there, as it does on gloo's thread in the measured step (measure/memory.py), so
@@ -145,6 +146,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.measure import memory
 from harness.measure.dispatched_work import DispatchedWork
+from harness.predict import analytic_data_parallel
 from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
 # A trace subprocess that traces no cell for this long is killed (a cell traces in well under a
@@ -564,10 +566,10 @@ def _with_stand_in(result: dict, stand_in: CellSpec, traced_stand_in: dict) -> d
 
 
 def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
-    """Rank 0's predicted step peak: {"peak_bytes", "breakdown_bytes" {memory.BREAKDOWN_KEYS,
-    summing to peak_bytes}, "tracker", "work" (what the tracked step dispatched:
-    dispatched_work.DispatchedWork.to_dict, for the step-time predictor), and for a pipeline
-    "last_rank_work", its last rank's}, or
+    """The predicted step peak, the heaviest of ``traced_ranks``: {"peak_bytes",
+    "breakdown_bytes" {memory.BREAKDOWN_KEYS, summing to peak_bytes}, "tracker", "work" (what
+    rank 0's tracked step dispatched: dispatched_work.DispatchedWork.to_dict, for the step-time
+    predictor), and for a pipeline "last_rank_work", its last rank's}, or
     {"unavailable": "<one-line reason>"} when the cell
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
     the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
@@ -582,14 +584,9 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
         nearest = work_stand_in(cell) if stand_in else None
         return {"unavailable": refused} if nearest is None else _with_stand_in({"unavailable": refused}, nearest,
                                                                               trace(nearest, kernels=kernels))
-    # A pipeline's ranks hold different stages: the first and the last (which keeps the
-    # logits) are traced, and the heavier is the prediction, as the record's peak is the
-    # heaviest rank's. The work is rank 0's, and the last rank's beside it (the step-time
-    # predictor plays the schedule out with each rank's stages at their own cost).
-    ranks = [0, cell.world_size - 1] if cell.strategy.pipelined and cell.world_size > 1 else [0]
     stage_metas: list[object] = []
     traced: list[tuple[memory.StepMemory, DispatchedWork]] = []
-    for rank in ranks:
+    for rank in traced_ranks(cell):
         with _fake_group(cell.world_size, rank) as env:
             try:
                 mode = _fake_world_mode()
@@ -599,8 +596,25 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
             except Exception as error:  # an untraceable cell is a result, like an unsupported one
                 return _failure(error, rank)
     mem = max((m for m, _ in traced), key=lambda m: m.peak_bytes)
+    last_rank = {"last_rank_work": traced[-1][1].to_dict()} if cell.strategy.pipelined and len(traced) > 1 else {}
     return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
-            "work": traced[0][1].to_dict(), **({"last_rank_work": traced[-1][1].to_dict()} if len(traced) > 1 else {})}
+            "work": traced[0][1].to_dict(), **last_rank}
+
+
+def traced_ranks(cell: CellSpec) -> list[int]:
+    """The ranks whose steps are traced, the heaviest's peak being the prediction, as the
+    record's is the max over ranks: rank 0, and where another rank can hold more, that one.
+    A pipeline's last (it keeps the logits: GPipe's of every micro-batch; the step-time
+    predictor plays the schedule out with the first and last ranks' work, ``last_rank_work``);
+    the last where the engine's last rank is heavier (EngineModel.last_rank_heavier); the
+    fullest of a whole-tensor optimizer partition (analytic_data_parallel.fullest_optimizer_rank).
+    The work is rank 0's."""
+    last = cell.world_size - 1
+    if cell.strategy.pipelined or strategies.get(cell.strategy.name).engine_model.last_rank_heavier:
+        other = last
+    else:
+        other = analytic_data_parallel.fullest_optimizer_rank(cell)
+    return list(dict.fromkeys([0, other]))
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,

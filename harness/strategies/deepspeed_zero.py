@@ -567,7 +567,8 @@ STRATEGIES = (
         name="deepspeed_zero2", summary="DeepSpeed ZeRO stage 2: optimizer state and gradients partitioned",
         engine="deepspeed", families=("deepspeed",), zero_idea="zero2", capabilities=_STAGE12_CAPABILITIES,
         combination_problem=combination_problem, unsupported_reason=unsupported_reason,
-        engine_model=dataclasses.replace(_STAGE12_MODEL, grad_partition_in_backward=True), prepare=prepare,
+        engine_model=dataclasses.replace(_STAGE12_MODEL, grad_partition_in_backward=True, last_rank_heavier=True),
+        prepare=prepare,
     ),
     Strategy(
         name="deepspeed_zero3", summary="DeepSpeed ZeRO stage 3: optimizer state, gradients and parameters partitioned",

@@ -206,6 +206,13 @@ class ModelSpec:
                 "mlp": None, "factory": None}.get(self.family, "causal_lm")
 
     @property
+    def head_tied(self) -> bool:
+        """Whether the output head's weight is the token table (gpt2 and bert always; llama
+        and a config where ``tie_embeddings``): one parameter whose gradient backward makes
+        twice, the head's and the embedding's, and sums."""
+        return self.family in ("gpt2", "bert") or self.tie_embeddings
+
+    @property
     def has_batch_norm(self) -> bool:
         """Whether the model normalises by batch statistics (BatchNorm), which make a
         per-rank or per-micro-step batch a different computation from the whole batch."""

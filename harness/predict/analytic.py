@@ -234,19 +234,31 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
         # Further into that block's backward, its softmax's: the loss's gradients are gone too,
         # and the scores' gradients held (traced: eager attention at 2,048 tokens peaks here).
         moments.append({**recomputing, "other": in_backward + partition + transient["score_grads"]})
-    if freed:
-        # Backward done, the 16-bit gradients not yet freed: ZeRO-1's whole (its gradients
-        # are not partitioned), ZeRO-2's partition (Moonlight under ZeRO-1: the trace's peak).
-        # ZeRO-1 without overlap_comm reduces them after backward, and the first gradient of the
-        # rank's partition it reduces allocates the contiguous buffer the partition's gradients
-        # move into while every one of them is held (Moonlight-16B on 8 ranks: 0.953 of the
-        # trace without it; 1.004 with the largest rank's, where the trace follows rank 0's).
-        low = PRECISION_BYTES[cell.strategy.precision]
+    if engine.frees_16bit_grads_before_step:
+        # DeepSpeed ZeRO-1/2, backward done, in any precision (its gradients are in the compute
+        # precision): ZeRO-1's gradients whole (not partitioned), ZeRO-2's partition (Moonlight
+        # under ZeRO-1: the trace's peak). ZeRO-1 without overlap_comm reduces them after
+        # backward, and the first gradient of the rank's partition it reduces allocates the
+        # contiguous buffer the partition's gradients move into while every one of them is held
+        # (Moonlight-16B on 8 ranks: 0.953 of the trace without it; 1.004 with the largest
+        # rank's, where the trace follows rank 0's).
+        grad_bytes = PRECISION_BYTES[cell.strategy.precision]
         partitioned = shard_degree(cell) if engine.grad_partition_in_backward else 1
         reduced_after = not engine.grad_partition_in_backward and not cell.strategy.overlap_comm
         buffer = deepspeed_zero.gradient_partition_numel(layout.shapes, shard_degree(cell)) if reduced_after else 0
-        moments.append({**on_device, "grads": low * (layout.numel / partitioned + buffer), "activations": 0.0,
+        moments.append({**on_device, "grads": grad_bytes * (layout.numel / partitioned + buffer), "activations": 0.0,
                         "other": buffers})
+        if cell.model_spec.head_tied:
+            # Backward's last op, before any of that: a tied token table's gradient summed
+            # from the head's (held since the head's backward) and the embedding's, three
+            # copies of it at once, beside every other gradient (ZeRO-1) or the rank's
+            # partition (ZeRO-2). A checkpointed or short-sequence step peaks here: gpt2-124m
+            # on 8 ranks at 128 tokens, fully checkpointed, ZeRO-1 read 0.58 (fp32) and 0.93
+            # (bf16) of its trace without it, ZeRO-2 bf16 0.89.
+            table = cell.model_spec.required("vocab_size") * cell.model_spec.hidden
+            held = layout.numel / partitioned if partitioned > 1 else layout.numel - table
+            moments.append({**on_device, "grads": grad_bytes * held, "activations": 0.0,
+                            "other": buffers + 3 * grad_bytes * table})
     if transient.get("block_reduce"):
         # The last block's gradients reduce-scattering as its backward ends: the root unit
         # gathered, the other blocks' activations still held (the head's and the logits' done).

@@ -208,7 +208,7 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
     vocab = spec.required("vocab_size")
     n_stages = pipeline.n_stages(s.name, p)
     first = _embedding_numel(spec)
-    tied = spec.family == "gpt2" or spec.tie_embeddings
+    tied = spec.head_tied
     last = layout.root_numel - first + (vocab * spec.hidden if tied else 0)
     params = pipeline_stage_params(layout.block_numel, spec.n_layers, n_stages, first=first, last=last)
     acts = activation_bytes(cell, spec)
@@ -268,7 +268,7 @@ def _megatron_stage_params(cell: CellSpec, spec: ModelSpec, layout: ParamLayout)
     it on the last stage otherwise)."""
     s, vocab_table = cell.strategy, spec.required("vocab_size") * spec.hidden
     tp, pp = s.layout("tp_degree"), s.layout("pp_degree")
-    tied = spec.family == "gpt2" or spec.tie_embeddings
+    tied = spec.head_tied
     split_per_block = _split_numel(spec) / spec.n_layers
     block = layout.block_numel - split_per_block * (1 - 1 / tp)
     norm = layout.root_numel - _embedding_numel(spec) - (0 if tied else vocab_table)
@@ -289,7 +289,7 @@ def _megatron_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> li
     tp, pp = s.layout("tp_degree"), s.layout("pp_degree")
     forwards = (s.layout("pp_microbatches") if pp > 1 else 1) * s.accumulation
     layers = spec.n_layers // pp
-    tied = spec.family == "gpt2" or spec.tie_embeddings
+    tied = spec.head_tied
     acts = activation_bytes(cell, spec)
     logits = acts["logits"] / tp  # the cross entropy keeps its vocabulary-parallel fp32 softmax
     b, seq, h = cell.micro_batch, spec.tokens_per_sample, spec.hidden

@@ -185,9 +185,13 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     - FSDP's last block reducing its gradients, first in backward: the root unit gathered, the
       other blocks' activations, the loss's gradients and the block's gradient copies
       (``transient["block_reduce"]``).
-    - FSDP's root unit reducing its gradients, last in backward: the root unit gathered (in
-      the compute dtype), every other unit's gradient shard, no activations, and the root's
-      gradient copies (``transient["root_reduce"]``).
+    - FSDP's root unit reducing its gradients, last in backward: the root resharded, every
+      other unit's gradient shard, no activations, and the root's gradient copies
+      (``transient["root_reduce"]``).
+    - A tied token table's gradient summed from the head's and the embedding's, backward's
+      last op: three copies of it in the gradients' dtype, beside every gradient DeepSpeed
+      ZeRO-1 holds until after backward (ZeRO-2: the rank's partition), or beside FSDP's
+      gathered root and every other unit's gradient shard.
 
     Gathered parameters count as parameters; autocast's weight copies and a recomputed block
     are made in forward, so the trackers count them as activations; the engines' buffers and
@@ -268,9 +272,19 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
                         "optimizer": on_device["optimizer"], "activations": layers,
                         "other": in_backward + transient["block_reduce"] + transient.get("loss", 0.0)})
     if transient.get("root_reduce"):
+        # The root unit's gradients reduce-scattered last, the root resharded by then, every
+        # other unit's gradient shard held.
         low = PRECISION_BYTES[cell.strategy.precision]
-        moments.append({"params": on_device["params"] + low * layout.root_numel,
-                        "grads": on_device["grads"] * (1 - layout.root_numel / layout.numel),
-                        "optimizer": on_device["optimizer"], "activations": 0.0,
-                        "other": buffers + transient["root_reduce"]})
+        root_last = {"params": on_device["params"],
+                     "grads": on_device["grads"] * (1 - layout.root_numel / layout.numel),
+                     "optimizer": on_device["optimizer"], "activations": 0.0}
+        moments.append({**root_last, "other": buffers + transient["root_reduce"]})
+        if cell.model_spec.head_tied:
+            # Just before, in the root's backward (the root gathered): the table's gradient
+            # summed from the head's and the embedding's, three copies in the compute dtype,
+            # beside the first block's fp32 reduce input, not yet freed (gpt2-124m, 8 ranks,
+            # 128 tokens, checkpointed: the trace's peak in fp32 and bf16).
+            table = cell.model_spec.required("vocab_size") * cell.model_spec.hidden
+            moments.append({**root_last, "params": on_device["params"] + low * layout.root_numel,
+                            "other": buffers + 3 * low * table + 4.0 * layout.block_numel})
     return max(moments, key=lambda phase: sum(phase.values()))

@@ -783,14 +783,17 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       matmul's backward has freed by then (``_score_grads``): at long sequences this, not the
       start of backward, is the peak;
     - ``root_reduce``: FSDP reduce-scatters the root unit's gradients last in backward, in
-      fp32: the unsharded gradients, the flat input they are copied into and, on gloo, the
-      copy of it that gloo all-reduces instead (harness/predict/traced.py): three root-sized
-      copies on the CPU (measured: the real suite's FSDP2 and FSDP1 cells), two on CUDA (as
-      FSDP2's foreach_reduce reads; not yet measured on a GPU). A large vocabulary makes this
-      the step's peak (gpt2-124m: the root unit is 32 % of the parameters);
-    - ``block_reduce``: the same copies of the last block's gradients, reduce-scattered as its
-      backward ends while every earlier block's activations are still held: the peak where
-      blocks are large beside the root and the logits (vit-tiny under FSDP2);
+      fp32: the unsharded gradients (FSDP2 frees them once copied in), the flat fp32 input
+      they are copied into, the fp32 shard the reduction lands in and, on gloo, the copy of
+      the input that gloo all-reduces instead (harness/predict/traced.py): 8 + 4/N bytes an
+      element on the CPU under FSDP2, the compute dtype's more under FSDP1; on CUDA the
+      gradients and the input (as FSDP2's foreach_reduce reads; not yet measured on a GPU).
+      Where the head is tied to the token table, the moment before it, the table's gradient
+      summed in the root's backward, is larger (analytic.peak_breakdown);
+    - ``block_reduce``: the last block's gradients, reduce-scattered as its backward ends
+      while every earlier block's activations are still held: three fp32 copies on the CPU,
+      two on CUDA; the peak where blocks are large beside the root and the logits (vit-tiny
+      under FSDP2);
     - ``buffers_after_backward``: buffer bytes counted at the optimizer step but not at the
       start of backward: under top-k and random-k the hook's averaged result, made at the end
       of backward and held by DDP's reducer through the step (its working copy, the
@@ -820,15 +823,25 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     elif engine.keeps_gathered == "within_live_parameters":
         gathered, prefetched = low * ds_live_numel(cell, layout), 0.0
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
-    copies = 3 if device_type == "cpu" else 2
+    # Bytes a root element holds as it is reduce-scattered (root_reduce): its unsharded
+    # gradient in the compute dtype, the fp32 reduce input it is copied into, the fp32 shard
+    # the reduction lands in and, on gloo, the copy gloo all-reduces; FSDP2 frees the
+    # gradients once copied in, before the shard and gloo's copy are made (gpt2-124m on 8
+    # ranks, traced: FSDP2 8.5 bytes an element in fp32 and bf16, FSDP1 10.5 in bf16). A
+    # block's reduce, amid backward, holds three fp32 copies on the CPU (vit-tiny under FSDP2,
+    # measured), two on CUDA.
+    reduce_copy = 4.0 if device_type == "cpu" else 0.0
+    landed = 4.0 + 4.0 / shard_degree(cell) + reduce_copy
+    per_root = low + landed if engine.reduce_holds_unsharded_grads else max(low + 4.0, landed)
+    per_block = 3 * 4.0 if device_type == "cpu" else 2 * 4.0
     fp32_matmuls = n_fp32 * layout.block_matmul_numel  # not cast
     return {"gathered": gathered, "prefetched": prefetched,
             "autocast_copies": 2.0 * (layout.matmul_numel - fp32_matmuls) if uses_autocast(cell) else 0.0,
             "recompute": recompute_bytes(cell, spec, device_type), "loss": loss_bytes(cell, spec),
             "activation_grads": activation_bytes(cell, spec)["per_layer"] if spec.family == "convnet" else 0.0,
             "score_grads": _score_grads(cell, spec, device_type),
-            "root_reduce": copies * 4.0 * layout.root_numel if reduces_root_last else 0.0,
-            "block_reduce": copies * 4.0 * layout.block_numel if reduces_root_last else 0.0,
+            "root_reduce": per_root * layout.root_numel if reduces_root_last else 0.0,
+            "block_reduce": per_block * layout.block_numel if reduces_root_last else 0.0,
             "buffers_after_backward": _buffers_after_backward(cell, layout, device_type)}
 
 

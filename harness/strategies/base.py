@@ -118,6 +118,10 @@ class EngineModel:
     # What zero_grad leaves of the gradients between steps: nothing (set_to_none, so a step's
     # first backward starts without them) or every gradient, zeroed in place (FairScale SDP).
     grads_between_steps: Literal["freed", "zeroed"] = "freed"
+    # Whether a unit's unsharded gradients stay held while they are reduce-scattered (FSDP1:
+    # its flat parameter's gradient, until the shard is taken), or are freed once copied into
+    # the fp32 reduce input (FSDP2's foreach_reduce).
+    reduce_holds_unsharded_grads: bool = False
     # Whether a rank's gradient partition exists while the activations are held, rather than
     # from the end of backward on: DeepSpeed ZeRO-2 allocates its flat partition when the
     # first bucket holding gradients a rank owns is reduced, and the rank owning the last

@@ -104,7 +104,8 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 
 # FSDP1 grew out of FairScale's FSDP: both keep the root unit gathered from forward to backward.
 _FULLY_SHARDED = EngineModel(sharded=frozenset({"optimizer", "grads", "params"}), comm="gather_and_reduce_scatter",
-                             gathers="forward_and_backward_but_root", accumulated_grads="unsharded_compute")
+                             gathers="forward_and_backward_but_root", accumulated_grads="unsharded_compute",
+                             reduce_holds_unsharded_grads=True)
 STRATEGIES = (
     Strategy(
         name="fsdp1_full", superseded_by="fsdp_full", summary="FSDP1 FULL_SHARD (ZeRO-3)", engine="torch",

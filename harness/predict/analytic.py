@@ -234,6 +234,12 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     step = {**on_device, "grads": 0.0 if freed else on_device["grads"],
             "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0, "other": buffers}
     moments = [backward, recomputing, step]
+    if transient.get("head_grad"):
+        # The head's backward, next: the logits and the loss's gradients gone with the loss's
+        # backward but the logits' own, the head's weight gradient made beside every other
+        # activation.
+        moments.append({**backward, "activations": backward["activations"] - acts["logits"],
+                        "other": backward["other"] - transient.get("loss", 0.0) + transient["head_grad"]})
     if transient.get("score_grads"):
         # Further into that block's backward, its softmax's: the loss's gradients are gone too,
         # and the scores' gradients held (traced: eager attention at 2,048 tokens peaks here).

@@ -206,6 +206,9 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     # Buffers made (or first seen) at the end of backward: held at the step, not before.
     in_backward = buffers - transient.get("buffers_after_backward", 0.0)
     engine = strategies.get(cell.strategy.name).engine_model
+    # A tied head's token table: backward's last op sums its gradient from the head's and the
+    # embedding's, three copies of it at once (the moments below, per engine).
+    table = cell.model_spec.required("vocab_size") * cell.model_spec.hidden if cell.model_spec.head_tied else 0
     # A pipeline's schedule runs later micro-batches' forwards while earlier ones' gradients
     # are held, as accumulation does.
     pipelined = engine.analytic == "pipeline" or (engine.analytic == "megatron"
@@ -258,25 +261,22 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
         buffer = deepspeed_zero.gradient_partition_numel(layout.shapes, shard_degree(cell)) if reduced_after else 0
         moments.append({**on_device, "grads": grad_bytes * (layout.numel / partitioned + buffer), "activations": 0.0,
                         "other": buffers})
-        if cell.model_spec.head_tied:
-            # Backward's last op, before any of that: a tied token table's gradient summed
-            # from the head's (held since the head's backward) and the embedding's, three
-            # copies of it at once, beside every other gradient (ZeRO-1) or the rank's
-            # partition (ZeRO-2). A checkpointed or short-sequence step peaks here: gpt2-124m
+        if table:
+            # Backward's last op, before any of that: the tied table's gradient summed beside
+            # every other gradient (ZeRO-1) or the rank's partition (ZeRO-2), the head's held
+            # since its backward. A checkpointed or short-sequence step peaks here: gpt2-124m
             # on 8 ranks at 128 tokens, fully checkpointed, ZeRO-1 read 0.58 (fp32) and 0.93
             # (bf16) of its trace without it, ZeRO-2 bf16 0.89.
-            table = cell.model_spec.required("vocab_size") * cell.model_spec.hidden
             held = layout.numel / partitioned if partitioned > 1 else layout.numel - table
             moments.append({**on_device, "grads": grad_bytes * held, "activations": 0.0,
                             "other": buffers + 3 * grad_bytes * table})
     whole_grads = "grads" not in engine.sharded and not engine.fp32_master_partition
-    if cell.model_spec.head_tied and whole_grads and engine.analytic == "data_parallel":
+    if table and whole_grads and engine.analytic == "data_parallel":
         # torch's engines hold every gradient whole, in fp32 as their parameters are (the
-        # reference, DDP, ZeroRedundancyOptimizer, FairScale): backward's last op sums a tied
-        # table's gradient, three copies of it, beside every other gradient, or every one where
-        # the table's own is already there (FairScale SDP zeroes them in place; accumulation).
-        # gpt2-124m under SDP on 8 ranks at 128 tokens, checkpointed: 0.912 of the trace without it.
-        table = cell.model_spec.required("vocab_size") * cell.model_spec.hidden
+        # reference, DDP, ZeroRedundancyOptimizer, FairScale): the tied table's gradient summed
+        # beside every other gradient, or every one where the table's own is already there
+        # (FairScale SDP zeroes them in place; accumulation). gpt2-124m under SDP on 8 ranks at
+        # 128 tokens, checkpointed: 0.912 of the trace without it.
         held = layout.numel if engine.grads_between_steps == "zeroed" or held_grads else layout.numel - table
         moments.append({**on_device, "grads": 4.0 * held, "activations": 0.0, "other": buffers + 3 * 4.0 * table})
     if transient.get("block_reduce"):
@@ -295,12 +295,11 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
                      "grads": on_device["grads"] * (1 - layout.root_numel / layout.numel),
                      "optimizer": on_device["optimizer"], "activations": 0.0}
         moments.append({**root_last, "other": buffers + transient["root_reduce"]})
-        if cell.model_spec.head_tied:
-            # Just before, in the root's backward (the root gathered): the table's gradient
-            # summed from the head's and the embedding's, three copies in the compute dtype,
-            # beside the first block's fp32 reduce input, not yet freed (gpt2-124m, 8 ranks,
-            # 128 tokens, checkpointed: the trace's peak in fp32 and bf16).
-            table = cell.model_spec.required("vocab_size") * cell.model_spec.hidden
+        if table:
+            # Just before, in the root's backward (the root gathered): the tied table's
+            # gradient summed, in the compute dtype, beside the first block's fp32 reduce
+            # input, not yet freed (gpt2-124m, 8 ranks, 128 tokens, checkpointed: the trace's
+            # peak in fp32 and bf16).
             moments.append({**root_last, "params": on_device["params"] + low * layout.root_numel,
                             "other": buffers + 3 * low * table + 4.0 * layout.block_numel})
     return max(moments, key=lambda phase: sum(phase.values()))

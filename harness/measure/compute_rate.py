@@ -71,7 +71,8 @@ the others wait (as the single-process reference runs; a one-rank launch times t
   Sequential of Linear, LayerNorm and GELU modules, an op per module call, costs 5-6 µs). The
   engines' own hooks are not in it.
 
-Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` untimed ones.
+Each is the median of ``REPEATS`` timings of ``ITERS`` calls after ``WARMUP`` untimed ones,
+fewer where the calls are slow (``seconds_per_call``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ OP_COST_SAMPLES = (2, 16)  # the calibration step's batch: the fewest samples, t
 OP_COST_WIDE = dataclasses.replace(models.PRESETS[OP_COST_MODEL], name=f"{OP_COST_MODEL}-wide",
                                    hidden=512, n_heads=8, seq_len=256)
 SLOW_CALL_S = 0.05
+# A timing's calls span at most about this long: at ~10 ms a call (a tiny step; an fp16 matmul of
+# 256² on a CPU without fp16 units, 25 ms) five calls or two, not ten or eight. The median of
+# REPEATS timings is what keeps a pre-empted span out; longer spans only made the calibration
+# (every run's first launch) longer: 27 s of compute rates on this project's CPU host.
+SPAN_S = 0.05
 
 
 def _sync(device: torch.device) -> None:
@@ -130,12 +136,15 @@ def _sync(device: torch.device) -> None:
 def seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEnv, alone: bool,
                       iters: int = ITERS) -> float:
     """The median over REPEATS of (``iters`` calls' span ÷ ``iters``); the slowest rank's, or
-    with ``alone`` rank 0's while the other ranks wait at a barrier. A call that takes longer
-    than ``SLOW_CALL_S`` (an fp16 or bf16 matmul on a CPU without units for it: a tenth of a
-    second and more) is timed once a repeat after one warm-up call: its span needs no
-    averaging, and the calibration stays seconds long."""
+    with ``alone`` rank 0's while the other ranks wait at a barrier. A first call, untimed,
+    sizes the span: no more calls than fit in ``SPAN_S``, and a call that takes longer than
+    ``SLOW_CALL_S`` (an fp16 or bf16 matmul on a CPU without units for it: a tenth of a second
+    and more) is timed once a repeat with no warm-up call before it (the first call warmed
+    what a cold start costs, microseconds of its tenths): its span needs no averaging, and
+    the calibration stays seconds long."""
     runs = env.rank == 0 or not alone
     timings = []
+    warmup = WARMUP
     if runs:
         _sync(device)
         start = time.perf_counter()
@@ -144,9 +153,9 @@ def seconds_per_call(call: Callable[[], Any], device: torch.device, env: DistEnv
         probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         if not alone:  # every rank makes as many calls: a distributed step's collectives pair up
             dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-        if float(probe.item()) > SLOW_CALL_S:
-            iters = 1
-    warmup = min(WARMUP, iters)
+        first_s = float(probe.item())
+        iters = max(1, min(iters, int(SPAN_S / first_s)))
+        warmup = 0 if first_s > SLOW_CALL_S else min(WARMUP, iters)
     for _ in range(REPEATS):
         dist.barrier()
         if runs:
@@ -442,8 +451,8 @@ def _op_cost_at(seconds: float, work: dict[str, Any], kernels: float, memory: fl
 
 
 def _step_seconds(step: Callable[[], None], device: torch.device, env: DistEnv, alone: bool) -> float:
-    # Steps of ~10 ms: 10 of them a timing, so one pre-emption does not set the rate (the wide
-    # decoder's, over SLOW_CALL_S, are timed one a repeat).
+    # Up to 10 steps a timing where they are quick (a GPU's milliseconds), as many as fit in
+    # SPAN_S where they are not (this CPU's ~10 ms: 5; the wide decoder's, over SLOW_CALL_S, one).
     return seconds_per_call(step, device, env, alone, iters=10)
 
 

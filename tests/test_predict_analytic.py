@@ -1004,41 +1004,52 @@ def test_eager_minus_sdpa_measured(model):
 
 # --- pipeline receive buffers against torch's PipelineStage (2 gloo ranks) ---------------------------
 
-def _held_receive_buffers(rank: int, store: str, precision: str, out: dict) -> None:
-    """One rank of an interleaved llama-tiny pipeline after two steps: the bytes of the
-    receive buffers its PipelineStages keep between steps."""
+PIPELINE_PRECISIONS = ("fp32", "bf16")
+
+
+def _pipeline_cell(precision: str) -> CellSpec:
+    return CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b", precision=precision))
+
+
+def _held_receive_buffers(rank: int, store: str, out: dict) -> None:
+    """One rank of an interleaved llama-tiny pipeline in each of PIPELINE_PRECISIONS after two
+    steps: the bytes of the receive buffers its PipelineStages keep between steps."""
     import torch.distributed as dist
 
     from harness.distributed import DistEnv
     from harness.strategies import pipeline
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    cell = CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b", precision=precision))
-    built = models.build(cell.model_spec)
     env = DistEnv(rank=rank, world_size=2, nnodes=1, device=torch.device("cpu"), backend="gloo")
-    prepared = pipeline.prepare(built.module, built.block_type, cell, env)
-    batch = built.make_batch(torch.Generator().manual_seed(0), cell.global_batch)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        for _ in range(2):
-            prepared.forward_backward(batch)
-            prepared.optimizer.step()
-    stages = prepared.forward_backward.schedule._stages
-    out[rank] = sum(info.buffer.nbytes for stage in stages for infos in (stage.args_recv_info, stage.grad_recv_info)
-                    for per_microbatch in infos.values() for info in per_microbatch if info.buffer is not None)
+    for precision in PIPELINE_PRECISIONS:
+        cell = _pipeline_cell(precision)
+        built = models.build(cell.model_spec)
+        prepared = pipeline.prepare(built.module, built.block_type, cell, env)
+        batch = built.make_batch(torch.Generator().manual_seed(0), cell.global_batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            for _ in range(2):
+                prepared.forward_backward(batch)
+                prepared.optimizer.step()
+        stages = prepared.forward_backward.schedule._stages
+        out[rank, precision] = sum(info.buffer.nbytes for stage in stages
+                                   for infos in (stage.args_recv_info, stage.grad_recv_info)
+                                   for per_microbatch in infos.values() for info in per_microbatch
+                                   if info.buffer is not None)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_pipeline_buffers_are_the_stages_receive_buffers(tmp_path, precision):
+def test_pipeline_buffers_are_the_stages_receive_buffers(tmp_path):
     # The memory tracker misses some of these on rank 0 (it sees a storage only when an op it
-    # dispatches makes or aliases it): counted here from the stages themselves.
+    # dispatches makes or aliases it): counted here from the stages themselves. Both
+    # precisions in one pair of processes (each pair's start-up is most of its 6 s).
     import torch.multiprocessing as mp
 
     out = mp.Manager().dict()
-    mp.spawn(_held_receive_buffers, args=(str(tmp_path / "store"), precision, out), nprocs=2)
-    cell = CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b", precision=precision))
-    predicted = analytic.predict(cell)["model_states_bytes"]["buffers"]  # every rank's: 3 transfers each
-    assert out[0] == out[1] == predicted == 3 * 4 * 2 * 32 * 64 * 4  # fp32 hidden states in both precisions
+    mp.spawn(_held_receive_buffers, args=(str(tmp_path / "store"), out), nprocs=2)
+    for precision in PIPELINE_PRECISIONS:
+        predicted = analytic.predict(_pipeline_cell(precision))["model_states_bytes"]["buffers"]  # every rank's
+        # 3 transfers each, fp32 hidden states in both precisions.
+        assert out[0, precision] == out[1, precision] == predicted == 3 * 4 * 2 * 32 * 64 * 4, precision
 
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny", "bert-tiny"])

@@ -70,15 +70,16 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     # the hang, the cell after it (the host short of memory), the last.
     batch = [first, gpt2("fsdp_full"), raising, first, crashing, after_crash, hanging, after_hang, after_restart]
     # Each cell's default limit, scaled to it (runner/timeouts.py), the hanging cell's with
-    # the start-up allowance cut from minutes to 15 s: the hang, second in its launch, costs
-    # the 15 s and its compute allowance. The others keep theirs: on a busy host a launch's
-    # first cell can take longer than 15 s to start.
+    # the start-up allowance cut from minutes to 6 s: the hang, second in its launch (its
+    # processes started, its imports done), costs the 6 s and its compute allowance, where a
+    # cell of mlp-tiny ends in well under a second. The others keep theirs: on a busy host a
+    # launch's first cell can take longer than 15 s to start.
     scaled = timeouts.for_cell
 
     def for_cell(cell: CellSpec, *args) -> timeouts.CellTimeout:
         with monkeypatch.context() as patch:
             if cell == hanging:
-                patch.setattr(timeouts, "START_UP_S", 15.0)
+                patch.setattr(timeouts, "START_UP_S", 6.0)
             return scaled(cell, *args)
 
     monkeypatch.setattr(timeouts, "for_cell", for_cell)
@@ -97,7 +98,7 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     # The rank that died, how, and its own Python stack (faulthandler), not torchrun's.
     assert outcomes[4].reason.startswith("rank 1 was killed by SIGSEGV, the first rank to fail")
     assert "Fatal Python error: Segmentation fault" in outcomes[4].reason and "faults.py" in outcomes[4].reason
-    assert "no result after 15 s (the limit: 15 s start-up + 20 × " in outcomes[6].reason, outcomes[6].reason
+    assert "no result after 6 s (the limit: 6 s start-up + 20 × " in outcomes[6].reason, outcomes[6].reason
     # A host short of memory after a good cell: the workers leave, the next cell gets fresh ones.
     launches = sorted(tmp_path.glob("launch-*"))
     assert [d.name for d in launches] == [f"launch-{n:03d}" for n in range(1, 6)]

@@ -38,9 +38,8 @@ def test_the_shardbench_command_runs_the_cli_through_entry_and_ends_quietly_when
     (script,) = metadata.entry_points(group="console_scripts", name="shardbench")
     assert script.value == "harness.entry:shardbench"
     command = Path(sys.executable).parent / "shardbench"
-    assert subprocess.run([str(command), "--version"], capture_output=True, text=True,
-                          timeout=120).stdout == f"shardbench {metadata.version('shardbench')}\n"
-    # A listing piped into `head`: SIGPIPE ends it as it does other Unix tools, without a traceback.
+    # The installed command, its listing piped into `head`: SIGPIPE ends it as it does other Unix
+    # tools, without a traceback. (The version it prints: tests/test_cli.py, in this process.)
     piped = subprocess.run(f"{command} list --suite full | head -1", shell=True, capture_output=True, text=True,
                            timeout=120)
-    assert len(piped.stdout.splitlines()) == 1 and piped.stderr == ""
+    assert len(piped.stdout.splitlines()) == 1 and "/seed0 " in piped.stdout and piped.stderr == ""  # a cell

@@ -52,7 +52,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     FairScale, bitsandbytes, networkx under torch's partitioner, ~1,300 modules over the
     predictor's tests), what is still alive goes to gc's permanent generation too, its garbage
     collected first: frozen at collection they were not, and every full collection after
-    scanned them (0.16 s each against 0.03 s frozen; 98 of them took 16 s of
+    scanned them (0.16 s each against 0.02 s frozen; 98 of them took 16 s of
     tests/test_predict_analytic.py, 2.5 s frozen)."""
     done = yield
     if len(sys.modules) != _modules_frozen[0]:

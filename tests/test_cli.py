@@ -102,6 +102,8 @@ SUITE_FILES = {
          "--gpus 100000000: must be at least 1 and at most 1,048,576"),
         (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "80GiB", "--seq", "0"],
          "--seq 0: must be at least 1"),
+        (["plan", "--model", str(REPO / "suites/configs/mistral-tiny.json"), "--gpus", "8", "--gpu-mem", "80GiB",
+          "--seq", "64"], "--seq: seq_len=64: model 'mistral-"),
         (["plan", "--model", "gpt2-124m", "--gpus", "8", "--gpu-mem", "inf"], "--gpu-mem 'inf': give a size"),
         (["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "80GiB", "--nodes", "2"],
          "--gpus 1 is not divisible by --nodes 2"),

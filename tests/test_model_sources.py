@@ -78,6 +78,10 @@ def test_a_factorys_model_keeps_the_depth_its_code_gives_it():
     ({"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}, "shardbench runs no remote code"),
     ({"model_type": "not_a_model"}, "model_type='not_a_model' is not one this transformers knows"),
     ({"architectures": ["MistralForTokenClassification"]}, "is not a causal LM, masked LM or image classifier"),
+    # An encoder-decoder with no architectures entry: one line, not AutoModelForCausalLM's list.
+    ({"model_type": "t5", "architectures": None}, r"no causal_lm class for model_type='t5', which a config naming no"),
+    ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}, "vision_config": {}},
+     r"a multimodal config \(text_config beside vision_config\).* \(model_type 'gemma3_text'\)$"),
 ])
 def test_a_config_that_cannot_be_built_here_is_refused_with_the_reason(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):

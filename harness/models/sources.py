@@ -27,6 +27,7 @@ import inspect
 import json
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,9 @@ def _resolve_config(path: str, overrides_json: str, where: str) -> ModelSpec:
     if not isinstance(model_type, str):
         raise ValueError(f"{where}={path}: no model_type: a transformers config.json names its model_type")
     _check_known(model_type, path, where)
+    _refuse_multimodal(config, model_type, path, where)
     task = _task(config, path, where)
+    _check_task_class(model_type, task, path, where)
     config = _for_training(_with_defaults(config, path, where))
     return _spec(path, model_type, task, config, where)
 
@@ -125,6 +128,35 @@ def _check_known(model_type: str, path: str, where: str) -> None:
     if model_type not in CONFIG_MAPPING_NAMES:
         raise ValueError(f"{where}={path}: model_type={model_type!r} is not one this transformers knows"
                          " (a newer transformers, or remote code, which shardbench does not run)")
+
+
+def _refuse_multimodal(config: dict[str, Any], model_type: str, path: str, where: str) -> None:
+    """A composite config (Gemma 3, Llama 4, the VL models: a ``text_config`` beside a vision
+    tower's) is refused rather than planned as its language model alone, which would leave
+    the vision tower's parameters out of every figure without saying so."""
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        text_type = text.get("model_type", "its text model's type")
+        raise ValueError(f"{where}={path}: model_type={model_type!r} is a multimodal config (text_config beside"
+                         f" {', '.join(sorted(k for k in config if k.endswith('_config') and k != 'text_config'))});"
+                         f" shardbench builds one model of one task: to measure its language model, give text_config's"
+                         f" keys as a config.json of their own (model_type {text_type!r})")
+
+
+def _check_task_class(model_type: str, task: Task, path: str, where: str) -> None:
+    """transformers has a class for this model type and task (T5's encoder-decoder has no
+    causal-LM class, CLIP no image classifier): else one line, not the auto class's list of
+    every type it knows."""
+    from transformers.models.auto import modeling_auto
+
+    classes: dict[Task, Mapping[str, object]] = {
+        "causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "masked_lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "image_classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+    if model_type not in classes[task]:
+        why = "its architectures entry says" if task != _DEFAULT_TASK else "a config naming no architectures is"
+        raise ValueError(f"{where}={path}: transformers has no {task} class for model_type={model_type!r}, which"
+                         f" {why} (shardbench trains causal LMs, masked LMs and image classifiers)")
 
 
 def _task(config: dict[str, Any], path: str, where: str) -> Task:

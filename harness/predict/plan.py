@@ -84,6 +84,10 @@ class PlanRequest:
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
         if self.seq is not None and spec.seq_len is None:
             raise ValueError(f"--seq applies to text models; {spec.name} is a {spec.family} model")
+        try:
+            spec = self.spec  # the model's own bounds on the sequence (its position embeddings) checked
+        except ValueError as error:
+            raise ValueError(f"--seq: {error}") from None
         if self.attention is not None:
             if self.attention not in get_args(Attention):
                 raise ValueError(f"--attention {self.attention}: choose one of {', '.join(get_args(Attention))}")

@@ -26,10 +26,12 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.precision not in DTYPES:
         raise UsageError(f"--precision {args.precision}: choose one of {', '.join(DTYPES)}")
     try:
+        host_mem = None if args.host_mem is None else parse_bytes(args.host_mem, "--host-mem")
         req = plan.PlanRequest(model=sources.resolve(args.model, "--model"), gpus=args.gpus, nodes=args.nodes,
                                seq=args.seq,
                                micro_batch=args.micro_batch, gpu_mem_bytes=parse_bytes(args.gpu_mem),
-                               precision=args.precision, optimizer=args.optimizer, attention=args.attention)
+                               precision=args.precision, optimizer=args.optimizer, attention=args.attention,
+                               host_mem_bytes=host_mem)
     except ValueError as error:
         raise UsageError(str(error)) from None
     rates, measured, work_trace = None, None, None

@@ -624,25 +624,30 @@ class CellSpec:
 
 _BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# A GPU's memory, as --gpu-mem gives it: from a megabyte to far beyond any made (H200: 141 GB).
-GPU_MEM_RANGE = (2**20, 2**44)  # 1 MiB .. 16 TiB
-# A rank's host memory cap (--mem-cap-gib): at most a host far larger than any made.
-MAX_MEM_CAP_GIB = 2**16  # 64 TiB
+# The sizes parse_bytes reads, by option: a GPU's memory, from a megabyte to far beyond any
+# made (H200: 141 GB); a node's host memory for plan (a DGX H100 has 2 TiB).
+BYTE_OPTION_RANGES = {"--gpu-mem": (2**20, 2**44, "1 MiB and 16 TiB per GPU"),
+                      "--host-mem": (2**20, 2**50, "1 MiB and 1 PiB per node")}
 
 
-def parse_bytes(text: str) -> float:
+def parse_bytes(text: str, flag: str = "--gpu-mem") -> float:
     """'80GiB', '80 GB', '81920MiB', '8e10B' -> bytes. GB = 1e9, GiB = 2^30. The unit is
-    required: a bare 80 is as likely meant as GiB as bytes."""
+    required: a bare 80 is as likely meant as GiB as bytes. ``flag`` names the option in the
+    messages and picks its range (``BYTE_OPTION_RANGES``)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _BYTE_UNITS:
-        raise ValueError(f"--gpu-mem {text!r}: give a size with its unit, such as 80GiB, 40GB or 81920MiB"
+        raise ValueError(f"{flag} {text!r}: give a size with its unit, such as 80GiB, 40GB or 81920MiB"
                          f" (units: {', '.join(_BYTE_UNITS)})")
     value = float(match.group(1)) * _BYTE_UNITS[unit]
-    low, high = GPU_MEM_RANGE
+    low, high, between = BYTE_OPTION_RANGES[flag]
     if not low <= value <= high:
-        raise ValueError(f"--gpu-mem {text!r}: must be between 1 MiB and 16 TiB per GPU")
+        raise ValueError(f"{flag} {text!r}: must be between {between}")
     return value
+
+
+# A rank's host memory cap (--mem-cap-gib): at most a host far larger than any made.
+MAX_MEM_CAP_GIB = 2**16  # 64 TiB
 
 
 # A run's options. Device is where cells compute; a Surface is a parser that takes run options:

@@ -70,6 +70,7 @@ from harness.predict import (  # noqa: E402
     analytic,
     analytic_data_parallel,
     analytic_parallel,
+    fit,
     formulas,
     pipeline_schedule,
     plan,
@@ -542,6 +543,33 @@ def test_plan_recommends_a_fitting_configuration():
     assert best["cell"].strategy.name != "ddp"  # 16 B/param of 8B parameters cannot fit in 40 GiB
     none = plan.plan(plan.PlanRequest(model="llama3-8b", gpus=2, gpu_mem_bytes=2**30))
     assert none["recommended"] is None and "Nothing fits" in plan.recommendation_text(none)
+
+
+def test_plan_counts_what_offload_holds_in_each_nodes_host_memory():
+    """llama3-8b on 8 × 16 GiB fits only by offloading: what each node's ranks offload is shown,
+    and, with --host-mem, over its usable share is no fit."""
+    req = plan.PlanRequest(model="llama3-8b", gpus=8, gpu_mem_bytes=16 * 2**30, seq=2048)
+    unchecked = plan.plan(req)
+    best = unchecked["recommended"]
+    assert best["cell"].strategy.offload != "none" and best["host_fits"] is None
+    assert best["host_bytes_per_node"] == 8 * sum(best["predicted"]["offloaded_bytes"].values()) > 0
+    assert "in each node's host memory (not checked: give --host-mem)" in plan.recommendation_text(unchecked)
+    need = best["host_bytes_per_node"]
+    roomy = plan.plan(dataclasses.replace(req, host_mem_bytes=need / fit.HOST_USABLE_FRACTION))
+    assert roomy["recommended"]["cell"] == best["cell"]
+    assert f"of {need / 2**30:.1f} GiB usable" in plan.recommendation_text(roomy)
+    # On two nodes each holds half; on one with less host memory nothing offloading fits.
+    two_nodes = plan.plan(dataclasses.replace(req, nodes=2, host_mem_bytes=need / fit.HOST_USABLE_FRACTION))
+    assert {plan.config_label(r["cell"]): r["host_bytes_per_node"] for r in two_nodes["rows"]}[
+        plan.config_label(best["cell"])] == pytest.approx(need / 2)
+    short = plan.plan(dataclasses.replace(req, host_mem_bytes=need / fit.HOST_USABLE_FRACTION * 0.99))
+    row = next(r for r in short["rows"] if r["cell"] == best["cell"])
+    assert row["gpu_fits"] and row["host_fits"] is False and not row["fits"]
+    assert short["recommended"] is None
+    text = plan.recommendation_text(short)
+    assert text.startswith("Nothing fits: ") and "fit 14.4 GiB usable per GPU but offload more than" in text
+    table = plan.as_table(short, markdown=True)
+    assert f"| {plan.config_label(best['cell'])} | host |" in table and "host/node" in table
 
 
 def test_plan_lists_apart_what_the_analytic_predictor_does_not_describe():

@@ -17,6 +17,10 @@ from harness.config import CellSpec
 from harness.predict import analytic
 
 USABLE_FRACTION = 0.9
+# What offload may hold of a node's host memory (plan's --host-mem): the rest is the OS's, the
+# ranks' own processes' (their libraries and CUDA's host-side state, a few GB a rank) and the
+# data loaders'.
+HOST_USABLE_FRACTION = 0.8
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,6 +66,7 @@ class PlanRequest:
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
     attention: Attention | None = None  # None: the model's own (``model_attention``)
+    host_mem_bytes: float | None = None  # a node's host memory (--host-mem); None: offload's need is not checked
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -148,10 +149,14 @@ def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates, work: dict |
     spec = cell.model_spec
     peak = flops.peak_flops(rates.gpu_name, flops.compute_precision(req.precision, "high"))
     model_flops = models.flops_per_sample(spec) * cell.global_batch / cell.world_size
+    # What offload keeps in host memory, every rank of a node its own partition of it.
+    host = sum(predicted["offloaded_bytes"].values()) * (req.gpus // req.nodes)
+    host_fits = None if req.host_mem_bytes is None else host <= fit.HOST_USABLE_FRACTION * req.host_mem_bytes
     return {"cell": cell, "predicted": predicted, "step_time": step,
             "tokens_per_s": cell.global_batch * spec.tokens_per_sample / seconds if seconds else None,
             "mfu": model_flops / seconds / peak if seconds and peak else None,
-            "fits": predicted["peak_bytes"] <= fit.USABLE_FRACTION * req.gpu_mem_bytes, "traced": None}
+            "host_bytes_per_node": host, "host_fits": host_fits,
+            "gpu_fits": predicted["peak_bytes"] <= fit.USABLE_FRACTION * req.gpu_mem_bytes, "traced": None}
 
 
 def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | None = None,
@@ -181,6 +186,8 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
     works = plan_work.stand_ins(cells, work_trace, rates.device_type, req.nodes) if work_trace else {}
     rows = [{**_row(cell, req, rates, works.get(cell.cell_id)),
              "measured_step_time_s": (measured or {}).get(cell.cell_id)} for cell in cells]
+    for r in rows:
+        r["fits"] = r["gpu_fits"] and r["host_fits"] is not False
     by_label = {config_label(r["cell"]): r for r in rows}
     if named is not None and named not in by_label:
         raise ValueError(f"--config {named}: not a candidate here; choose one of {', '.join(sorted(by_label))}")
@@ -197,7 +204,7 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
                 r["traced"] = results[r["cell"].cell_id]
                 if ("fails" in r["traced"]
                         or r["traced"].get("peak_bytes", 0) > fit.USABLE_FRACTION * req.gpu_mem_bytes):
-                    r["fits"] = False
+                    r["gpu_fits"] = r["fits"] = False
             pending = []
     fitting = sorted((r for r in rows if r["fits"]), key=_preference)
     return {"request": req, "rates": rates, "rows": sorted(rows, key=lambda r: r["predicted"]["peak_bytes"]),
@@ -209,6 +216,14 @@ def recommendation_text(result: dict) -> str:
     req, best = result["request"], result["recommended"]
     usable = fit.USABLE_FRACTION * req.gpu_mem_bytes
     if best is None:
+        host_bound = sorted((r for r in result["rows"] if r["gpu_fits"] and r["host_fits"] is False),
+                            key=lambda r: r["host_bytes_per_node"])
+        if host_bound and req.host_mem_bytes is not None:
+            least = host_bound[0]
+            return (f"Nothing fits: {len(host_bound)} configuration(s) fit {_gib(usable)} usable per GPU but offload"
+                    f" more than the {_gib(fit.HOST_USABLE_FRACTION * req.host_mem_bytes)} usable of a node's host"
+                    f" memory (the least {_gib(least['host_bytes_per_node'])}, {config_label(least['cell'])}), and the"
+                    " others need more per GPU: add nodes (the offloaded states spread over them) or GPUs.")
         smallest = result["rows"][0] if result["rows"] else None
         need = (f"; the smallest predicted peak is {_gib(smallest['predicted']['peak_bytes'])}"
                 f" ({config_label(smallest['cell'])})" if smallest else "")
@@ -229,11 +244,21 @@ def recommendation_text(result: dict) -> str:
                    if "fails" in (named["traced"] or {}) else "does not fit")
         text += (f" Your {config_label(named['cell'])} {verdict}"
                  + (f" and would be {_slower(named, best):.2f}× slower." if named["fits"] else "."))
-    return (text + ("" if s.offload == "none" else " Offload costs host-device bandwidth every step.")
+    offload = f" Offload costs host-device bandwidth every step{_host_text(best, req)}."
+    return (text + ("" if s.offload == "none" else offload)
             + ("" if s.checkpointing == "none"
                else " Activation offload copies what the blocks save to host memory and back every micro-step."
                if s.checkpointing == "offload"
                else f" {s.checkpointing.capitalize()} checkpointing trades compute for memory."))
+
+
+def _host_text(row: dict, req: PlanRequest) -> str:
+    """What the row's offload holds in each node's host memory, against --host-mem's usable
+    share where given."""
+    held = f" and holds {_gib(row['host_bytes_per_node'])} in each node's host memory"
+    if req.host_mem_bytes is None:
+        return held + " (not checked: give --host-mem)"
+    return held + f" of {_gib(fit.HOST_USABLE_FRACTION * req.host_mem_bytes)} usable"
 
 
 def against_measured(result: dict) -> dict | None:
@@ -262,6 +287,12 @@ def _attention_text(req: PlanRequest) -> str:
     return f", {req.model_attention} attention{why}"
 
 
+def _host_mem_text(req: PlanRequest) -> str:
+    if req.host_mem_bytes is None:
+        return "host memory not checked (--host-mem)"
+    return f"{_gib(req.host_mem_bytes)} of host memory a node ({fit.HOST_USABLE_FRACTION:.0%} usable by offload)"
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -270,8 +301,13 @@ def _step_text(row: dict) -> str:
     step = row["step_time"]
     if "step_time_s" not in step:
         return f"no step time ({step['unavailable']})"
-    mfu = f", MFU {row['mfu']:.0%}" if row["mfu"] is not None else ""
+    mfu = f", MFU {_percent(row['mfu'])}" if row["mfu"] is not None else ""
     return f"{step['step_time_s']:.3g} s a step, {row['tokens_per_s']:,.0f} tokens/s{mfu}"
+
+
+def _percent(fraction: float) -> str:
+    """Two significant digits: 31%, 5.6%, and an offloading step's 0.34% rather than 0%."""
+    return f"{fraction * 100:.2g}%"
 
 
 def _slower(row: dict, best: dict) -> float:
@@ -316,7 +352,8 @@ def as_json(result: dict) -> str:
         "request": {**dataclasses.asdict(req), "model": spec_json(req.model)},
         "rows": [{"config": config_label(r["cell"]), "cell": r["cell"].to_dict(), "fits": r["fits"],
                   "predicted": r["predicted"], "step_time": r["step_time"], "tokens_per_s": r["tokens_per_s"],
-                  "mfu": r["mfu"], "traced": r["traced"], "measured_step_time_s": r["measured_step_time_s"]}
+                  "mfu": r["mfu"], "host_bytes_per_node": r["host_bytes_per_node"], "host_fits": r["host_fits"],
+                  "traced": r["traced"], "measured_step_time_s": r["measured_step_time_s"]}
                  for r in result["rows"]],
         "unplanned": result["unplanned"],  # label -> why the analytic predictor has no peak for it
         "recommended": config_label(result["recommended"]["cell"]) if result["recommended"] else None,
@@ -324,7 +361,8 @@ def as_json(result: dict) -> str:
         "recommendation": recommendation_text(result),
         "against_measured": against_measured(result),
         "rates": {"source": result["rates"].source, "device_type": result["rates"].device_type,
-                  "gpu": result["rates"].gpu_name, "usable_fraction": fit.USABLE_FRACTION},
+                  "gpu": result["rates"].gpu_name, "usable_fraction": fit.USABLE_FRACTION,
+                  "host_usable_fraction": fit.HOST_USABLE_FRACTION},
     }, indent=2)
 
 
@@ -337,13 +375,15 @@ def as_table(result: dict, markdown: bool) -> str:
     spec = req.spec
     head = (f"{spec.name}: {models.param_layout(spec).numel / 1e9:.2f}B parameters, seq {spec.tokens_per_sample},"
             f" micro-batch {req.micro_batch}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each"
-            f" ({fit.USABLE_FRACTION:.0%} usable), {req.precision}, {req.optimizer}{_attention_text(req)}."
+            f" ({fit.USABLE_FRACTION:.0%} usable), {_host_mem_text(req)}, {req.precision}, {req.optimizer}"
+            f"{_attention_text(req)}."
             " Memory: analytic predictor"
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
             f" {result['rates'].source}.{_unchecked_text(spec)}")
     beside = against_measured(result)
     cols = ("config", "fits", "peak", "params", "grads", "optimizer", "buffers", "activations", "transient",
-            "offloaded", "comm/step", "step s", "tokens/s", "MFU", "traced", *(("measured s",) if beside else ()))
+            "offloaded", "host/node", "comm/step", "step s", "tokens/s", "MFU", "traced",
+            *(("measured s",) if beside else ()))
     lines = [head, ""]
     if markdown:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -354,20 +394,23 @@ def as_table(result: dict, markdown: bool) -> str:
         st = p["model_states_bytes"]
         values = [p["peak_bytes"], st["params"], st["grads"], st["optimizer"], st["buffers"],
                   p["activation_bytes"]["layers"] + p["activation_bytes"]["logits"],
-                  sum(p["transient_bytes"].values()), sum(p["offloaded_bytes"].values()),
+                  sum(p["transient_bytes"].values()), sum(p["offloaded_bytes"].values()), r["host_bytes_per_node"],
                   p["comm_volume_per_step"]]
-        fits = "yes" if r["fits"] else "no"
+        fits = "yes" if r["fits"] else "host" if r["gpu_fits"] else "no"
         step = r["step_time"].get("step_time_s")
         traced = (r["traced"] or {}).get("peak_bytes")
         cells = [_gib(v).replace(" GiB", "") for v in values] + [
             "-" if step is None else f"{step:.3g}", "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
-            "-" if r["mfu"] is None else f"{r['mfu']:.0%}", "-" if traced is None else _gib(traced).replace(" GiB", ""),
+            "-" if r["mfu"] is None else _percent(r["mfu"]),
+            "-" if traced is None else _gib(traced).replace(" GiB", ""),
             *((_seconds(r["measured_step_time_s"]),) if beside else ())]
         if markdown:
             lines.append(f"| {config_label(r['cell'])} | {fits} | " + " | ".join(cells) + " |")
         else:
             lines.append(f"{config_label(r['cell']):<52} {fits:<4} " + " ".join(f"{c:>11}" for c in cells))
-    lines += ["", "(GiB; comm/step: bytes each GPU moves per step, an all-reduce counted twice as in ZeRO §7;"
+    lines += ["", "(GiB; fits host: the GPU, not the host memory offload needs; offloaded: per GPU, host/node: all"
+              " of a node's GPUs' offloaded states; comm/step: bytes each GPU moves per step, an all-reduce counted"
+              " twice as in ZeRO §7;"
               " traced: the FakeTensorMode peak with CUDA's attention kernels, for the configurations --traced traced"
               + ("; measured s: the step the calibrating run measured" if beside else "") + ")",
               "", recommendation_text(result)]

@@ -42,10 +42,10 @@ def _out_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder holding results/ and reports/")
 
 
-def _flags_of(parser: argparse.ArgumentParser, command: str) -> list[str]:
-    """The long flags ``command``'s own parser takes."""
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """``command``'s own parser: its flags, and its errors named after it."""
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return [flag for flag in commands.choices[command]._option_string_actions if flag.startswith("--")]
+    return commands.choices[command]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,14 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    flags = _flags_of(parser, args.command)
+    command = _command_parser(parser, args.command)
+    flags = [flag for flag in command._option_string_actions if flag.startswith("--")]
     mistyped = [(arg, close[0]) for arg in extra if arg.startswith("--")
                 for close in [difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.75)] if close]
     if mistyped:  # run's other arguments go to pytest, but not one that is a typo of its own
         arg, close = mistyped[0]
-        parser.error(f"unrecognized argument {arg}: did you mean {close}?")
+        command.error(f"unrecognized argument {arg}: did you mean {close}?")
     if extra and args.command != "run":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra)
     except UsageError as error:

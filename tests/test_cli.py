@@ -233,6 +233,7 @@ def _assert_refused(code: int, stderr: str, message: str, out: Path) -> None:
     assert code == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], stderr
+    assert not lines[0].startswith("shardbench: error: shardbench:"), stderr  # the command's name, once
     assert not (out / "results").exists()
 
 

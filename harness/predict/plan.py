@@ -9,7 +9,9 @@ stated there, or, with ``--calibration``, at the rates a run measured on the use
 device, each configuration's work traced from its first blocks, predict/plan_work.py, and the
 run's own measured step beside each configuration it ran). A configuration fits when its
 peak is within ``fit.USABLE_FRACTION`` of the GPU's memory (the rest is the headroom the CUDA
-context, NCCL and the allocator's fragmentation take). The recommendation is the fastest
+context, NCCL and the allocator's fragmentation take) and, where the request gives a node's
+host memory, what its offload holds there, every local rank's share, is within
+``fit.HOST_USABLE_FRACTION`` of it. The recommendation is the fastest
 fitting configuration by the predicted step time; between equal times, the order a
 practitioner would try them — no offload before offload, less recomputation before more.
 
@@ -152,11 +154,12 @@ def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates, work: dict |
     # What offload keeps in host memory, every rank of a node its own partition of it.
     host = sum(predicted["offloaded_bytes"].values()) * (req.gpus // req.nodes)
     host_fits = None if req.host_mem_bytes is None else host <= fit.HOST_USABLE_FRACTION * req.host_mem_bytes
+    gpu_fits = predicted["peak_bytes"] <= fit.USABLE_FRACTION * req.gpu_mem_bytes
     return {"cell": cell, "predicted": predicted, "step_time": step,
             "tokens_per_s": cell.global_batch * spec.tokens_per_sample / seconds if seconds else None,
             "mfu": model_flops / seconds / peak if seconds and peak else None,
-            "host_bytes_per_node": host, "host_fits": host_fits,
-            "gpu_fits": predicted["peak_bytes"] <= fit.USABLE_FRACTION * req.gpu_mem_bytes, "traced": None}
+            "host_bytes_per_node": host, "host_fits": host_fits, "gpu_fits": gpu_fits,
+            "fits": gpu_fits and host_fits is not False, "traced": None}
 
 
 def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | None = None,
@@ -186,8 +189,6 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
     works = plan_work.stand_ins(cells, work_trace, rates.device_type, req.nodes) if work_trace else {}
     rows = [{**_row(cell, req, rates, works.get(cell.cell_id)),
              "measured_step_time_s": (measured or {}).get(cell.cell_id)} for cell in cells]
-    for r in rows:
-        r["fits"] = r["gpu_fits"] and r["host_fits"] is not False
     by_label = {config_label(r["cell"]): r for r in rows}
     if named is not None and named not in by_label:
         raise ValueError(f"--config {named}: not a candidate here; choose one of {', '.join(sorted(by_label))}")

@@ -80,6 +80,8 @@ def test_a_factorys_model_keeps_the_depth_its_code_gives_it():
     ({"architectures": ["MistralForTokenClassification"]}, "is not a causal LM, masked LM or image classifier"),
     # An encoder-decoder with no architectures entry: one line, not AutoModelForCausalLM's list.
     ({"model_type": "t5", "architectures": None}, r"no causal_lm class for model_type='t5', which a config naming no"),
+    # transformers takes the config but its model's code cannot be built from it: one line too.
+    ({"pad_token_id": 1000}, "transformers cannot build its model from it: AssertionError: Padding_idx must be within"),
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}, "vision_config": {}},
      r"a multimodal config \(text_config beside vision_config\).* \(model_type 'gemma3_text'\)$"),
 ])

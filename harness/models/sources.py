@@ -179,10 +179,15 @@ def _with_defaults(config: dict[str, Any], path: str, where: str) -> dict[str, A
     try:
         full: dict[str, Any] = AutoConfig.for_model(config["model_type"], **given).to_dict()
     except Exception as error:  # transformers' own validation (a bool for an int, say): its last line, the cause
-        cause = str(error).strip().splitlines()[-1:] or [type(error).__name__]
-        raise ValueError(f"{where}={path}: transformers refuses the config: {cause[0].strip()}") from None
+        raise ValueError(f"{where}={path}: transformers refuses the config: {_last_line(error)}") from None
     full.pop("transformers_version", None)  # which transformers wrote it: the provenance says so
     return full
+
+
+def _last_line(error: Exception) -> str:
+    """An exception's message as one line: its last (the cause, where it spans several)."""
+    lines = str(error).strip().splitlines()
+    return lines[-1].strip() if lines else type(error).__name__
 
 
 def _for_training(config: dict[str, Any]) -> dict[str, Any]:
@@ -278,9 +283,13 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
         sizes["top_k"] = None
     provisional = ModelSpec(name=model_type, family="hf_config", hf=hf, max_seq_len=max_positions,
                             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), **sizes)
-    with on_meta():
-        # Eager attention, which every class has: the build is for the class, sizes and layout.
-        module = hf_config.build_module(provisional, "eager")
+    try:
+        with on_meta():
+            # Eager attention, which every class has: the build is for the class, sizes and layout.
+            module = hf_config.build_module(provisional, "eager")
+    except Exception as error:  # transformers' own code on a config it accepted (a pad id past the vocabulary, say)
+        raise ValueError(f"{where}={path}: transformers cannot build its model from it:"
+                         f" {type(error).__name__}: {_last_line(error)}") from None
     try:
         layout = layouts.recognise(module)
     except ValueError as error:

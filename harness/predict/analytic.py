@@ -43,7 +43,8 @@ HELD_AGAINST_TRACE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "
                                 "olmo2", "granite", "starcoder2", "gpt2", "opt", "phi", "gpt_neox", "olmo", "roberta",
                                 "gptj", "gpt_bigcode", "nemotron", "persimmon", "falcon",
                                 "stablelm", "cohere", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
-                                "deepseek_v2", "deepseek_v3", "gpt_oss"})
+                                "deepseek_v2", "deepseek_v3", "gpt_oss", "ernie4_5", "seed_oss", "olmo3",
+                                "cohere2", "exaone4", "arcee", "granitemoe", "phimoe"})
 
 
 def unheld(spec: ModelSpec) -> str | None:

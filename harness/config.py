@@ -434,6 +434,9 @@ class CellSpec:
         if self.attention == "sdpa" and self.model_spec.has_attention and hf is not None and not hf.sdpa:
             raise ValueError(f"attention='sdpa' with model {self.model_name}: transformers' {hf.model_class} computes"
                              " attention without torch's scaled_dot_product_attention; set attention = 'eager'")
+        if self.attention == "flash" and self.model_spec.has_attention and hf is not None and not hf.flash:
+            raise ValueError(f"attention='flash' with model {self.model_name}: transformers' {hf.model_class} has no"
+                             " flash_attention_2 implementation; set attention = 'sdpa' or 'eager'")
         if self.attention == "flash" and self.strategy.precision == "fp32":
             raise ValueError("attention='flash' with precision=fp32: flash-attn computes in fp16 or bf16 only;"
                              " choose precision bf16 or fp16")

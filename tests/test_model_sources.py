@@ -150,6 +150,25 @@ def test_a_config_whose_class_has_no_sdpa_attention_is_refused_sdpa_and_planned_
         plan.PlanRequest(model=spec, gpus=2, gpu_mem_bytes=2**30, attention="sdpa")
 
 
+def test_flash_attention_is_planned_for_the_gpu_nodes_and_refused_where_the_class_has_none(tmp_path):
+    """plan prices GPU nodes, whose flash-attn this host cannot see: a class with a
+    flash_attention_2 implementation is planned with it (the header says the package is
+    needed there); Bloom's has none, and the cell and --attention flash are refused."""
+    mistral = sources.resolve(str(model_configs.write(tmp_path, "mistral")))
+    assert mistral.hf.flash
+    result = plan.plan(plan.PlanRequest(model=mistral, gpus=8, gpu_mem_bytes=80 * 2**30, attention="flash"))
+    assert result["rows"] and all(r["cell"].attention == "flash" for r in result["rows"])
+    assert "flash attention (flash-attn's kernels: the package installed on every node)" in plan.as_table(result, False)
+    bloom = tmp_path / "bloom.json"
+    bloom.write_text(json.dumps({"model_type": "bloom", **model_configs._TEXT, **model_configs.UNCHECKED["bloom"]}))
+    spec = sources.resolve(str(bloom))
+    assert not spec.hf.flash
+    with pytest.raises(ValueError, match="BloomForCausalLM has no flash_attention_2 implementation; set attention"):
+        CellSpec(model=spec, strategy=StrategySpec(name="ddp", precision="bf16"), attention="flash")
+    with pytest.raises(ValueError, match="--attention flash: transformers' BloomForCausalLM has no flash_attention_2"):
+        plan.PlanRequest(model=spec, gpus=8, gpu_mem_bytes=80 * 2**30, attention="flash")
+
+
 def test_a_qwen_moe_config_names_its_experts_and_their_width_its_own_way(tmp_path):
     # Qwen3-MoE (and OLMoE) count experts as num_experts and size them by
     # moe_intermediate_size, where Mixtral has num_local_experts and intermediate_size.

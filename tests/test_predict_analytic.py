@@ -572,6 +572,14 @@ def test_plan_counts_what_offload_holds_in_each_nodes_host_memory():
     assert f"| {plan.config_label(best['cell'])} | host |" in table and "host/node" in table
 
 
+def test_plan_refuses_a_request_no_configuration_of_which_runs_where_it_is_priced():
+    cpu = rough_time.measured(_measured_calibration("cpu", 1e12, []), "run A")
+    with pytest.raises(ValueError, match="nothing to plan: no configuration runs on this cpu host, measured by run A:"
+                                         " optimizer=paged_adamw8bit: bitsandbytes paged optimizers need CUDA"):
+        plan.plan(plan.PlanRequest(model="gpt2-tiny", gpus=2, gpu_mem_bytes=2**30, optimizer="paged_adamw8bit"),
+                  rates=cpu)
+
+
 def test_plan_lists_apart_what_the_analytic_predictor_does_not_describe():
     """The convnet's analytic peak covers fp32 without checkpointing: the other configurations
     are named, not ranked; in bf16 it has none to rank, and plan says so."""

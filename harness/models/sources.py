@@ -296,9 +296,10 @@ def _spec(path: str, model_type: str, task: Task, config: dict[str, Any], where:
         raise ValueError(f"{where}={path}: {error}") from None
     n_params = sum(p.numel() for p in module.parameters())
     digest = hashlib.sha1(config_json.encode()).hexdigest()[:6]
-    # transformers' own flag for whether the class computes attention through torch's SDPA.
-    sdpa = bool(getattr(type(module), "_supports_sdpa", False))
-    built_as = {"layout": layout, "model_class": type(module).__name__, "sdpa": sdpa}
+    # transformers' own flags for whether the class computes attention through torch's SDPA and flash-attn.
+    built_as = {"layout": layout, "model_class": type(module).__name__,
+                "sdpa": bool(getattr(type(module), "_supports_sdpa", False)),
+                "flash": bool(getattr(type(module), "_supports_flash_attn", False))}
     return ModelSpec(**{**provisional.__dict__, "name": f"{model_type}-{_size(n_params)}-{digest}",
                         "n_kv_heads": _built_kv_heads(module, provisional),
                         "hf": TransformersConfig(**{**hf.__dict__, **built_as})})

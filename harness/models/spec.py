@@ -80,9 +80,11 @@ class TransformersConfig:
     layout: Layout | None = None  # as harness.models.layouts recognised it when resolved
     source: str = ""  # the file it was read from (for messages; the config is what counts)
     # The class transformers builds for it, and whether that class computes attention through
-    # torch's scaled_dot_product_attention (its ``_supports_sdpa``: Gemma2's does not).
+    # torch's scaled_dot_product_attention (its ``_supports_sdpa``: Gemma2's does not) and
+    # through flash-attn (``_supports_flash_attn``: Bloom's does not).
     model_class: str = ""
     sdpa: bool = True
+    flash: bool = True
 
     def __post_init__(self) -> None:
         _check_choice_of("task", self.task, get_args(Task))

@@ -99,6 +99,9 @@ class PlanRequest:
             if self.attention == "sdpa" and spec.hf is not None and not spec.hf.sdpa:
                 raise ValueError(f"--attention sdpa: transformers' {spec.hf.model_class} computes attention without"
                                  " torch's scaled_dot_product_attention; plan it with --attention eager")
+            if self.attention == "flash" and spec.hf is not None and not spec.hf.flash:
+                raise ValueError(f"--attention flash: transformers' {spec.hf.model_class} has no flash_attention_2"
+                                 " implementation; plan it with --attention sdpa or eager")
             if self.attention == "flash" and self.precision == "fp32":
                 raise ValueError("--attention flash with --precision fp32: flash-attn computes in fp16 or bf16 only")
 
@@ -174,8 +177,13 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
     (cell_id -> step seconds, the calibrating run's own cells) goes beside the prediction of
     each configuration that run measured."""
     rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus)
-    # A CPU host's rates price what a CPU runs (no activation offload: its tensors are on the host).
-    cells = [c for c in candidates(req) if strategies.unsupported_reason(c, rates.device_type) is None]
+    # A CPU host's rates price what a CPU runs (no activation offload: its tensors are on the host);
+    # GPU nodes are planned as having the packages a configuration needs (flash-attn: the header says so).
+    unsupported = {c: strategies.unsupported_reason(c, rates.device_type, installed=False) for c in candidates(req)}
+    cells = [c for c, why in unsupported.items() if why is None]
+    if unsupported and not cells:
+        why = next(iter(unsupported.values()))
+        raise ValueError(f"nothing to plan: no configuration runs on {rates.source}: {why}")
     # Ranked by the analytic peak: a configuration it does not describe is listed apart, and a
     # model none of whose configurations it describes (a Mamba, a factory's) cannot be planned.
     unplanned = {config_label(c): why for c in cells if (why := analytic.unavailable_reason(c, c.model_spec))}
@@ -283,6 +291,8 @@ def _attention_text(req: PlanRequest) -> str:
     spec = req.spec
     if not spec.has_attention:
         return ""
+    if req.model_attention == "flash":
+        return ", flash attention (flash-attn's kernels: the package installed on every node)"
     why = (f" (transformers' {spec.hf.model_class} has no SDPA attention)"
            if req.attention is None and spec.hf is not None and not spec.hf.sdpa else "")
     return f", {req.model_attention} attention{why}"

@@ -119,9 +119,11 @@ def incompatibility(cell: CellSpec) -> str | None:
     return None
 
 
-def _cell_option_problem(cell: CellSpec, device_type: str) -> str | None:
-    """The hardware limits of a cell's model-structure and allocator options, any strategy."""
-    if cell.attention == "flash" and (device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+def _cell_option_problem(cell: CellSpec, device_type: str, installed: bool) -> str | None:
+    """The hardware limits of a cell's model-structure and allocator options, any strategy
+    (with ``installed``, this host's packages too)."""
+    if cell.attention == "flash" and (device_type != "cuda"
+                                      or (installed and importlib.util.find_spec("flash_attn") is None)):
         have = "a CUDA device without the flash-attn package" if device_type == "cuda" else f"a {device_type} device"
         return (f"attention=flash: transformers' flash_attention_2 needs a CUDA device and the flash-attn"
                 f" package; this host has {have} (attention=sdpa uses torch's fused kernels)")
@@ -139,11 +141,13 @@ def _cell_option_problem(cell: CellSpec, device_type: str) -> str | None:
     return None
 
 
-def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
-    """Why this machine cannot run the cell (recorded as an ``unsupported`` result), or None."""
+def unsupported_reason(cell: CellSpec, device_type: str, installed: bool = True) -> str | None:
+    """Why this machine cannot run the cell (recorded as an ``unsupported`` result), or None.
+    ``installed=False`` asks of a ``device_type`` machine elsewhere, whose optional packages
+    (flash-attn) this host cannot see: ``plan``'s target nodes."""
     from harness.features import optimizers  # the optimizer's own hardware limit, any strategy
 
-    why = _cell_option_problem(cell, device_type)
+    why = _cell_option_problem(cell, device_type, installed)
     if why:
         return why
     why = optimizers.unsupported_reason(cell.strategy.optimizer, device_type)

@@ -337,11 +337,19 @@ def test_plan_prices_the_gpu_it_is_given_at_its_datasheet_peaks(capsys):
     assert times["a100-sxm4-80gb"]["comm_s"] == pytest.approx(times[None]["comm_s"])
 
 
-def test_plan_for_one_gpu_runs_the_model_whole(capsys):
+def test_plan_for_one_gpu_runs_the_model_whole_or_offloads_it(capsys):
+    """One GPU: the single-process step, and the engines that offload at one rank (ZeRO-Offload's
+    one-GPU case), which only a model too large for the GPU needs."""
     assert cli.main(["plan", "--model", "gpt2-124m", "--gpus", "1", "--gpu-mem", "80GiB", "--format", "json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert {row["config"].split("/")[0] for row in plan["rows"]} == {"single"}
+    engines = {row["config"].split("/")[0] for row in plan["rows"] if not row["config"].startswith("single/")}
+    assert engines == {"deepspeed_zero3", "fsdp_full", "fsdp_grad_op"}
+    assert all("/offload_" in row["config"] for row in plan["rows"] if row["config"].split("/")[0] in engines)
     assert plan["recommended"].startswith("single/") and plan["recommendation"].startswith("Recommended:")
+    assert cli.main(["plan", "--model", "llama3-8b", "--gpus", "1", "--gpu-mem", "80GiB", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    best = plan["recommended"]
+    assert best.startswith("deepspeed_zero3/bf16/") and best.endswith("/offload_optimizer")
 
 
 @pytest.mark.parametrize("args, message", [

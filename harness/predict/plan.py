@@ -122,12 +122,16 @@ class PlanRequest:
 def candidates(req: PlanRequest) -> list[CellSpec]:
     """Every planned strategy × checkpointing × offload the strategy composes with."""
     cells = []
-    # One GPU runs the model whole: the single-process step, with checkpointing and offload.
-    for name in PLANNED_STRATEGIES if req.gpus >= 2 else ("single",):
+    # One GPU runs the model whole: the single-process step with each checkpointing, and the
+    # engines that offload at one rank (ZeRO-Offload's one-GPU case: DeepSpeed ZeRO-3, FSDP2);
+    # an engine at one rank without offload is the single-process step with its overhead.
+    for name in PLANNED_STRATEGIES if req.gpus >= 2 else ("single", *PLANNED_STRATEGIES):
         if name == "fsdp_hybrid" and req.nodes < 2:
             continue  # on one node HSDP is full sharding with a trivial replicate dimension
         for ckpt in CHECKPOINTING_ORDER:
             for offload in OFFLOAD_ORDER:
+                if req.gpus == 1 and name != "single" and offload == "none":
+                    continue
                 try:
                     strategy = StrategySpec(name=name, precision=req.precision, checkpointing=ckpt,
                                             offload=offload, optimizer=req.optimizer)

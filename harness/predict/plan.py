@@ -367,7 +367,8 @@ def as_json(result: dict) -> str:
         "request": {**dataclasses.asdict(req), "model": spec_json(req.model)},
         "rows": [{"config": config_label(r["cell"]), "cell": r["cell"].to_dict(), "fits": r["fits"],
                   "predicted": r["predicted"], "step_time": r["step_time"], "tokens_per_s": r["tokens_per_s"],
-                  "mfu": r["mfu"], "host_bytes_per_node": r["host_bytes_per_node"], "host_fits": r["host_fits"],
+                  "mfu": r["mfu"], "gpu_fits": r["gpu_fits"], "host_bytes_per_node": r["host_bytes_per_node"],
+                  "host_fits": r["host_fits"],
                   "traced": r["traced"], "measured_step_time_s": r["measured_step_time_s"]}
                  for r in result["rows"]],
         "unplanned": result["unplanned"],  # label -> why the analytic predictor has no peak for it

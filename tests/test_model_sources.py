@@ -83,7 +83,7 @@ def test_a_factorys_model_keeps_the_depth_its_code_gives_it():
     # transformers takes the config but its model's code cannot be built from it: one line too.
     ({"pad_token_id": 1000}, "transformers cannot build its model from it: AssertionError: Padding_idx must be within"),
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}, "vision_config": {}},
-     r"a multimodal config \(text_config beside vision_config\).* \(model_type 'gemma3_text'\)$"),
+     r"a composite config \(text_config beside vision_config\).* \(model_type 'gemma3_text'\)$"),
 ])
 def test_a_config_that_cannot_be_built_here_is_refused_with_the_reason(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):

@@ -137,10 +137,11 @@ def _refuse_multimodal(config: dict[str, Any], model_type: str, path: str, where
     text = config.get("text_config")
     if isinstance(text, dict):
         text_type = text.get("model_type", "its text model's type")
-        raise ValueError(f"{where}={path}: model_type={model_type!r} is a multimodal config (text_config beside"
-                         f" {', '.join(sorted(k for k in config if k.endswith('_config') and k != 'text_config'))});"
-                         f" shardbench builds one model of one task: to measure its language model, give text_config's"
-                         f" keys as a config.json of their own (model_type {text_type!r})")
+        towers = sorted(k for k in config if k.endswith("_config") and k != "text_config")
+        raise ValueError(f"{where}={path}: model_type={model_type!r} is a composite config (text_config"
+                         f"{' beside ' + ', '.join(towers) if towers else ' nested in it'}); shardbench builds one"
+                         " model of one task: to measure its language model, give text_config's keys as a"
+                         f" config.json of their own (model_type {text_type!r})")
 
 
 def _check_task_class(model_type: str, task: Task, path: str, where: str) -> None:

@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--gpus", type=int, required=True, help="GPUs in the job (all nodes)")
     pln.add_argument("--gpu-mem", required=True, help="memory per GPU with its unit, e.g. 80GiB or 40GB")
     pln.add_argument("--host-mem", default=None,
-                     help="host memory per node with its unit, e.g. 2TiB: an offloading configuration that needs"
-                          " more than 80%% of it is not a fit (default: not checked, the need shown)")
+                     help="host memory per node with its unit, e.g. 2TiB: what a configuration's offload holds"
+                          " there is checked against it (default: shown, not checked)")
     pln.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     pln.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     pln.add_argument("--micro-batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")

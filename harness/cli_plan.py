@@ -41,7 +41,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         rates, run_dir = measured_rates(args.calibration)
         measured = _measured_steps(run_dir) if run_dir is not None else None
         # Seconds a configuration: say so before the terminal goes quiet.
-        print(f"plan: tracing each configuration at 1 and 2 blocks, to price its step at {rates.source}",
+        print(f"plan: tracing each configuration's first blocks, to price its step at {rates.source}",
               file=sys.stderr, flush=True)
         work_trace = functools.partial(tracer.trace_cells, progress=_progress)
     try:

@@ -305,7 +305,8 @@ def test_plan_prices_steps_at_a_runs_calibration(smoke_run, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["rates"]["source"].startswith(f"this cpu host, measured by {run} (run ")
     assert plan["rates"]["device_type"] == "cpu" and all(row["step_time"]["step_time_s"] > 0 for row in plan["rows"])
-    # Each configuration's work traced at 1 and 2 blocks (predict/plan_work.py), none offloading activations.
+    # Each configuration's work traced (gpt2-tiny's two blocks whole: predict/plan_work.py), none offloading
+    # activations.
     assert all(row["step_time"]["work"].startswith("traced stand-in gpt2-tiny-2-blocks/") for row in plan["rows"])
     assert not any("ckpt_offload" in row["config"] for row in plan["rows"])
     # The smoke run measured two of these configurations: each is held beside its prediction.

@@ -76,3 +76,18 @@ def test_a_failed_shallow_trace_leaves_the_analytic_work_and_says_why():
     cell = CellSpec(model="gpt2-124m", strategy=StrategySpec(name="ddp"), world_size=2)
     works = plan_work.stand_ins([cell], lambda cells: {c.cell_id: {"unavailable": "boom"} for c in cells}, "cuda")
     assert works == {cell.cell_id: {"unavailable": "planned; its trace at (1, 2) blocks: boom"}}
+
+
+def test_a_model_no_deeper_than_the_traced_blocks_is_traced_whole_once():
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), world_size=2)  # 2 blocks
+    asked: list[list[str]] = []
+
+    def trace(cells):
+        asked.append([c.cell_id for c in cells])
+        return {c.cell_id: {"work": _work(c.model_spec.n_layers * 100, 1e9, 1e10)} for c in cells}
+
+    works = plan_work.stand_ins([cell], trace, "cpu")
+    assert asked == [["gpt2-tiny-2-blocks/ddp/fp32/ckpt_none/mb2/ws2/seed0"]]
+    assert works[cell.cell_id] == {"unavailable": "planned: traced whole (2 blocks)",
+                                   "stand_in": {"cell_id": asked[0][0], "strategy": "ddp",
+                                                "work": _work(200, 1e9, 1e10)}}

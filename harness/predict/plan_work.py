@@ -5,6 +5,7 @@ trace can take minutes) and extrapolated to the model's depth, block by block. E
 count, FLOP size class, kernel family and byte size class of the step grows by the second
 block's increment for each further block: exact for a model of identical blocks (gpt2-124m's
 fp32 step at 256 tokens, traced whole and from 1 and 2 blocks: the same ops, FLOPs and bytes).
+A model no deeper than that is traced whole, once.
 
 A collective kind's calls grow the same way in number and in bytes, the bytes spread evenly
 over the calls: a bucketed engine's call sizes are not linear in depth (DDP fills 25 MB
@@ -44,8 +45,10 @@ def stand_ins(cells: list[CellSpec], trace: Trace, device_type: str, nodes: int 
     shallow: dict[str, tuple[CellSpec, ...]] = {}
     problems: dict[str, str] = {}
     for cell in cells:
+        n_layers = cell.model_spec.n_layers
+        at = DEPTHS if n_layers > DEPTHS[-1] else (n_layers,)  # whole: nothing to extrapolate
         try:
-            shallow[cell.cell_id] = tuple(_at_depth(_traced_as(cell), k) for k in DEPTHS)
+            shallow[cell.cell_id] = tuple(_at_depth(_traced_as(cell), k) for k in at)
         except ValueError as error:
             problems[cell.cell_id] = str(error)
     distinct = {c.cell_id: c for pair in shallow.values() for c in pair}
@@ -56,16 +59,21 @@ def stand_ins(cells: list[CellSpec], trace: Trace, device_type: str, nodes: int 
             results[cell.cell_id] = {"unavailable": f"planned; its blocks cannot be traced apart:"
                                                     f" {problems[cell.cell_id]}"}
             continue
-        one, two = (traced[c.cell_id] for c in shallow[cell.cell_id])
-        if "work" not in one or "work" not in two:
-            why = one.get("unavailable") or two.get("unavailable")
-            results[cell.cell_id] = {"unavailable": f"planned; its trace at {DEPTHS} blocks: {why}"}
+        at_depths = [traced[c.cell_id] for c in shallow[cell.cell_id]]
+        depths = [c.model_spec.n_layers for c in shallow[cell.cell_id]]
+        if any("work" not in t for t in at_depths):
+            why = next(t["unavailable"] for t in at_depths if "work" not in t)
+            results[cell.cell_id] = {"unavailable": f"planned; its trace at {tuple(depths)} blocks: {why}"}
             continue
-        work = _without_offloaded_optimizer(cell, extrapolated(one["work"], two["work"], cell.model_spec.n_layers),
-                                            device_type, nodes)
+        n_layers = cell.model_spec.n_layers
+        whole = len(at_depths) == 1
+        work = at_depths[0]["work"] if whole else extrapolated(at_depths[0]["work"], at_depths[1]["work"], n_layers)
+        how = (f"traced whole ({n_layers} blocks)" if whole
+               else f"traced at {depths[0]} and {depths[1]} of its {n_layers} blocks, extrapolated")
         results[cell.cell_id] = {
-            "unavailable": f"planned: traced at 1 and 2 of its {cell.model_spec.n_layers} blocks, extrapolated",
-            "stand_in": {"cell_id": shallow[cell.cell_id][1].cell_id, "strategy": cell.strategy.name, "work": work}}
+            "unavailable": f"planned: {how}",
+            "stand_in": {"cell_id": shallow[cell.cell_id][-1].cell_id, "strategy": cell.strategy.name,
+                         "work": _without_offloaded_optimizer(cell, work, device_type, nodes)}}
     return results
 
 

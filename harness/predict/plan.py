@@ -114,6 +114,11 @@ class PlanRequest:
         return "eager" if hf is not None and not hf.sdpa and self.spec.has_attention else "sdpa"
 
     @property
+    def usable_host_bytes(self) -> float | None:
+        """What offload may hold of a node's host memory; None where --host-mem was not given."""
+        return None if self.host_mem_bytes is None else fit.HOST_USABLE_FRACTION * self.host_mem_bytes
+
+    @property
     def spec(self) -> models.ModelSpec:
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
         return dataclasses.replace(spec, seq_len=self.seq) if self.seq else spec
@@ -160,7 +165,7 @@ def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates, work: dict |
     model_flops = models.flops_per_sample(spec) * cell.global_batch / cell.world_size
     # What offload keeps in host memory, every rank of a node its own partition of it.
     host = sum(predicted["offloaded_bytes"].values()) * (req.gpus // req.nodes)
-    host_fits = None if req.host_mem_bytes is None else host <= fit.HOST_USABLE_FRACTION * req.host_mem_bytes
+    host_fits = None if req.usable_host_bytes is None else host <= req.usable_host_bytes
     gpu_fits = predicted["peak_bytes"] <= fit.USABLE_FRACTION * req.gpu_mem_bytes
     return {"cell": cell, "predicted": predicted, "step_time": step,
             "tokens_per_s": cell.global_batch * spec.tokens_per_sample / seconds if seconds else None,
@@ -231,10 +236,10 @@ def recommendation_text(result: dict) -> str:
     if best is None:
         host_bound = sorted((r for r in result["rows"] if r["gpu_fits"] and r["host_fits"] is False),
                             key=lambda r: r["host_bytes_per_node"])
-        if host_bound and req.host_mem_bytes is not None:
+        if host_bound and req.usable_host_bytes is not None:
             least = host_bound[0]
             return (f"Nothing fits: {len(host_bound)} configuration(s) fit {_gib(usable)} usable per GPU but offload"
-                    f" more than the {_gib(fit.HOST_USABLE_FRACTION * req.host_mem_bytes)} usable of a node's host"
+                    f" more than the {_gib(req.usable_host_bytes)} usable of a node's host"
                     f" memory (the least {_gib(least['host_bytes_per_node'])}, {config_label(least['cell'])}), and the"
                     " others need more per GPU: add nodes (the offloaded states spread over them) or GPUs.")
         smallest = result["rows"][0] if result["rows"] else None
@@ -269,9 +274,9 @@ def _host_text(row: dict, req: PlanRequest) -> str:
     """What the row's offload holds in each node's host memory, against --host-mem's usable
     share where given."""
     held = f" and holds {_gib(row['host_bytes_per_node'])} in each node's host memory"
-    if req.host_mem_bytes is None:
+    if req.usable_host_bytes is None:
         return held + " (not checked: give --host-mem)"
-    return held + f" of {_gib(fit.HOST_USABLE_FRACTION * req.host_mem_bytes)} usable"
+    return held + f" of {_gib(req.usable_host_bytes)} usable"
 
 
 def against_measured(result: dict) -> dict | None:

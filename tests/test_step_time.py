@@ -277,6 +277,24 @@ def test_on_cuda_gradient_reductions_hide_behind_backward():
     assert q["exposed_comm_s"] == pytest.approx(q["comm_s"] - q["compute_s"] * 2 / 3)
 
 
+def test_on_cuda_accumulation_leaves_only_the_last_micro_steps_backward_to_hide_the_reduction():
+    # DDP skips the sync on all but the last micro-step; DeepSpeed ZeRO-2 reduces every one.
+    work = {"work": _work(collectives={"all_reduce": [[2**30, 1]]})}
+    for name, window in (("ddp", 1 / 4), ("deepspeed_zero2", 1.0)):
+        cell = _cell(name, accumulation=4)
+        p = step_time.predict(cell, analytic.predict(cell), work, _calibration(), "cuda")
+        assert p["exposed_comm_s"] == pytest.approx(p["comm_s"] - p["compute_s"] * 2 / 3 * window), name
+
+
+def test_on_cuda_a_sharded_engine_hides_all_but_its_first_gather_behind_compute():
+    gathers = {"all_gather": [[2**10, 1], [2**20, 10]], "reduce_scatter": [[2**20, 10]]}
+    for name in ("fsdp_full", "fsdp_grad_op", "deepspeed_zero3"):
+        cell = _cell(name)
+        p = step_time.predict(cell, analytic.predict(cell), {"work": _work(collectives=gathers)}, _calibration(),
+                              "cuda")
+        assert p["comm_s"] < p["compute_s"] and p["exposed_comm_s"] == pytest.approx(1 * MS), name
+
+
 def test_an_untraced_cell_is_priced_from_the_analytic_work_and_says_so():
     cell = _cell(checkpointing="full")
     a = analytic.predict(cell, device_type="cpu")

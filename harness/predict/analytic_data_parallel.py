@@ -652,7 +652,8 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
     reduce-scatters fp32 gradients; with accumulation the gathers repeat per micro-step
     while the reduction happens once; FSDP1 keeps the root unit gathered between forward and
     backward; HSDP also all-reduces each shard over the replicate dimension; DeepSpeed
-    ZeRO-1/2 all-reduces the gradients and all-gathers the updated partitions, ZeRO-3
+    ZeRO-1/2 all-reduces the gradients (ZeRO-1 once per step, ZeRO-2 each micro-step) and
+    all-gathers the updated partitions, ZeRO-3
     gathers in forward and, in backward, again what it released beyond its live-parameter
     budget (``ds_live_numel``), and reduce-scatters, each micro-step;
     its persistent parameters are gathered once per step instead, after the update.
@@ -690,7 +691,11 @@ def comm_bytes_per_step(cell: CellSpec, layout: ParamLayout, nodes: int = 1) -> 
         return out
     if engine.comm == "deepspeed":
         if "params" not in engine.sharded:  # ZeRO-1/2
-            return {"all_reduce": low * psi, "all_gather": low * psi}
+            # ZeRO-2 reduces each gradient as backward produces it, so every micro-step
+            # (DeepSpeed's engine: "ZeRO stage >= 2 communicates during non gradient
+            # accumulation boundaries as well"); ZeRO-1 once, at the boundary.
+            reductions = a if engine.grad_partition_in_backward else 1
+            return {"all_reduce": low * psi * reductions, "all_gather": low * psi}
         persistent = persistent_numel(cell, layout)
         regathered = psi - persistent - ds_live_numel(cell, layout)  # in backward, those released in forward
         return {"all_gather": low * ((psi - persistent + regathered) * a + persistent),

@@ -50,8 +50,11 @@ run's own calibration launch; the record names which was used):
   compute on, so a collective in flight takes its time from the step (a pipeline's
   hand-overs, which reduce nothing, are the exception: its timeline above). On CUDA the
   collectives run on their own stream: a data-parallel engine's gradient reductions overlap
-  backward (two thirds of the compute), a sharded engine's gathers and reductions overlap
-  forward and backward, all but the first gather, which nothing precedes.
+  backward (two thirds of the compute; under accumulation the last micro-step's, unless the
+  engine reduces every micro-step as DeepSpeed ZeRO-2 does), and the gather of its updated
+  partitions (ZeRO-1/2) follows the step, exposed; an engine that shards the parameters
+  gathers and reduces behind forward and backward, all but the first gather, which nothing
+  precedes.
 - a pipeline: its schedule played out (predict/pipeline_schedule.py), each rank's compute
   spread over its stages' micro-batches (the last rank's from its own trace, which holds the
   LM head and the loss; the ranks before it at rank 0's) and each hand-over between ranks a
@@ -290,13 +293,17 @@ def _exposed_on_cuda(cell: CellSpec, compute: float, work: dict, comm_by_op: dic
     comm = sum(comm_by_op.values())
     if engine.analytic != "data_parallel":
         return comm
-    if "zero3" in strategies.get(cell.strategy.name).families:
+    if "params" in engine.sharded:  # gathered unit by unit before use, the next prefetched
         first_gather = min((nbytes for nbytes, _ in work["collectives"].get("all_gather", [])), default=0)
         unhidden = _call_seconds("all_gather", first_gather, cell.world_size, calibration["rows"],
                                  calibration["world_size"]) if first_gather else 0.0
         return unhidden + max(0.0, comm - unhidden - compute)
+    # Gradients reduce in buckets during backward; under accumulation during the last
+    # micro-step's only (the others skip the sync), where the engine does not reduce every
+    # micro-step (DeepSpeed ZeRO-2 does). The rest (the updated partitions' gather) follows the step.
     gradient = comm_by_op.get("all_reduce", 0.0) + comm_by_op.get("reduce_scatter", 0.0)
-    return (comm - gradient) + max(0.0, gradient - compute * 2 / 3)
+    reducing_share = 1.0 if engine.grad_partition_in_backward else 1 / cell.strategy.accumulation
+    return (comm - gradient) + max(0.0, gradient - compute * 2 / 3 * reducing_share)
 
 
 def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict, overhead: float, share: float,

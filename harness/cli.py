@@ -97,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                           " there is checked against it (default: shown, not checked)")
     pln.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     pln.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    pln.add_argument("--micro-batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
+    pln.add_argument("--micro-batch", type=int, default=None,
+                     help="samples per GPU per micro-step (default 1; with --global-batch, each configuration's"
+                          " largest that fits)")
+    pln.add_argument("--global-batch", type=int, default=None,
+                     help="samples per optimizer step over all GPUs, the rest accumulated (default: one"
+                          " micro-batch per GPU)")
     pln.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     pln.add_argument("--optimizer", default="adamw", help=f"{', '.join(get_args(Optimizer))} (default adamw)")
     pln.add_argument("--attention", default=None,

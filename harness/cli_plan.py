@@ -28,8 +28,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         host_mem = None if args.host_mem is None else parse_bytes(args.host_mem, "--host-mem")
         req = plan.PlanRequest(model=sources.resolve(args.model, "--model"), gpus=args.gpus, nodes=args.nodes,
-                               seq=args.seq,
-                               micro_batch=args.micro_batch, gpu_mem_bytes=parse_bytes(args.gpu_mem),
+                               seq=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+                               gpu_mem_bytes=parse_bytes(args.gpu_mem),
                                precision=args.precision, optimizer=args.optimizer, attention=args.attention,
                                host_mem_bytes=host_mem)
     except ValueError as error:

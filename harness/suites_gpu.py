@@ -26,7 +26,6 @@ ungated (their equivalence says why).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,31 +136,6 @@ def global_batch(model: str, seq_len: int, world_size: int, gpu: GpuTarget) -> i
     return best
 
 
-def sized(cell: CellSpec, batch: int, gpu: GpuTarget) -> CellSpec | None:
-    """``cell`` at global batch ``batch``: the largest micro-batch that divides its share and
-    is predicted to fit, the accumulation making up the rest (a pipeline's own micro-batches
-    do that for it, so it keeps accumulation 1); micro-batch 1 where none fits. None where
-    the batch does not divide over the cell's ranks."""
-    unit = dataclasses.replace(cell, micro_batch=1, strategy=dataclasses.replace(cell.strategy, accumulation=1))
-    extra_accumulation = cell.strategy.accumulation  # a variant that accumulates on purpose
-    if batch % (unit.global_batch * extra_accumulation):
-        return None
-    share = batch // (unit.global_batch * extra_accumulation)  # samples per rank per step
-    candidates = []
-    for micro_batch in (m for m in range(share, 0, -1) if share % m == 0 and m & (m - 1) == 0):
-        accumulation = share // micro_batch * extra_accumulation
-        if cell.strategy.pipelined and accumulation != 1:
-            continue
-        try:
-            candidates.append(dataclasses.replace(
-                cell, micro_batch=micro_batch, strategy=dataclasses.replace(cell.strategy, accumulation=accumulation)))
-        except ValueError:
-            continue
-    if not candidates:
-        return None
-    return next((c for c in candidates if _fits(c, gpu)), candidates[-1])
-
-
 def cells(world_size: int, gpu: GpuTarget) -> list[CellSpec]:
     """The matrix for ``world_size`` GPUs of ``gpu``'s memory (references are added by the run)."""
     out: list[CellSpec] = []
@@ -169,6 +143,6 @@ def cells(world_size: int, gpu: GpuTarget) -> list[CellSpec]:
         batch = global_batch(model, seq_len, world_size, gpu)
         for options in _variants(model, world_size):
             cell = _make(model, seq_len, world_size, 1, **options)
-            if cell is not None and (cell := sized(cell, batch, gpu)) is not None:
+            if cell is not None and (cell := fit.sized(cell, batch, lambda c: _fits(c, gpu))) is not None:
                 out.append(cell)
     return out

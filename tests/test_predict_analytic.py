@@ -572,6 +572,41 @@ def test_plan_counts_what_offload_holds_in_each_nodes_host_memory():
     assert f"| {plan.config_label(best['cell'])} | host |" in table and "host/node" in table
 
 
+def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fits():
+    """gpt2-124m on 8 × 24 GiB at 512 samples a step: each configuration at the largest
+    power-of-two micro-batch whose analytic peak fits, accumulating the rest; --micro-batch
+    fixes it instead."""
+    req = plan.PlanRequest(model="gpt2-124m", gpus=8, gpu_mem_bytes=24 * 2**30, global_batch=512)
+    result = plan.plan(req)
+    usable = fit.USABLE_FRACTION * req.gpu_mem_bytes
+    micro_batches = set()
+    for row in result["rows"]:
+        cell = row["cell"]
+        assert cell.global_batch == 512 and cell.micro_batch * cell.strategy.accumulation == 64
+        micro_batches.add(cell.micro_batch)
+        if cell.micro_batch < 64 and row["fits"]:
+            larger = dataclasses.replace(cell, micro_batch=cell.micro_batch * 2, strategy=dataclasses.replace(
+                cell.strategy, accumulation=cell.strategy.accumulation // 2))
+            assert analytic.predict(larger)["peak_bytes"] > usable, plan.config_label(cell)
+    assert len(micro_batches) > 1  # checkpointing buys a larger micro-batch
+    best = result["recommended"]["cell"]
+    assert (f"at micro-batch {best.micro_batch} × {best.strategy.accumulation} accumulation steps: fits"
+            in plan.recommendation_text(result))
+    table = plan.as_table(result, markdown=False)
+    assert "global batch 512 a step (each configuration at the largest micro-batch that fits" in table
+    assert f" {best.micro_batch}×{best.strategy.accumulation} " in table
+    fixed = plan.plan(dataclasses.replace(req, micro_batch=4))
+    assert {(r["cell"].micro_batch, r["cell"].strategy.accumulation) for r in fixed["rows"]} == {(4, 16)}
+    assert "global batch 512 a step (micro-batch 4 × 16 accumulation steps" in plan.as_table(fixed, markdown=False)
+    # Accumulation spreads the step's communication: DeepSpeed ZeRO-2 reduces every micro-step.
+    by_label = {plan.config_label(r["cell"]): r["predicted"]["comm_bytes_by_op"] for r in fixed["rows"]}
+    one = plan.plan(dataclasses.replace(req, micro_batch=4, global_batch=32))
+    once = {plan.config_label(r["cell"]): r["predicted"]["comm_bytes_by_op"] for r in one["rows"]}
+    zero1, zero2 = "deepspeed_zero1/bf16/ckpt_none", "deepspeed_zero2/bf16/ckpt_none"
+    assert by_label[zero2]["all_reduce"] == pytest.approx(16 * once[zero2]["all_reduce"])
+    assert by_label[zero1]["all_reduce"] == pytest.approx(once[zero1]["all_reduce"])
+
+
 def test_plan_refuses_a_request_no_configuration_of_which_runs_where_it_is_priced():
     cpu = rough_time.measured(_measured_calibration("cpu", 1e12, []), "run A")
     with pytest.raises(ValueError, match="nothing to plan: no configuration runs on this cpu host, measured by run A:"
@@ -592,12 +627,16 @@ def test_plan_lists_apart_what_the_analytic_predictor_does_not_describe():
 
 
 def test_plan_calls_a_runner_up_of_the_same_step_time_a_tie_and_says_what_broke_it():
-    # llama3-8b on 8 × 80 GiB: FSDP's SHARD_GRAD_OP and DeepSpeed ZeRO-1 with selective
-    # checkpointing print the same step and the same peak.
+    # llama3-8b on 8 × 80 GiB: DeepSpeed ZeRO-3 and FSDP's SHARD_GRAD_OP with selective
+    # checkpointing print the same step; ZeRO-3 moves fewer bytes.
     result = plan.plan(plan.PlanRequest(model="llama3-8b", gpus=8, gpu_mem_bytes=80 * 2**30))
     text = plan.recommendation_text(result)
     assert "1.00× slower" not in text
-    assert "is predicted as fast (" in text and "either will do" in text
+    assert "is predicted as fast (" in text and "goes first as it moves fewer bytes a step" in text
+    # DeepSpeed's ZeRO-1 and ZeRO-2 without accumulation: the same step, traffic and peak.
+    by_label = {plan.config_label(r["cell"]): r for r in result["rows"]}
+    zero1, zero2 = by_label["deepspeed_zero1/bf16/ckpt_full"], by_label["deepspeed_zero2/bf16/ckpt_full"]
+    assert plan._beside(zero2, zero1).endswith("the two tie on step time, traffic and peak: either will do")
     best, runner_up = result["recommended"], dict(result["recommended"])
     faster_step = {**best["step_time"], "step_time_s": best["step_time"]["step_time_s"] * 1.001}
     runner_up.update(step_time=faster_step, predicted={**best["predicted"],

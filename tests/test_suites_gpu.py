@@ -13,7 +13,7 @@ from harness.distributed import DEVICE_ENV_VAR
 from harness.predict import fit
 from harness.results.store import RunStore
 from harness.runner.matrix import MatrixRun, with_references
-from harness.suites_gpu import LARGE_MODEL_GPU_BYTES, MAX_PER_RANK, GpuTarget, sized
+from harness.suites_gpu import LARGE_MODEL_GPU_BYTES, MAX_PER_RANK, GpuTarget
 from launch_options import untraced
 
 GIB = 2**30
@@ -73,7 +73,8 @@ def test_every_cell_of_a_model_trains_its_references_global_batch_at_the_largest
         templates = [dataclasses.replace(cell, micro_batch=1,
                                          strategy=dataclasses.replace(cell.strategy, accumulation=a))
                      for a in ((1,) if cell.strategy.pipelined else (1, 4))]
-        assert cell in [sized(t, cell.global_batch, gpu) for t in templates], cell.cell_id
+        assert cell in [fit.sized(t, cell.global_batch, lambda c: fit.check(c, gpu.memory_bytes).fits)
+                        for t in templates], cell.cell_id
     for model, batches in by_model.items():
         assert len(batches) == 1, (model, batches)
         [batch] = batches

@@ -6,11 +6,14 @@ and the caching allocator's fragmentation (reserved beyond allocated) take the r
 predicted above it is recorded ``does_not_fit`` with both numbers instead of being launched
 (``--launch-anyway`` launches it to find out); a cell the analytic model does not describe
 (a factory's model) is launched. The same rule sizes the GPU matrix's batches
-(harness/suites_gpu.py), so the matrix and the run agree on what fits.
+(harness/suites_gpu.py) and ``plan --global-batch``'s micro-batches (``sized``), so the
+matrix, the plan and the run agree on what fits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from harness.config import CellSpec
@@ -53,3 +56,30 @@ def check(cell: CellSpec, available_bytes: int, device_type: str = "cuda") -> Fi
     if "peak_bytes" not in predicted:
         return None
     return Fit(predicted_peak_bytes=int(predicted["peak_bytes"]), available_bytes=int(available_bytes))
+
+
+def sized(cell: CellSpec, batch: int, fits: Callable[[CellSpec], bool]) -> CellSpec | None:
+    """``cell`` at global batch ``batch``: the largest power-of-two micro-batch that divides
+    its share and ``fits``, the accumulation making up the rest (a practitioner's rule: the
+    fewest micro-steps, so the fewest per-micro-step gathers and the largest matmuls; a
+    pipeline's own micro-batches do that for it, so it keeps accumulation 1); micro-batch 1
+    where none fits. None where the batch does not divide over the cell's ranks. The cell's
+    own accumulation is kept as a factor (a variant that accumulates on purpose)."""
+    unit = dataclasses.replace(cell, micro_batch=1, strategy=dataclasses.replace(cell.strategy, accumulation=1))
+    extra_accumulation = cell.strategy.accumulation
+    if batch % (unit.global_batch * extra_accumulation):
+        return None
+    share = batch // (unit.global_batch * extra_accumulation)  # samples per rank per step
+    candidates = []
+    for micro_batch in (m for m in range(share, 0, -1) if share % m == 0 and m & (m - 1) == 0):
+        accumulation = share // micro_batch * extra_accumulation
+        if cell.strategy.pipelined and accumulation != 1:
+            continue
+        try:
+            candidates.append(dataclasses.replace(
+                cell, micro_batch=micro_batch, strategy=dataclasses.replace(cell.strategy, accumulation=accumulation)))
+        except ValueError:
+            continue
+    if not candidates:
+        return None
+    return next((c for c in candidates if fits(c)), candidates[-1])

@@ -15,6 +15,14 @@ host memory, what its offload holds there, every local rank's share, is within
 fitting configuration by the predicted step time; between equal times, the order a
 practitioner would try them — no offload before offload, less recomputation before more.
 
+With ``--global-batch`` (samples per optimizer step over every GPU) each configuration trains
+that batch: at ``--micro-batch``, accumulating the rest, or, without it, at the largest
+power-of-two micro-batch whose analytic peak fits (fit.sized, the rule the GPU matrix sizes its
+cells by), so that a configuration that holds less per sample takes fewer, larger micro-steps.
+The step time is then the optimizer step's, the engines' per-micro-step communication (FSDP
+and ZeRO-3's gathers, DeepSpeed ZeRO-2's reductions) repeated in it. A traced peak over the
+memory makes a configuration no fit at its micro-batch; a smaller one is not tried.
+
 ``--traced`` also traces, under FakeTensorMode (harness/predict/traced.py: exact
 per-category peak of the real model and strategy at the real world size, for models up to
 about 10B parameters on a CPU host; with CUDA's attention kernels, as the CLI passes
@@ -64,7 +72,9 @@ class PlanRequest:
     gpu_mem_bytes: float
     nodes: int = 1
     seq: int | None = None
-    micro_batch: int = 1
+    # None: 1, or with global_batch each configuration's largest that fits (fit.sized).
+    micro_batch: int | None = None
+    global_batch: int | None = None  # samples per optimizer step over every GPU; None: one micro-batch each
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
     attention: Attention | None = None  # None: the model's own (``model_attention``)
@@ -76,12 +86,16 @@ class PlanRequest:
         # A count past a cell's bounds would make every candidate an invalid cell, and "nothing
         # fits" would be the answer to a typo.
         for flag, value in (("--gpus", self.gpus), ("--nodes", self.nodes), ("--micro-batch", self.micro_batch),
-                            ("--seq", self.seq)):
+                            ("--seq", self.seq), ("--global-batch", self.global_batch)):
             if value is not None and not 1 <= value <= MAX_COUNT:
                 raise ValueError(f"{flag} {value}: must be at least 1 and at most {MAX_COUNT:,}")
         if self.gpus % self.nodes:
             raise ValueError(f"--gpus {self.gpus} is not divisible by --nodes {self.nodes}:"
                              " every node runs the same number of GPUs")
+        if self.global_batch is not None and self.global_batch % (self.gpus * (self.micro_batch or 1)):
+            micro = f" × --micro-batch {self.micro_batch}" if self.micro_batch else ""
+            raise ValueError(f"--global-batch {self.global_batch:,} is not a multiple of --gpus {self.gpus}{micro}:"
+                             " every GPU takes the same number of samples each step")
         if self.optimizer not in get_args(Optimizer):
             raise ValueError(f"--optimizer {self.optimizer}: choose one of {', '.join(get_args(Optimizer))}")
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
@@ -114,6 +128,17 @@ class PlanRequest:
         return "eager" if hf is not None and not hf.sdpa and self.spec.has_attention else "sdpa"
 
     @property
+    def batch_text(self) -> str:
+        """The batch a step trains, in the plan's header."""
+        if self.global_batch is None:
+            return f"micro-batch {self.micro_batch or 1}"
+        tokens = f", {self.global_batch * self.spec.tokens_per_sample / 1e6:.3g}M tokens" if self.spec.seq_len else ""
+        how = (f"micro-batch {self.micro_batch} × {self.global_batch // (self.gpus * self.micro_batch)} accumulation"
+               " steps" if self.micro_batch else "each configuration at the largest micro-batch that fits, accumulating"
+               " the rest")
+        return f"global batch {self.global_batch:,} a step ({how}{tokens})"
+
+    @property
     def usable_host_bytes(self) -> float | None:
         """What offload may hold of a node's host memory; None where --host-mem was not given."""
         return None if self.host_mem_bytes is None else fit.HOST_USABLE_FRACTION * self.host_mem_bytes
@@ -124,8 +149,13 @@ class PlanRequest:
         return dataclasses.replace(spec, seq_len=self.seq) if self.seq else spec
 
 
-def candidates(req: PlanRequest) -> list[CellSpec]:
-    """Every planned strategy × checkpointing × offload the strategy composes with."""
+def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
+    """Every planned strategy × checkpointing × offload the strategy composes with, each at
+    the request's batch: with --global-batch and no --micro-batch, at the largest micro-batch
+    whose analytic peak fits (fit.sized) on a ``device_type`` device."""
+    micro_batch = req.micro_batch or 1
+    accumulation = req.global_batch // (req.gpus * micro_batch) if req.global_batch and req.micro_batch else 1
+    usable = fit.USABLE_FRACTION * req.gpu_mem_bytes
     cells = []
     # One GPU runs the model whole: the single-process step with each checkpointing, and the
     # engines that offload at one rank (ZeRO-Offload's one-GPU case: DeepSpeed ZeRO-3, FSDP2);
@@ -139,14 +169,24 @@ def candidates(req: PlanRequest) -> list[CellSpec]:
                     continue
                 try:
                     strategy = StrategySpec(name=name, precision=req.precision, checkpointing=ckpt,
-                                            offload=offload, optimizer=req.optimizer)
-                    cell = CellSpec(model=req.model, strategy=strategy, micro_batch=req.micro_batch,
+                                            offload=offload, optimizer=req.optimizer, accumulation=accumulation)
+                    cell = CellSpec(model=req.model, strategy=strategy, micro_batch=micro_batch,
                                     world_size=req.gpus, seq_len=req.seq, attention=req.model_attention)
                 except ValueError:
                     continue
-                if strategies.incompatibility(cell) is None:
+                if strategies.incompatibility(cell) is not None:
+                    continue
+                if req.global_batch is not None and req.micro_batch is None:
+                    sized = fit.sized(cell, req.global_batch,
+                                      lambda c: _analytic(c, req, device_type).get("peak_bytes", 0) <= usable)
+                    cells += [sized] if sized else []
+                else:
                     cells.append(cell)
     return cells
+
+
+def _analytic(cell: CellSpec, req: PlanRequest, device_type: str) -> dict:
+    return analytic.predict(cell, nodes=req.nodes, device_type=device_type)
 
 
 def _preference(row: dict) -> tuple:
@@ -157,7 +197,7 @@ def _preference(row: dict) -> tuple:
 
 
 def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates, work: dict | None) -> dict:
-    predicted = analytic.predict(cell, nodes=req.nodes, device_type=rates.device_type)
+    predicted = _analytic(cell, req, rates.device_type)
     step = rough_time.step_seconds(cell, rates, predicted, work)
     seconds = step.get("step_time_s")
     spec = cell.model_spec
@@ -188,7 +228,8 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
     rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus)
     # A CPU host's rates price what a CPU runs (no activation offload: its tensors are on the host);
     # GPU nodes are planned as having the packages a configuration needs (flash-attn: the header says so).
-    unsupported = {c: strategies.unsupported_reason(c, rates.device_type, installed=False) for c in candidates(req)}
+    unsupported = {c: strategies.unsupported_reason(c, rates.device_type, installed=False)
+                   for c in candidates(req, rates.device_type)}
     cells = [c for c, why in unsupported.items() if why is None]
     if unsupported and not cells:
         why = next(iter(unsupported.values()))
@@ -249,7 +290,9 @@ def recommendation_text(result: dict) -> str:
                 " shorten the sequence, or lower the micro-batch.")
     s = best["cell"].strategy
     peak = (best["traced"] or {}).get("peak_bytes", best["predicted"]["peak_bytes"])
-    text = (f"Recommended: {config_label(best['cell'])}: fits with {_gib(usable - peak)} to spare"
+    at = (f" at micro-batch {best['cell'].micro_batch} × {best['cell'].strategy.accumulation} accumulation steps"
+          if req.global_batch is not None and req.micro_batch is None else "")
+    text = (f"Recommended: {config_label(best['cell'])}{at}: fits with {_gib(usable - peak)} to spare"
             f" (peak {_gib(peak)}{' traced' if best['traced'] and 'peak_bytes' in best['traced'] else ''} of"
             f" {_gib(usable)} usable) and is fastest by the prediction: {_step_text(best)}.")
     runner_up = next((r for r in sorted((r for r in result["rows"] if r["fits"]), key=_preference)
@@ -362,6 +405,11 @@ def config_label(cell: CellSpec) -> str:
     return "/".join(parts)
 
 
+def _batch_text(cell: CellSpec) -> str:
+    """``4×8``: a configuration's micro-batch and accumulation steps."""
+    return f"{cell.micro_batch}×{cell.strategy.accumulation}"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -395,15 +443,16 @@ def as_table(result: dict, markdown: bool) -> str:
     req = result["request"]
     spec = req.spec
     head = (f"{spec.name}: {models.param_layout(spec).numel / 1e9:.2f}B parameters, seq {spec.tokens_per_sample},"
-            f" micro-batch {req.micro_batch}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each"
+            f" {req.batch_text}, {req.gpus} GPUs on {req.nodes} node(s), {_gib(req.gpu_mem_bytes)} each"
             f" ({fit.USABLE_FRACTION:.0%} usable), {_host_mem_text(req)}, {req.precision}, {req.optimizer}"
             f"{_attention_text(req)}."
             " Memory: analytic predictor"
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
             f" {result['rates'].source}.{_unchecked_text(spec)}")
     beside = against_measured(result)
-    cols = ("config", "fits", "peak", "params", "grads", "optimizer", "buffers", "activations", "transient",
-            "offloaded", "host/node", "comm/step", "step s", "tokens/s", "MFU", "traced",
+    sized = req.global_batch is not None and req.micro_batch is None
+    cols = ("config", "fits", *(("batch",) if sized else ()), "peak", "params", "grads", "optimizer", "buffers",
+            "activations", "transient", "offloaded", "host/node", "comm/step", "step s", "tokens/s", "MFU", "traced",
             *(("measured s",) if beside else ()))
     lines = [head, ""]
     if markdown:
@@ -425,11 +474,14 @@ def as_table(result: dict, markdown: bool) -> str:
             "-" if r["mfu"] is None else _percent(r["mfu"]),
             "-" if traced is None else _gib(traced).replace(" GiB", ""),
             *((_seconds(r["measured_step_time_s"]),) if beside else ())]
+        if sized:
+            cells.insert(0, _batch_text(r["cell"]))
         if markdown:
             lines.append(f"| {config_label(r['cell'])} | {fits} | " + " | ".join(cells) + " |")
         else:
             lines.append(f"{config_label(r['cell']):<52} {fits:<4} " + " ".join(f"{c:>11}" for c in cells))
-    lines += ["", "(GiB; fits host: the GPU, not the host memory offload needs; offloaded: per GPU, host/node: all"
+    lines += ["", "(GiB; " + ("batch: micro-batch × accumulation steps; " if sized else "")
+              + "fits host: the GPU, not the host memory offload needs; offloaded: per GPU, host/node: all"
               " of a node's GPUs' offloaded states; comm/step: bytes each GPU moves per step, an all-reduce counted"
               " twice as in ZeRO §7;"
               " traced: the FakeTensorMode peak with CUDA's attention kernels, for the configurations --traced traced"

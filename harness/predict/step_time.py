@@ -206,7 +206,22 @@ def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
     # Each stream at the working set of all of it: a first-order figure for want of op sizes.
     return {"ops": 0, "matmul_flops": flops,
             "memory_bytes": [[b, b] for b in sorted((optimizer_traffic, activation_traffic)) if b],
-            "collectives": {kind: [[nbytes, 1]] for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
+            "collectives": {kind: [[nbytes / calls, calls]] for kind, nbytes in analytic["comm_bytes_by_op"].items()
+                            if nbytes and (calls := _analytic_calls(cell, kind))}}
+
+
+def _analytic_calls(cell: CellSpec, kind: str) -> int:
+    """The calls a step's ``kind`` bytes are spread over: one, but where the engine shards the
+    parameters, one a unit (each block and the root) and pass: its gathers once or twice each
+    micro-step, its reductions each micro-step or once (so that the first gather, which
+    nothing hides on CUDA, is one unit's, and each call's latency is counted)."""
+    engine = strategies.get(cell.strategy.name).engine_model
+    if engine.analytic != "data_parallel" or "params" not in engine.sharded:
+        return 1
+    units = cell.model_spec.n_layers + 1
+    if kind == "all_gather":
+        return units * (1 if engine.gathers == "forward" else 2) * cell.strategy.accumulation
+    return units * (cell.strategy.accumulation if engine.grad_partition_in_backward else 1)
 
 
 def _optimizer_bytes_per_element(name: str, device_type: str) -> float:

@@ -149,6 +149,9 @@ def default(world_size: int) -> list[CellSpec]:
               for s, options in (("single", {}), ("fsdp_full", {"prefetch": 2}))]
     cells += [_cell("gpt2-tiny", "deepspeed_zero2", world_size, overlap_comm=True),
               _cell("gpt2-tiny", "deepspeed_zero3", world_size, overlap_comm=False)]
+    # ZeRO-2 accumulating: it reduces every micro-step and holds a partition more (ZeRO-1
+    # reduces once, at the boundary).
+    cells += [_cell("gpt2-tiny", "deepspeed_zero2", world_size, accumulation=4)]
     # The optimizer applied in backward: one process, and DDP (torch's, unsupported on a CPU).
     cells += [_cell("gpt2-tiny", s, world_size, optimizer_in_backward=True) for s in ("single", "ddp")]
     # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU

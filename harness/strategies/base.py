@@ -129,12 +129,20 @@ class EngineModel:
     # (stage3.py's grad_partitions_flat_buffer) and holds it for good.
     grad_partition_in_backward: bool = False
     # What a rank holds of the gradients between the micro-steps of an accumulation: its
-    # sharded gradients (reduced every micro-step, or not sharded at all), or, for FSDP's
-    # micro-steps without gradient sync (set_requires_gradient_sync(False), no_sync), its
-    # unsharded ones until the last micro-step reduce-scatters them: in fp32 (FSDP2
-    # accumulates in its reduce dtype) or in the compute dtype (FSDP1). Traced: gpt2-tiny and
-    # llama-tiny, 4 micro-steps, fp32 and bf16.
-    accumulated_grads: Literal["sharded", "unsharded_fp32", "unsharded_compute"] = "sharded"
+    # sharded gradients (reduced every micro-step, or not sharded at all); the same in a
+    # buffer of their own, beside the partition each micro-step's backward allocates anew
+    # (DeepSpeed ZeRO-2: stage_1_and_2.py keeps the first micro-step's grads_in_partition as
+    # all_grad_tensors and adds each later one's into it after its backward, until the
+    # boundary); or, for FSDP's micro-steps without gradient sync
+    # (set_requires_gradient_sync(False), no_sync) and DeepSpeed ZeRO-1's (which reduces at the
+    # accumulation boundary only, torch summing each whole .grad until then), its unsharded
+    # ones until the last micro-step reduces them: in fp32 (FSDP2 accumulates in its reduce
+    # dtype) or in the compute dtype (FSDP1; DeepSpeed, whose grad_accum_dtype is the model's
+    # unless configured). Traced: gpt2-tiny and llama-tiny, 4 micro-steps, fp32 and bf16 (FSDP);
+    # measured: the same on 2 gloo ranks, micro-batch 2 and 4 (DeepSpeed: 4 micro-steps hold
+    # one rank's grads_in_partition more than 1 under ZeRO-2, every gradient under ZeRO-1).
+    accumulated_grads: Literal["sharded", "sharded_beside_partition", "unsharded_fp32",
+                               "unsharded_compute"] = "sharded"
     # Whether the 16-bit gradients are gone by the optimizer step of a 16-bit model: DeepSpeed
     # ZeRO-1/2 copy the rank's gradient partition into fp32 for the master weights and free the
     # 16-bit gradients before stepping (stage_1_and_2.py, step: free_grad_in_param_list), where

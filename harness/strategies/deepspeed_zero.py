@@ -553,9 +553,11 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 
 
 # ZeRO-1 runs the ZeRO-2 code path with gradient partitioning deferred to the end of
-# backward: it then frees the full gradients and keeps its partition, as ZeRO-2 does.
+# backward: it then frees the full gradients and keeps its partition, as ZeRO-2 does. With
+# accumulation it reduces at the boundary's backward only, the whole gradients summed until
+# then (EngineModel.accumulated_grads).
 _STAGE12_MODEL = EngineModel(sharded=frozenset({"optimizer", "grads"}), fp32_master_partition=True, comm="deepspeed",
-                             frees_16bit_grads_before_step=True)
+                             frees_16bit_grads_before_step=True, accumulated_grads="unsharded_compute")
 STRATEGIES = (
     Strategy(
         name="deepspeed_zero1", summary="DeepSpeed ZeRO stage 1: optimizer state partitioned", engine="deepspeed",
@@ -567,7 +569,8 @@ STRATEGIES = (
         name="deepspeed_zero2", summary="DeepSpeed ZeRO stage 2: optimizer state and gradients partitioned",
         engine="deepspeed", families=("deepspeed",), zero_idea="zero2", capabilities=_STAGE12_CAPABILITIES,
         combination_problem=combination_problem, unsupported_reason=unsupported_reason,
-        engine_model=dataclasses.replace(_STAGE12_MODEL, grad_partition_in_backward=True, last_rank_heavier=True),
+        engine_model=dataclasses.replace(_STAGE12_MODEL, grad_partition_in_backward=True, last_rank_heavier=True,
+                                         accumulated_grads="sharded_beside_partition"),
         prepare=prepare,
     ),
     Strategy(

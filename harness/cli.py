@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--micro-batch", type=int, default=None,
                      help="samples per GPU per micro-step (default 1; with --global-batch, each configuration's"
                           " largest that fits)")
+    pln.add_argument("--inter-node-bw", default=None,
+                     help="what each node's network sends to the others, with its unit, e.g. 400Gbps or 3.2Tbps"
+                          " (all its NICs; bits as NICs are rated) or 50GB/s: collectives across --nodes are"
+                          " priced at it (default: 8 × 400 Gb/s assumed)")
     pln.add_argument("--global-batch", type=int, default=None,
                      help="samples per optimizer step over all GPUs, the rest accumulated (default: one"
                           " micro-batch per GPU)")

@@ -41,10 +41,12 @@ def recorded_run(out: Path | None, run: str) -> Path:
         raise UsageError(str(error)) from None
 
 
-def measured_rates(path: str) -> tuple[Rates, Path | None]:
-    """--calibration's rates: those a run measured (its results directory or its run.json) or
-    ``python -m harness.calibration --out`` wrote, and the run's directory (None for the
-    latter); UsageError naming ``path`` where it is neither or measured no compute rates."""
+def measured_rates(path: str, inter_node_bytes_per_s: float | None = None) -> tuple[Rates, Path | None]:
+    """--calibration's rates: those a run measured (its results directory or its run.json,
+    with its sweep across nodes where it ran on several) or ``python -m harness.calibration
+    --out`` wrote, and the run's directory (None for the latter); what crosses nodes at
+    ``inter_node_bytes_per_s`` where given (rough_time.measured); UsageError naming ``path``
+    where it is neither or measured no compute rates."""
     from harness.predict import rough_time
 
     file = Path(path) / "run.json" if Path(path).is_dir() else Path(path)
@@ -52,14 +54,16 @@ def measured_rates(path: str) -> tuple[Rates, Path | None]:
         data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UsageError(f"--calibration {path}: cannot read {file}: {error}") from None
+    across = None
     if isinstance(data, dict) and isinstance(data.get("environment"), dict):
         calibration, name, run_dir = (data["environment"].get("bandwidth") or {},
                                       f"{path} (run {data.get('run_id', '?')})", file.parent)
+        across = data["environment"].get("bandwidth_across_nodes")
     elif isinstance(data, dict) and "compute_rates" in data:
         calibration, name, run_dir = data, path, None
     else:
         raise UsageError(f"--calibration {path}: neither a run's run.json nor a calibration's JSON (no compute_rates)")
     try:
-        return rough_time.measured(calibration, name), run_dir
+        return rough_time.measured(calibration, name, across, inter_node_bytes_per_s), run_dir
     except ValueError as error:
         raise UsageError(f"--calibration {error}") from None

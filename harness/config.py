@@ -649,6 +649,27 @@ def parse_bytes(text: str, flag: str = "--gpu-mem") -> float:
     return value
 
 
+# Network rates as vendors state them, decimal: bits (a NIC's 400 Gb/s, "Gbps" in any case)
+# or bytes ("GB/s"; "Gb/s" and "GB/s" are told apart by their case only).
+_BANDWIDTH_UNITS = {f"{prefix}{unit}": scale * factor
+                    for prefix, scale in (("M", 1e6), ("G", 1e9), ("T", 1e12))
+                    for unit, factor in (("bps", 1 / 8), ("b/s", 1 / 8), ("B/s", 1))}
+
+
+def parse_bandwidth(text: str, flag: str) -> float:
+    """'400Gbps', '3.2Tbps', '400Gb/s', '50GB/s' -> bytes a second. The unit is required."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z/]*)\s*", text)
+    unit = match.group(2) if match else ""
+    unit = unit[0].upper() + unit[1:].lower() if unit.lower().endswith("bps") else unit
+    if match is None or unit not in _BANDWIDTH_UNITS:
+        raise ValueError(f"{flag} {text!r}: give a rate with its unit, such as 400Gbps, 3.2Tbps or 50GB/s"
+                         " (bps and b/s: bits; B/s: bytes)")
+    value = float(match.group(1)) * _BANDWIDTH_UNITS[unit]
+    if not 1e6 <= value <= 1e15:
+        raise ValueError(f"{flag} {text!r}: must be between 1 MB/s and 1 PB/s")
+    return value
+
+
 # A rank's host memory cap (--mem-cap-gib): at most a host far larger than any made.
 MAX_MEM_CAP_GIB = 2**16  # 64 TiB
 

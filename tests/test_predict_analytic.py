@@ -622,6 +622,48 @@ def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fi
     assert by_label[zero1]["all_reduce"] == pytest.approx(once[zero1]["all_reduce"])
 
 
+def test_plan_prices_what_crosses_nodes_at_the_network_it_is_told():
+    """llama3-8b on 8 nodes of 8 × 80 GiB at 1,024 samples a step: on the assumed 8 × 400 Gb/s
+    a node, NVLink's bound stands (the same steps as a network as fast as NVLink); on 100 Gb/s
+    a node the sharded engines' per-micro-step gathers and every reduction across nodes cost
+    time, and what moves least across them wins."""
+    req = plan.PlanRequest(model="llama3-8b", gpus=64, nodes=8, gpu_mem_bytes=80 * 2**30, seq=4096,
+                           global_batch=1024)
+
+    def steps(result):
+        return {plan.config_label(r["cell"]): r["step_time"]["step_time_s"] for r in result["rows"]}
+
+    assumed = plan.plan(req)
+    assert "300 GB/s across nodes (a node's network 400 GB/s: 8 × 400 Gb/s NICs assumed" in assumed["rates"].source
+    assert steps(assumed) == steps(plan.plan(dataclasses.replace(req, inter_node_bytes_per_s=300e9)))
+    slow = plan.plan(dataclasses.replace(req, inter_node_bytes_per_s=100e9 / 8))
+    assert "12.5 GB/s across nodes (a node's network 12.5 GB/s by --inter-node-bw)" in slow["rates"].source
+    fast, slower = steps(assumed), steps(slow)
+    assert all(slower[label] >= fast[label] for label in fast)
+    assert slower["fsdp_full/bf16/ckpt_none"] > 1.2 * fast["fsdp_full/bf16/ckpt_none"]
+    assert (slow["recommended"]["step_time"]["comm_s"]
+            < min(r["step_time"]["comm_s"] for r in slow["rows"] if r["cell"].strategy.name == "fsdp_full"))
+    with pytest.raises(ValueError, match="--inter-node-bw prices what crosses nodes: it applies to a plan over"):
+        plan.PlanRequest(model="llama3-8b", gpus=8, gpu_mem_bytes=80 * 2**30, inter_node_bytes_per_s=50e9)
+
+
+def test_a_runs_own_sweep_across_nodes_prices_a_plan_over_nodes():
+    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    calibration = _measured_calibration("cuda", 1e14, [{"op": op, "bytes": 2**20, "time_s": 1e-4} for op in ops])
+    across = {"scope": "16 rank(s) on 2 nodes", "nnodes": 2, "world_size": 16,
+              "rows": [{"op": op, "bytes": 2**20, "time_s": 1e-3} for op in ops]}
+    rates = rough_time.measured(calibration, "run A", across)
+    assert rates.calibration["across_nodes"] == across and "across nodes at its sweep of 16 rank(s) on 2 nodes" in (
+        rates.source)
+    with pytest.raises(ValueError, match="run A swept its collectives across 2 nodes: its own sweep prices what"):
+        rough_time.measured(calibration, "run A", across, inter_node_bytes_per_s=50e9)
+    told = rough_time.measured(calibration, "run A", None, inter_node_bytes_per_s=50e9)
+    assert "across nodes at 50 GB/s (--inter-node-bw)" in told.source
+    req = plan.PlanRequest(model="llama-1b", gpus=16, nodes=2, gpu_mem_bytes=80 * 2**30)
+    assert "collectives across nodes priced as within one" in plan.as_table(
+        plan.plan(req, rates=rough_time.measured(calibration, "run A")), markdown=False)
+
+
 def test_plan_refuses_a_request_no_configuration_of_which_runs_where_it_is_priced():
     cpu = rough_time.measured(_measured_calibration("cpu", 1e12, []), "run A")
     with pytest.raises(ValueError, match="nothing to plan: no configuration runs on this cpu host, measured by run A:"

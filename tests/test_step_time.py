@@ -10,6 +10,7 @@ import torch.distributed as dist
 from harness import calibration, models
 from harness.config import CellSpec, StrategySpec
 from harness.measure import compute_rate, dispatched_work
+from harness.measure.comm import busbw_factor
 from harness.predict import accuracy, analytic, step_time, traced
 
 MS = 1e-3
@@ -278,12 +279,14 @@ def test_on_cuda_gradient_reductions_hide_behind_backward():
 
 
 def test_on_cuda_accumulation_leaves_only_the_last_micro_steps_backward_to_hide_the_reduction():
-    # DDP skips the sync on all but the last micro-step; DeepSpeed ZeRO-2 reduces every one.
+    # DDP skips the sync on all but the last micro-step; DeepSpeed ZeRO-2 reduces every one,
+    # beside backward with overlap_comm, on the compute stream without (its default).
     work = {"work": _work(collectives={"all_reduce": [[2**30, 1]]})}
-    for name, window in (("ddp", 1 / 4), ("deepspeed_zero2", 1.0)):
-        cell = _cell(name, accumulation=4)
+    for options, window in (({"name": "ddp"}, 1 / 4), ({"name": "deepspeed_zero2", "overlap_comm": True}, 1.0),
+                            ({"name": "deepspeed_zero2"}, 0.0)):
+        cell = _cell(accumulation=4, **options)
         p = step_time.predict(cell, analytic.predict(cell), work, _calibration(), "cuda")
-        assert p["exposed_comm_s"] == pytest.approx(p["comm_s"] - p["compute_s"] * 2 / 3 * window), name
+        assert p["exposed_comm_s"] == pytest.approx(p["comm_s"] - p["compute_s"] * 2 / 3 * window), options
 
 
 def test_on_cuda_a_sharded_engine_hides_all_but_its_first_gather_behind_compute():
@@ -293,6 +296,31 @@ def test_on_cuda_a_sharded_engine_hides_all_but_its_first_gather_behind_compute(
         p = step_time.predict(cell, analytic.predict(cell), {"work": _work(collectives=gathers)}, _calibration(),
                               "cuda")
         assert p["comm_s"] < p["compute_s"] and p["exposed_comm_s"] == pytest.approx(1 * MS), name
+
+
+def test_a_job_over_several_nodes_prices_what_crosses_them_at_the_sweep_across_nodes():
+    """8 ranks on 2 nodes, the network ten times slower than a node's links: a flat collective
+    crosses; HSDP's gathers and reduce-scatters stay in their node of 4, its all-reduce over the
+    2 replicas crosses with every local rank's bytes at once."""
+    within = _calibration(bandwidth=10e9, world_size=8)
+    job = {**within, "across_nodes": {"world_size": 8, "rows": _calibration(bandwidth=1e9, world_size=8)["rows"]}}
+    collectives = {"all_gather": [[2**24, 1]], "reduce_scatter": [[2**24, 1]], "all_reduce": [[2**22, 1]]}
+    work = {"work": _work(collectives=collectives)}
+    flat, hsdp = _cell("fsdp_full", world_size=8), _cell("fsdp_hybrid", world_size=8)
+
+    def comm(cell, calibration, nodes):
+        return step_time.predict(cell, analytic.predict(cell), work, calibration, "cuda", nodes)["comm_s_by_op"]
+
+    one_node = comm(flat, within, 1)
+    flat_across = comm(flat, job, 2)
+    assert all(flat_across[kind] == pytest.approx(10 * one_node[kind]) for kind in collectives)
+    assert comm(flat, within, 2) == pytest.approx(one_node)  # no sweep across nodes: the node's stands in
+    hsdp_across = comm(hsdp, job, 2)
+    # Within a node of 4: the sweep's own world size, its own rows.
+    assert hsdp_across["all_gather"] == pytest.approx(comm(_cell("fsdp_full", world_size=4), within, 1)["all_gather"])
+    # Across: 4 local ranks' 4 MiB at once, at 1 GB/s, over 2 replicas (the sweep's 8 rescaled).
+    assert hsdp_across["all_reduce"] == pytest.approx(
+        4 * 2**22 / 1e9 * busbw_factor("all_reduce", 2) / busbw_factor("all_reduce", 8))
 
 
 def test_an_untraced_cell_is_priced_from_the_analytic_work_and_says_so():

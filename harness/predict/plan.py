@@ -79,6 +79,8 @@ class PlanRequest:
     optimizer: Optimizer = "adamw"
     attention: Attention | None = None  # None: the model's own (``model_attention``)
     host_mem_bytes: float | None = None  # a node's host memory (--host-mem); None: offload's need is not checked
+    # What a node's network sends to the others, B/s (--inter-node-bw); None: rough_time's assumption.
+    inter_node_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -92,6 +94,8 @@ class PlanRequest:
         if self.gpus % self.nodes:
             raise ValueError(f"--gpus {self.gpus} is not divisible by --nodes {self.nodes}:"
                              " every node runs the same number of GPUs")
+        if self.inter_node_bytes_per_s is not None and self.nodes < 2:
+            raise ValueError("--inter-node-bw prices what crosses nodes: it applies to a plan over several --nodes")
         if self.global_batch is not None and self.global_batch % (self.gpus * (self.micro_batch or 1)):
             micro = f" × --micro-batch {self.micro_batch}" if self.micro_batch else ""
             raise ValueError(f"--global-batch {self.global_batch:,} is not a multiple of --gpus {self.gpus}{micro}:"
@@ -198,7 +202,7 @@ def _preference(row: dict) -> tuple:
 
 def _row(cell: CellSpec, req: PlanRequest, rates: rough_time.Rates, work: dict | None) -> dict:
     predicted = _analytic(cell, req, rates.device_type)
-    step = rough_time.step_seconds(cell, rates, predicted, work)
+    step = rough_time.step_seconds(cell, rates, predicted, work, req.nodes)
     seconds = step.get("step_time_s")
     spec = cell.model_spec
     peak = flops.peak_flops(rates.gpu_name, flops.compute_precision(req.precision, "high"))
@@ -225,7 +229,8 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
     and two blocks and extrapolated (predict/plan_work.py), for a run's rates; ``measured``
     (cell_id -> step seconds, the calibrating run's own cells) goes beside the prediction of
     each configuration that run measured."""
-    rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus)
+    rates = rates if rates is not None else rough_time.assumed(world_size=req.gpus, nodes=req.nodes,
+                                                               inter_node_bytes_per_s=req.inter_node_bytes_per_s)
     # A CPU host's rates price what a CPU runs (no activation offload: its tensors are on the host);
     # GPU nodes are planned as having the packages a configuration needs (flash-attn: the header says so).
     unsupported = {c: strategies.unsupported_reason(c, rates.device_type, installed=False)
@@ -356,6 +361,14 @@ def _host_mem_text(req: PlanRequest) -> str:
     return f"{_gib(req.host_mem_bytes)} of host memory a node ({fit.HOST_USABLE_FRACTION:.0%} usable by offload)"
 
 
+def _single_node_sweep_text(req: PlanRequest, rates: rough_time.Rates) -> str:
+    """Where a plan over several nodes has no rates for what crosses them: said."""
+    if req.nodes < 2 or "across_nodes" in rates.calibration:
+        return ""
+    return ("; collectives across nodes priced as within one, as the run swept one node"
+            " (--inter-node-bw states your network)")
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -448,7 +461,7 @@ def as_table(result: dict, markdown: bool) -> str:
             f"{_attention_text(req)}."
             " Memory: analytic predictor"
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
-            f" {result['rates'].source}.{_unchecked_text(spec)}")
+            f" {result['rates'].source}{_single_node_sweep_text(req, result['rates'])}.{_unchecked_text(spec)}")
     beside = against_measured(result)
     sized = req.global_batch is not None and req.micro_batch is None
     cols = ("config", "fits", *(("batch",) if sized else ()), "peak", "params", "grads", "optimizer", "buffers",

@@ -41,7 +41,9 @@ run's own calibration launch; the record names which was used):
   (log-log between measured sizes, the smallest size's latency below them, the largest's
   bandwidth above them; all-reduce's bus factor 2(n−1)/n and the others' (n−1)/n rescale a
   sweep of another world size). A send or a recv is priced as the sweep's send/recv between
-  ranks of one node. Collectives the sweep does not run (gather, scatter, reduce; and
+  ranks of one node. A job over several nodes prices what crosses them at the sweep across
+  nodes (a run's own, or plan's assumed fabric) and what stays in a node (HSDP's shard group)
+  at the node's (``_job_call_seconds``). Collectives the sweep does not run (gather, scatter, reduce; and
   broadcast, all-to-all and send/recv in a run swept before they were added) are priced as
   an all-gather of the same bytes. Local SGD's traced step is an averaging step, whose
   collectives are sent every ``local_sgd_period``-th step and none between: a step's share,
@@ -51,10 +53,11 @@ run's own calibration launch; the record names which was used):
   hand-overs, which reduce nothing, are the exception: its timeline above). On CUDA the
   collectives run on their own stream: a data-parallel engine's gradient reductions overlap
   backward (two thirds of the compute; under accumulation the last micro-step's, unless the
-  engine reduces every micro-step as DeepSpeed ZeRO-2 does), and the gather of its updated
-  partitions (ZeRO-1/2) follows the step, exposed; an engine that shards the parameters
-  gathers and reduces behind forward and backward, all but the first gather, which nothing
-  precedes.
+  engine reduces every micro-step as DeepSpeed ZeRO-2 and ZeRO-3 do; never where they run on
+  the compute stream, as DeepSpeed's do without ``overlap_comm``, its default for ZeRO-1/2), and the gather of its
+  updated partitions (ZeRO-1/2) follows the step, exposed; an engine that shards the
+  parameters gathers behind forward and backward, all but the first gather, which nothing
+  precedes, its hidden reductions sharing that compute (``_exposed_on_cuda``).
 - a pipeline: its schedule played out (predict/pipeline_schedule.py), each rank's compute
   spread over its stages' micro-batches (the last rank's from its own trace, which holds the
   LM head and the loss; the ranks before it at rank 0's) and each hand-over between ranks a
@@ -96,9 +99,11 @@ _SWEPT_AS = {"send": "send_recv", "recv": "send_recv"}
 _HOST_ADAM_BYTES_PER_ELEMENT = 28  # an offloaded step, fused (DeepSpeedCPUAdam): reads p, g, m, v, writes p, m, v
 
 
-def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | None, device_type: str) -> dict:
+def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | None, device_type: str,
+            nodes: int = 1) -> dict:
     """The record's ``predicted.step_time``: {"step_time_s", "compute_s", "comm_s",
-    "exposed_comm_s", "bubble", "offload_s", "work", "rates"} or {"unavailable": reason}."""
+    "exposed_comm_s", "bubble", "offload_s", "work", "rates"} or {"unavailable": reason};
+    ``nodes``: the nodes the cell's ranks are spread over (``_job_call_seconds``)."""
     if not calibration or "error" in calibration or "skipped" in calibration:
         why = (calibration or {}).get("skipped") or (calibration or {}).get("error") or "no calibration in this run"
         return {"unavailable": f"no measured rates to price the step at: {why}"}
@@ -123,14 +128,15 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     compute = _compute_seconds(work, rates, cell.strategy.precision, overhead) / share
     sent_every = cell.strategy.local_sgd_period or 1
     comm_by_op = {kind: seconds / share / sent_every
-                  for kind, seconds in _comm_seconds_by_op(work, cell.world_size, calibration).items()}
+                  for kind, seconds in _comm_seconds_by_op(work, cell, calibration, nodes).items()}
     comm = sum(comm_by_op.values())
     if cell.strategy.pipelined:
         last_rank_work = traced.get("last_rank_work", work) if source == "traced" else work
         compute, bubble, exposed = _pipeline_step(cell, work, last_rank_work, rates, overhead, share, calibration)
     else:
         bubble = 1.0
-        exposed = comm if device_type != "cuda" else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration)
+        exposed = (comm if device_type != "cuda"
+                   else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration, nodes))
     offload = _offload_seconds(cell, analytic) if device_type == "cuda" else 0.0
     step = compute * bubble + exposed + offload
     return {"step_time_s": step, "compute_s": compute, "comm_s": comm, "comm_s_by_op": comm_by_op,
@@ -152,8 +158,8 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
         return 0.0
     work, world_size = engine["work"], calibration["world_size"]
     rates = calibration["compute_rates"]["concurrent"]
+    cell = engine_step_cell(name, world_size)
     if strategies.get(name).engine_model.analytic == "pipeline":
-        cell = engine_step_cell(name, world_size)
         last_rank_work = engine.get("last_rank_work", work)
 
         def priced(overhead: float) -> float:
@@ -162,7 +168,7 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
 
         return _solved(priced, engine["step_s"], most=engine["step_s"] / work["ops"])
     priced_step = (_compute_seconds(work, rates, "fp32", 0.0)
-                   + sum(_comm_seconds_by_op(work, world_size, calibration).values()))
+                   + sum(_comm_seconds_by_op(work, cell, calibration).values()))
     return max(0.0, (engine["step_s"] - priced_step) / work["ops"])
 
 
@@ -185,10 +191,29 @@ def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: f
             + compute_rate.kernel_seconds(work, rates, precision) + compute_rate.memory_seconds(work, rates))
 
 
-def _comm_seconds_by_op(work: dict, world_size: int, calibration: dict) -> dict[str, float]:
-    return {kind: sum(calls * _call_seconds(kind, nbytes, world_size, calibration["rows"], calibration["world_size"])
-                      for nbytes, calls in sizes)
+def _comm_seconds_by_op(work: dict, cell: CellSpec, calibration: dict, nodes: int = 1) -> dict[str, float]:
+    return {kind: sum(calls * _job_call_seconds(kind, nbytes, cell, calibration, nodes) for nbytes, calls in sizes)
             for kind, sizes in work["collectives"].items()}
+
+
+def _job_call_seconds(kind: str, nbytes: float, cell: CellSpec, calibration: dict, nodes: int) -> float:
+    """One call of ``kind`` by the cell's ranks spread over ``nodes`` nodes. Within a node, at
+    the run's own sweep; across nodes, at the sweep across them (``calibration["across_nodes"]``:
+    a run on several nodes measures one, a plan assumes one, predict/rough_time.py), or, where
+    there is none, at the one node's. HSDP's gathers and reduce-scatters stay in their node
+    (its shard group); its all-reduce crosses, over the replicas, one rank a node, each local
+    rank's at once over the node's links: priced as one call of all their bytes."""
+    within = calibration["rows"], calibration["world_size"]
+    if nodes < 2:
+        return _call_seconds(kind, nbytes, cell.world_size, *within)
+    across = calibration.get("across_nodes")
+    between = (across["rows"], across["world_size"]) if across else within
+    per_node = cell.world_size // nodes
+    if strategies.get(cell.strategy.name).engine_model.shard_group == "hsdp_shard":
+        if kind == "all_reduce":
+            return _call_seconds(kind, nbytes * per_node, nodes, *between)
+        return _call_seconds(kind, nbytes, per_node, *within)
+    return _call_seconds(kind, nbytes, cell.world_size, *between)
 
 
 def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
@@ -278,7 +303,7 @@ def _rates(cell: CellSpec, calibration: dict, device_type: str) -> tuple[dict, f
     return rates[scope], share
 
 
-def _call_seconds(kind: str, nbytes: int, world_size: int, rows: list[dict], swept_world_size: int) -> float:
+def _call_seconds(kind: str, nbytes: float, world_size: int, rows: list[dict], swept_world_size: int) -> float:
     """One call's time by the sweep (module docstring)."""
     if world_size < 2:
         return 0.0
@@ -303,22 +328,31 @@ def _call_seconds(kind: str, nbytes: int, world_size: int, rows: list[dict], swe
 
 
 def _exposed_on_cuda(cell: CellSpec, compute: float, work: dict, comm_by_op: dict[str, float],
-                     calibration: dict) -> float:
+                     calibration: dict, nodes: int) -> float:
+    """What of the step's communication no compute hides (module docstring, "overlap"):
+    gradient reductions behind backward (two thirds of the compute), under accumulation the
+    last micro-step's only unless the engine reduces every micro-step (DeepSpeed ZeRO-2 and
+    ZeRO-3), and none where they run on the compute stream (DeepSpeed without overlap_comm:
+    EngineModel.overlap_comm_default); a parameter-sharding engine's gathers behind all of it but the first unit's,
+    sharing it with the hidden reductions; anything else (ZeRO-1/2's gather of the updated
+    partitions, after the step) exposed."""
     engine = strategies.get(cell.strategy.name).engine_model
     comm = sum(comm_by_op.values())
     if engine.analytic != "data_parallel":
         return comm
-    if "params" in engine.sharded:  # gathered unit by unit before use, the next prefetched
-        first_gather = min((nbytes for nbytes, _ in work["collectives"].get("all_gather", [])), default=0)
-        unhidden = _call_seconds("all_gather", first_gather, cell.world_size, calibration["rows"],
-                                 calibration["world_size"]) if first_gather else 0.0
-        return unhidden + max(0.0, comm - unhidden - compute)
-    # Gradients reduce in buckets during backward; under accumulation during the last
-    # micro-step's only (the others skip the sync), where the engine does not reduce every
-    # micro-step (DeepSpeed ZeRO-2 does). The rest (the updated partitions' gather) follows the step.
-    gradient = comm_by_op.get("all_reduce", 0.0) + comm_by_op.get("reduce_scatter", 0.0)
-    reducing_share = 1.0 if engine.grad_partition_in_backward else 1 / cell.strategy.accumulation
-    return (comm - gradient) + max(0.0, gradient - compute * 2 / 3 * reducing_share)
+    reductions = comm_by_op.get("all_reduce", 0.0) + comm_by_op.get("reduce_scatter", 0.0)
+    overlap_comm = cell.strategy.overlap_comm
+    beside_backward = engine.overlap_comm_default is None or (
+        overlap_comm if overlap_comm is not None else engine.overlap_comm_default)
+    reducing_share = (0.0 if not beside_backward else 1.0 if engine.grad_partition_in_backward
+                      else 1 / cell.strategy.accumulation)
+    exposed_reductions = max(0.0, reductions - compute * 2 / 3 * reducing_share)
+    if "params" not in engine.sharded:
+        return (comm - reductions) + exposed_reductions
+    first_gather = min((nbytes for nbytes, _ in work["collectives"].get("all_gather", [])), default=0)
+    unhidden = _job_call_seconds("all_gather", first_gather, cell, calibration, nodes) if first_gather else 0.0
+    hidden = comm - exposed_reductions - unhidden  # the gathers after the first, and the reductions in their window
+    return unhidden + exposed_reductions + max(0.0, hidden - compute)
 
 
 def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict, overhead: float, share: float,
@@ -346,7 +380,7 @@ def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict
         if hop_bytes else 0.0
     hops = sum(calls for kind in ("send", "recv") for nbytes, calls in work["collectives"].get(kind, [])
                if nbytes == hop_bytes)
-    comm = sum(_comm_seconds_by_op(work, cell.world_size, calibration).values()) / share
+    comm = sum(_comm_seconds_by_op(work, cell, calibration).values()) / share
     forward_share = 1 / 4 if s.checkpointing == "full" else 1 / 3
     action_s = [(per_action * forward_share, per_action * (1 - forward_share))
                 for compute in compute_by_rank for per_action in [compute / (microbatches * virtual)]]

@@ -128,6 +128,11 @@ class EngineModel:
     # layers reduces in the first bucket; ZeRO-3 allocates it when the engine is built
     # (stage3.py's grad_partitions_flat_buffer) and holds it for good.
     grad_partition_in_backward: bool = False
+    # Whether the gradient reductions run beside backward, on a stream of their own (the
+    # step-time model hides them there on CUDA): None, always (DDP's buckets, FSDP); a bool,
+    # DeepSpeed's default for its ``overlap_comm`` (a cell option), off for ZeRO-1/2, which
+    # then reduce on the compute stream, and on for ZeRO-3 (ZeRO-1 cannot turn it on).
+    overlap_comm_default: bool | None = None
     # What a rank holds of the gradients between the micro-steps of an accumulation: its
     # sharded gradients (reduced every micro-step, or not sharded at all); the same in a
     # buffer of their own, beside the partition each micro-step's backward allocates anew

@@ -557,7 +557,8 @@ def unsupported_reason(cell: CellSpec, device_type: str) -> str | None:
 # accumulation it reduces at the boundary's backward only, the whole gradients summed until
 # then (EngineModel.accumulated_grads).
 _STAGE12_MODEL = EngineModel(sharded=frozenset({"optimizer", "grads"}), fp32_master_partition=True, comm="deepspeed",
-                             frees_16bit_grads_before_step=True, accumulated_grads="unsharded_compute")
+                             frees_16bit_grads_before_step=True, accumulated_grads="unsharded_compute",
+                             overlap_comm_default=False)
 STRATEGIES = (
     Strategy(
         name="deepspeed_zero1", summary="DeepSpeed ZeRO stage 1: optimizer state partitioned", engine="deepspeed",
@@ -580,7 +581,8 @@ STRATEGIES = (
         engine_model=EngineModel(sharded=frozenset({"optimizer", "grads", "params"}), fp32_master_partition=True,
                                  grad_buffer="deepspeed_reduce_bucket", persistent_params="deepspeed_threshold",
                                  comm="deepspeed", keeps_gathered="within_live_parameters",
-                                 grad_partition_in_backward=True, steps_in_sub_groups=True),
+                                 grad_partition_in_backward=True, steps_in_sub_groups=True,
+                                 overlap_comm_default=True),
         prepare=prepare,
     ),
 )

@@ -129,6 +129,10 @@ def test_two_nodes_of_one_rank_match_one_node_of_two(tmp_path, smoke_run):
     predicted = step_time.predict(single, analytic.predict(single, device_type="cpu"),
                                   traced.trace(single, stand_in=False), own, "cpu")
     assert 0 < predicted["step_time_s"] == predicted["compute_s"] and predicted["comm_s"] == 0
+    # The cells spanning the nodes: their collectives priced at the sweep across them.
+    for record in two_nodes.values():
+        if record["cell"]["world_size"] == 2:
+            assert record["predicted"]["step_time"]["comm_s"] > 0, record["predicted"]["step_time"]
     page = (tmp_path / "n0" / "reports" / n0_run.name / "index.html").read_text()
     assert f"No sweep: {calibration.ONE_RANK_NO_SWEEP}" in page
 

@@ -52,14 +52,16 @@ def tolerance(target: str) -> float:
     return STEP_TIME_TOLERANCE if target == "step_time" else TOLERANCE
 
 
-def prediction(cell: CellSpec, traced: dict | None, device_type: str, calibration: dict | None) -> dict:
+def prediction(cell: CellSpec, traced: dict | None, device_type: str, calibration: dict | None,
+               nodes: int = 1) -> dict:
     """The record's ``predicted`` entry before any measurement: both memory predictors, the
     analytic one for the ranks' ``device_type``, and the step time priced at the run's
-    ``calibration`` (run.json's ``environment.bandwidth``, which holds the compute rates too)."""
+    ``calibration`` (run.json's ``environment.bandwidth``, which holds the compute rates too)
+    for the cell's ranks on ``nodes`` nodes."""
     analytic = _analytic(cell, device_type)
     traced = traced if traced is not None else {"unavailable": "not traced in this run"}
     try:
-        step = step_time.predict(cell, analytic, traced, calibration, device_type)
+        step = step_time.predict(cell, analytic, traced, calibration, device_type, nodes)
     except Exception as error:  # as for the analytic model: the record must still be written
         step = {"unavailable": f"the step-time model failed: {type(error).__name__}: {error}"}
     return {"analytic": analytic, "traced": traced, "step_time": step, "step_time_s": step.get("step_time_s")}

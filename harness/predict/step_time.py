@@ -120,7 +120,8 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     else:
         return {"unavailable": f"no work to price: not traced ({traced.get('unavailable')}) and no analytic"
                                f" prediction ({analytic['unavailable']})"}
-    if cell.world_size > 1 and any(work["collectives"].values()) and not calibration["rows"]:
+    swept = calibration["rows"] or (nodes > 1 and (calibration.get("across_nodes") or {}).get("rows"))
+    if cell.world_size > 1 and any(work["collectives"].values()) and not swept:
         return {"unavailable": f"no collective timings to price its communication at: {calibration.get('no_sweep')}"}
     rates, share = _rates(cell, calibration, device_type)
     overhead = (engine_overhead_per_op(engine, calibration)

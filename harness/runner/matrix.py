@@ -30,7 +30,7 @@ from harness.results import trials
 from harness.results.schema import make_record
 from harness.results.store import RunStore
 from harness.runner import timeouts
-from harness.runner.launcher import CellOutcome, LaunchOptions, run_batch
+from harness.runner.launcher import CellOutcome, LaunchOptions, nodes_of, run_batch
 
 
 def with_references(cells: list[CellSpec]) -> list[CellSpec]:
@@ -85,7 +85,8 @@ class MatrixRun:
         self.progress = progress
         self.repeat = repeat
         self.on_round_end = on_round_end  # called with the trial number as each round ends
-        # run.json's environment.bandwidth: the sweep and compute rates the step times are priced at.
+        # run.json's environment.bandwidth: the sweep and compute rates the step times are priced
+        # at; over several nodes, with the sweep across them as "across_nodes" (runner/session.py).
         self.calibration = calibration
         self._unsupported = {c.cell_id: strategies.unsupported_reason(c, device_type)
                              or timeouts.too_slow_reason(c, device_type) for c in self.cells}
@@ -156,11 +157,15 @@ class MatrixRun:
             status = "unsupported" if unsupported else "does_not_fit"
             reason = unsupported or (checked.reason() if checked is not None else "")
             self._finish(make_record(cell, markers=markers.markers_of(cell), status=status, reason=reason,
-                                     predicted=accuracy.prediction(cell, None, self.device_type, self.calibration),
+                                     predicted=self._prediction(cell, None),
                                      fit=self._fit_of(cell), trial=trial))
         runnable = [c for c in cells if c.cell_id not in self._not_launched]
         launch_round(runnable, trial, self.options, self.store.path / "launches",
                      partial(self._on_outcome, trial=trial))
+
+    def _prediction(self, cell: CellSpec, traced_peak: dict | None) -> dict:
+        return accuracy.prediction(cell, traced_peak, self.device_type, self.calibration,
+                                   nodes_of(cell.world_size, self.options.nodes))
 
     def _reference_record(self, cell: CellSpec, trial: int) -> dict | None:
         """The reference's record of the same trial, else of its earliest recorded trial."""
@@ -170,7 +175,7 @@ class MatrixRun:
 
     def _on_outcome(self, outcome: CellOutcome, trial: int) -> None:
         cell = outcome.cell
-        predicted = accuracy.prediction(cell, self._traced.get(cell.cell_id), self.device_type, self.calibration)
+        predicted = self._prediction(cell, self._traced.get(cell.cell_id))
         common: dict[str, Any] = dict(markers=markers.markers_of(cell), wall_s=outcome.wall_s, trial=trial,
                                       fit=self._fit_of(cell))
         if outcome.status != "ok":

@@ -152,7 +152,7 @@ def start(config: pytest.Config) -> MatrixRun:
     run = MatrixRun(cells, store, launch,
                     device_type=device_type, device_name=device_name, progress=progress, repeat=repeat,
                     recorded=recorded, fit_memory_bytes=fit_memory_bytes(options), launch_anyway=options.launch_anyway,
-                    calibration=run_info["environment"].get("bandwidth"))
+                    calibration=step_time_rates(run_info["environment"]))
     config.stash[_RUN] = run
     if launch.nodes.multi:
         spanning = [[c for c in cells if nodes_of(c.world_size, launch.nodes) > 1] for cells in run.launch_rounds()]
@@ -168,8 +168,18 @@ def start(config: pytest.Config) -> MatrixRun:
                 **run_bandwidth_sweep(sweep_ranks, store.path / "launches" / "bandwidth-across-nodes",
                                       BANDWIDTH_TIMEOUT_S, launch.nodes, sweep_rdzv_id(store.run_id))}
             store.write_run_info(run_info)
+            run.calibration = step_time_rates(run_info["environment"])
     run.run()
     return run
+
+
+def step_time_rates(environment: dict) -> dict | None:
+    """What the run's cells' steps are priced at (predict/step_time.py): its calibration, with
+    its sweep across nodes where it ran one (over several nodes; a resume reads it back)."""
+    calibration, across = environment.get("bandwidth"), environment.get("bandwidth_across_nodes")
+    if calibration and across and across.get("rows"):
+        return {**calibration, "across_nodes": across}
+    return calibration
 
 
 def open_plan_server(config: pytest.Config) -> None:

@@ -613,6 +613,16 @@ def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fi
     fixed = plan.plan(dataclasses.replace(req, micro_batch=4))
     assert {(r["cell"].micro_batch, r["cell"].strategy.accumulation) for r in fixed["rows"]} == {(4, 16)}
     assert "global batch 512 a step (micro-batch 4 × 16 accumulation steps" in plan.as_table(fixed, markdown=False)
+    # --traced traces each leading configuration's peak over two micro-steps, not sixteen.
+    asked: list[CellSpec] = []
+
+    def trace(cells):
+        asked.extend(cells)
+        return {c.cell_id: {"peak_bytes": 0} for c in cells}
+
+    traced_plan = plan.plan(dataclasses.replace(req, micro_batch=4), trace=trace)
+    assert asked and all(c.strategy.accumulation == 2 and c.micro_batch == 4 for c in asked)
+    assert sum(r["traced"] is not None for r in traced_plan["rows"]) >= plan.TRACED_CANDIDATES
     # Accumulation spreads the step's communication: DeepSpeed ZeRO-2 reduces every micro-step.
     by_label = {plan.config_label(r["cell"]): r["predicted"]["comm_bytes_by_op"] for r in fixed["rows"]}
     one = plan.plan(dataclasses.replace(req, micro_batch=4, global_batch=32))

@@ -139,8 +139,8 @@ class PlanRequest:
         if self.global_batch is None:
             return f"micro-batch {self.micro_batch or 1}"
         tokens = f", {self.global_batch * self.spec.tokens_per_sample / 1e6:.3g}M tokens" if self.spec.seq_len else ""
-        how = (f"micro-batch {self.micro_batch} × {self.global_batch // (self.gpus * self.micro_batch)} accumulation"
-               " steps" if self.micro_batch else "each configuration at the largest micro-batch that fits, accumulating"
+        how = (_micro_steps_text(self.micro_batch, self.global_batch // (self.gpus * self.micro_batch))
+               if self.micro_batch else "each configuration at the largest micro-batch that fits, accumulating"
                " the rest")
         return f"global batch {self.global_batch:,} a step ({how}{tokens})"
 
@@ -309,7 +309,7 @@ def recommendation_text(result: dict) -> str:
                 " shorten the sequence, or lower the micro-batch.")
     s = best["cell"].strategy
     peak = (best["traced"] or {}).get("peak_bytes", best["predicted"]["peak_bytes"])
-    at = (f" at micro-batch {best['cell'].micro_batch} × {best['cell'].strategy.accumulation} accumulation steps"
+    at = (f" at {_micro_steps_text(best['cell'].micro_batch, s.accumulation)}"
           if req.global_batch is not None and req.micro_batch is None else "")
     text = (f"Recommended: {config_label(best['cell'])}{at}: fits with {_gib(usable - peak)} to spare"
             f" (peak {_gib(peak)}{' traced' if best['traced'] and 'peak_bytes' in best['traced'] else ''} of"
@@ -430,6 +430,13 @@ def config_label(cell: CellSpec) -> str:
     if s.offload != "none":
         parts.append(f"offload_{s.offload}")
     return "/".join(parts)
+
+
+def _micro_steps_text(micro_batch: int, accumulation: int) -> str:
+    """``micro-batch 4 × 8 accumulation steps``, or ``micro-batch 4, no accumulation``."""
+    if accumulation == 1:
+        return f"micro-batch {micro_batch}, no accumulation"
+    return f"micro-batch {micro_batch} × {accumulation} accumulation steps"
 
 
 def _batch_text(cell: CellSpec) -> str:

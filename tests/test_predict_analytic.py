@@ -325,30 +325,39 @@ def test_fairscale_sdp_sums_a_tied_tables_gradient_beside_every_zeroed_gradient(
 
 
 def test_zero3_residency_replays_deepspeeds_coordinator(monkeypatch):
-    """What ZeRO-3 holds gathered as its forward ends, by predict/zero3_residency.py, against
+    """What ZeRO-3 holds gathered as its forward ends, and the most in backward (its prefetch
+    past the budget, as on llama-1b at 8 ranks), by predict/zero3_residency.py, against
     DeepSpeed's own coordinator counting in the traced step; with the reuse distance and live
     budget cut to a fraction of gpt2-tiny (its whole step is within the defaults, so everything
     stays), its release and prefetch rules decide, as they do at real size."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-    from harness.predict.analytic_data_parallel import ds_live_numel
+    from harness.predict.analytic_data_parallel import ds_backward_live_numel, ds_live_numel
     from harness.strategies import deepspeed_zero
 
     monkeypatch.setattr(deepspeed_zero, "MAX_REUSE_DISTANCE", 60_000)
     monkeypatch.setattr(deepspeed_zero, "MAX_LIVE_PARAMETERS", 80_000)
     steps: list[list[tuple[bool, int]]] = [[]]  # per step, each release: (in forward, elements gathered)
+    fetched: list[list[tuple[bool, int]]] = [[]]  # per step, each fetch (its prefetch included)
     release = PartitionedParameterCoordinator.reset_step, PartitionedParameterCoordinator.release_sub_module
+    fetch = PartitionedParameterCoordinator.fetch_sub_module
 
     def reset_step(self):
         release[0](self)
         steps.append([])
+        fetched.append([])
 
     def counting(self, submodule, forward=False):
         release[1](self, submodule, forward)
         steps[-1].append((forward, self._PartitionedParameterCoordinator__n_available_params))
 
+    def fetching(self, submodule, forward):
+        fetch(self, submodule, forward)
+        fetched[-1].append((forward, self._PartitionedParameterCoordinator__n_available_params))
+
     monkeypatch.setattr(PartitionedParameterCoordinator, "reset_step", reset_step)
     monkeypatch.setattr(PartitionedParameterCoordinator, "release_sub_module", counting)
+    monkeypatch.setattr(PartitionedParameterCoordinator, "fetch_sub_module", fetching)
     cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="deepspeed_zero3"))
     assert "peak_bytes" in traced.trace(cell)
     memory_step = next(step for step in reversed(steps) if step)
@@ -357,6 +366,8 @@ def test_zero3_residency_replays_deepspeeds_coordinator(monkeypatch):
     layout = models.param_layout(cell.model_spec)
     gatherable = layout.numel - analytic_data_parallel.persistent_numel(cell, layout)
     assert 0 < ds_live_numel(cell, layout) == end_of_forward < gatherable
+    most_in_backward = max(n for forward, n in next(step for step in reversed(fetched) if step) if not forward)
+    assert end_of_forward < ds_backward_live_numel(cell, layout) == most_in_backward
 
 
 def test_zero3_counts_the_released_experts_a_saved_view_holds(monkeypatch):

@@ -750,13 +750,38 @@ def ds_live_numel(cell: CellSpec, layout: ParamLayout) -> int:
     of 1408 a layer, 26 such layers) 25 layers' experts, 26 GiB of bf16 a GPU that the
     coordinator counts as released (traced; and measured on 2 gloo ranks: the released
     weights' storages held by GroupedMmBackward0's saved views)."""
-    checkpointed = cell.strategy.blocks("checkpoint_blocks", cell.model_spec.n_layers)
-    held = frozenset(p for block, params in layout.modules if block >= 0 and block not in checkpointed
-                     for p in params if p in layout.saved_as_views)
+    held = _held(cell, layout)
     if cell.evaluates_first:
         return sum(math.prod(layout.shapes[p]) for p in held)
+    return _residency(cell, layout, held).end_of_forward
+
+
+def ds_backward_live_numel(cell: CellSpec, layout: ParamLayout) -> int:
+    """The most DeepSpeed ZeRO-3 holds gathered while the last block's backward runs, counted
+    as ``ds_live_numel`` counts: the coordinator's replay carried into backward
+    (zero3_residency.Gathered.last_block_backward), where, once the head's backward has
+    put its count under the live budget, its prefetch passes every parameter forward kept
+    and gathers the rest, the tied token table whole, beyond the budget (llama-1b on 8 ranks,
+    checkpointed: 1.18 of its 1.24B parameters, against 1.00B when forward ends; traced:
+    1.22B, the coordinator's modules without parameters prefetching too).
+    ``ds_live_numel`` where the coordinator has no trace to prefetch by (``evaluates_first``)."""
+    if cell.evaluates_first:
+        return ds_live_numel(cell, layout)
+    gathered = _residency(cell, layout, _held(cell, layout))
+    return max(gathered.end_of_forward, gathered.last_block_backward)
+
+
+def _held(cell: CellSpec, layout: ParamLayout) -> frozenset[int]:
+    """``ds_live_numel``'s ``held``: the parameters saved as views in the blocks that keep their activations."""
+    checkpointed = cell.strategy.blocks("checkpoint_blocks", cell.model_spec.n_layers)
+    return frozenset(p for block, params in layout.modules if block >= 0 and block not in checkpointed
+                     for p in params if p in layout.saved_as_views)
+
+
+def _residency(cell: CellSpec, layout: ParamLayout, held: frozenset[int]) -> zero3_residency.Gathered:
+    """The coordinator's replay at the cell's settings."""
     sizes = _ds_sizes(cell)
-    return zero3_residency.gathered_at_end_of_forward(
+    return zero3_residency.replay(
         layout, persistence_threshold=sizes["stage3_param_persistence_threshold"],
         prefetch_bucket_size=sizes["stage3_prefetch_bucket_size"],
         max_live_parameters=sizes["stage3_max_live_parameters"], max_reuse_distance=sizes["stage3_max_reuse_distance"],
@@ -776,6 +801,8 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
       and DeepSpeed ZeRO-3 what its live-parameter budget lets it keep (``ds_live_numel``);
     - ``prefetched``: the blocks gathered beside the one whose backward runs (FSDP's
       prefetch: the next one, or ``prefetch`` N), counted at the last block's backward;
+      DeepSpeed ZeRO-3's, what its prefetch has gathered by then beyond ``gathered``
+      (``ds_backward_live_numel``);
     - ``autocast_copies``: torch autocast caches a 16-bit copy of every matmul weight it
       casts for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
     - ``recompute``: with checkpointing, what one block's backward makes again
@@ -829,7 +856,9 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
         gathered = low * (layout.numel - persistent_numel(cell, layout)) + _fp32_block_extra(cell, layout)
         prefetched = 0.0
     elif engine.keeps_gathered == "within_live_parameters":
-        gathered, prefetched = low * ds_live_numel(cell, layout), 0.0
+        # What its prefetch gathers beyond that by the last block's backward (ds_backward_live_numel).
+        live = ds_live_numel(cell, layout)
+        gathered, prefetched = low * live, low * (ds_backward_live_numel(cell, layout) - live)
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
     # Bytes a root element holds as it is reduce-scattered (root_reduce): its unsharded
     # gradient in the compute dtype, the fp32 reduce input it is copied into, the fp32 shard

@@ -332,7 +332,7 @@ def test_zero3_residency_replays_deepspeeds_coordinator(monkeypatch):
     stays), its release and prefetch rules decide, as they do at real size."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-    from harness.predict.analytic_data_parallel import ds_backward_live_numel, ds_live_numel
+    from harness.predict.analytic_data_parallel import ds_gathered_numel, ds_live_numel
     from harness.strategies import deepspeed_zero
 
     monkeypatch.setattr(deepspeed_zero, "MAX_REUSE_DISTANCE", 60_000)
@@ -367,7 +367,7 @@ def test_zero3_residency_replays_deepspeeds_coordinator(monkeypatch):
     gatherable = layout.numel - analytic_data_parallel.persistent_numel(cell, layout)
     assert 0 < ds_live_numel(cell, layout) == end_of_forward < gatherable
     most_in_backward = max(n for forward, n in next(step for step in reversed(fetched) if step) if not forward)
-    assert end_of_forward < ds_backward_live_numel(cell, layout) == most_in_backward
+    assert end_of_forward < ds_gathered_numel(cell, layout)[1] == most_in_backward
 
 
 def test_zero3_counts_the_released_experts_a_saved_view_holds(monkeypatch):

@@ -756,19 +756,20 @@ def ds_live_numel(cell: CellSpec, layout: ParamLayout) -> int:
     return _residency(cell, layout, held).end_of_forward
 
 
-def ds_backward_live_numel(cell: CellSpec, layout: ParamLayout) -> int:
-    """The most DeepSpeed ZeRO-3 holds gathered while the last block's backward runs, counted
-    as ``ds_live_numel`` counts: the coordinator's replay carried into backward
+def ds_gathered_numel(cell: CellSpec, layout: ParamLayout) -> tuple[int, int]:
+    """(``ds_live_numel``, the most DeepSpeed ZeRO-3 holds gathered while the last block's
+    backward runs), counted alike, from one replay of the coordinator carried into backward
     (zero3_residency.Gathered.last_block_backward), where, once the head's backward has
     put its count under the live budget, its prefetch passes every parameter forward kept
     and gathers the rest, the tied token table whole, beyond the budget (llama-1b on 8 ranks,
     checkpointed: 1.18 of its 1.24B parameters, against 1.00B when forward ends; traced:
-    1.22B, the coordinator's modules without parameters prefetching too).
+    1.22B, the coordinator's modules without parameters prefetching too). Both
     ``ds_live_numel`` where the coordinator has no trace to prefetch by (``evaluates_first``)."""
     if cell.evaluates_first:
-        return ds_live_numel(cell, layout)
+        live = ds_live_numel(cell, layout)
+        return live, live
     gathered = _residency(cell, layout, _held(cell, layout))
-    return max(gathered.end_of_forward, gathered.last_block_backward)
+    return gathered.end_of_forward, max(gathered.end_of_forward, gathered.last_block_backward)
 
 
 def _held(cell: CellSpec, layout: ParamLayout) -> frozenset[int]:
@@ -802,7 +803,7 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
     - ``prefetched``: the blocks gathered beside the one whose backward runs (FSDP's
       prefetch: the next one, or ``prefetch`` N), counted at the last block's backward;
       DeepSpeed ZeRO-3's, what its prefetch has gathered by then beyond ``gathered``
-      (``ds_backward_live_numel``);
+      (``ds_gathered_numel``);
     - ``autocast_copies``: torch autocast caches a 16-bit copy of every matmul weight it
       casts for the rest of the forward (DDP, ZeRO-1 and the reference under bf16/fp16);
     - ``recompute``: with checkpointing, what one block's backward makes again
@@ -856,9 +857,9 @@ def transient_bytes(cell: CellSpec, layout: ParamLayout, spec: ModelSpec,
         gathered = low * (layout.numel - persistent_numel(cell, layout)) + _fp32_block_extra(cell, layout)
         prefetched = 0.0
     elif engine.keeps_gathered == "within_live_parameters":
-        # What its prefetch gathers beyond that by the last block's backward (ds_backward_live_numel).
-        live = ds_live_numel(cell, layout)
-        gathered, prefetched = low * live, low * (ds_backward_live_numel(cell, layout) - live)
+        # What its prefetch gathers beyond that by the last block's backward (ds_gathered_numel).
+        live, most = ds_gathered_numel(cell, layout)
+        gathered, prefetched = low * live, low * (most - live)
     reduces_root_last = engine.comm == "gather_and_reduce_scatter" and params_sharded
     # Bytes a root element holds as it is reduce-scattered (root_reduce): its unsharded
     # gradient in the compute dtype, the fp32 reduce input it is copied into, the fp32 shard

@@ -79,8 +79,9 @@ def assumed(gpu_name: str | None = None, world_size: int = 2, nodes: int = 1,
     rates_text = f"{ASSUMED_MFU:.0%} MFU, {ASSUMED_BUS_BW / 1e9:.0f} GB/s bus bandwidth"
     if nodes > 1:
         network = inter_node_bytes_per_s or ASSUMED_INTER_NODE_BW
-        calibration["across_nodes"] = across_nodes(min(network, ASSUMED_BUS_BW), world_size)
-        rates_text += (f" within a node, {min(network, ASSUMED_BUS_BW) / 1e9:.3g} GB/s across nodes"
+        bus = min(network, ASSUMED_BUS_BW)  # a ring over the nodes: the slower of its links
+        calibration["across_nodes"] = across_nodes(bus, world_size)
+        rates_text += (f" within a node, {bus / 1e9:.3g} GB/s across nodes"
                        f" ({_network_text(network, inter_node_bytes_per_s is not None)})")
     return Rates(calibration=calibration, device_type="cuda", gpu_name=known,
                  source=f"{known} (assumed{stands_in}: {rates_text})")

@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     pln.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     pln.add_argument("--micro-batch", type=int, default=None,
-                     help="samples per GPU per micro-step (default 1; with --global-batch, each configuration's"
-                          " largest that fits)")
+                     help="samples per GPU per micro-step, per tensor-parallel group under tp_fsdp (default:"
+                          " each configuration's largest that fits the global batch)")
     pln.add_argument("--inter-node-bw", default=None,
                      help="what each node's network sends to the others, with its unit, e.g. 400Gbps or 3.2Tbps"
                           " (all its NICs; bits as NICs are rated) or 50GB/s: collectives across --nodes are"
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                           " (exact; slower); a traced peak over the usable memory is not a fit")
     pln.add_argument("--config", default=None, metavar="LABEL",
                      help="a configuration to hold beside the recommendation, as the table labels it,"
-                          " e.g. fsdp_full/bf16/ckpt_full")
+                          " e.g. fsdp_full/bf16/ckpt_full or tp_fsdp/tp4/bf16/ckpt_none")
     pln.add_argument("--gpu", default=None, metavar="NAME",
                      help="the GPU to price steps on at its datasheet peaks, as torch.cuda.get_device_name()"
                           " names it or by words naming one, e.g. A100-SXM4-80GB or H200 (default: NVIDIA H100 80GB"

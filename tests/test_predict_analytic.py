@@ -601,16 +601,18 @@ def test_plan_counts_what_offload_holds_in_each_nodes_host_memory():
 def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fits():
     """gpt2-124m on 8 × 24 GiB at 512 samples a step: each configuration at the largest
     power-of-two micro-batch whose analytic peak fits, accumulating the rest; --micro-batch
-    fixes it instead."""
+    fixes it instead. A tensor-parallel group takes its GPUs' samples: tp_fsdp at degree t
+    trains t × 64 samples in a group's micro-steps."""
     req = plan.PlanRequest(model="gpt2-124m", gpus=8, gpu_mem_bytes=24 * 2**30, global_batch=512)
     result = plan.plan(req)
     usable = fit.USABLE_FRACTION * req.gpu_mem_bytes
     micro_batches = set()
     for row in result["rows"]:
         cell = row["cell"]
-        assert cell.global_batch == 512 and cell.micro_batch * cell.strategy.accumulation == 64
+        share = 64 * (cell.strategy.tp_degree or 1)
+        assert cell.global_batch == 512 and cell.micro_batch * cell.strategy.accumulation == share
         micro_batches.add(cell.micro_batch)
-        if cell.micro_batch < 64 and row["fits"]:
+        if cell.micro_batch < share and row["fits"]:
             larger = dataclasses.replace(cell, micro_batch=cell.micro_batch * 2, strategy=dataclasses.replace(
                 cell.strategy, accumulation=cell.strategy.accumulation // 2))
             assert analytic.predict(larger)["peak_bytes"] > usable, plan.config_label(cell)
@@ -622,7 +624,8 @@ def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fi
     assert "global batch 512 a step (each configuration at the largest micro-batch that fits" in table
     assert f" {best.micro_batch}×{best.strategy.accumulation} " in table
     fixed = plan.plan(dataclasses.replace(req, micro_batch=4))
-    assert {(r["cell"].micro_batch, r["cell"].strategy.accumulation) for r in fixed["rows"]} == {(4, 16)}
+    assert {(r["cell"].micro_batch, r["cell"].strategy.accumulation * 4 // (r["cell"].strategy.tp_degree or 1))
+            for r in fixed["rows"]} == {(4, 64)}
     assert "global batch 512 a step (micro-batch 4 × 16 accumulation steps" in plan.as_table(fixed, markdown=False)
     # --traced traces each leading configuration's peak over two micro-steps, not sixteen.
     asked: list[CellSpec] = []
@@ -733,7 +736,9 @@ def test_plan_recommends_the_fastest_fit_and_says_why():
     # Fits means within the usable fraction: the headroom is the GPU's memory above it.
     assert all(r["predicted"]["peak_bytes"] <= 0.9 * req.gpu_mem_bytes for r in fitting)
     text = plan.recommendation_text(result)
-    assert text.startswith(f"Recommended: {plan.config_label(best['cell'])}: fits with")
+    # tp_fsdp's groups train the same 8 samples in micro-batches of their own: each named.
+    assert text.startswith(f"Recommended: {plan.config_label(best['cell'])} at micro-batch 1, no accumulation:"
+                           " fits with")
     assert "fastest by the prediction" in text
     assert "tokens/s, MFU" in text and "Your fsdp_full/bf16/ckpt_full fits and would be" in text
     # Full checkpointing recomputes every block's forward: predicted slower than none.
@@ -746,6 +751,34 @@ def test_plan_recommends_the_fastest_fit_and_says_why():
     assert offload["step_time"]["offload_s"] > 0 == none["step_time"]["offload_s"]
     with pytest.raises(ValueError, match="--config nope: not a candidate here"):
         plan.plan(req, named="nope")
+
+
+def test_plan_takes_tensor_parallel_groups_within_a_node_and_a_batch_smaller_than_the_gpus():
+    """tp_fsdp at each power-of-two degree within a node that leaves two data-parallel groups
+    and splits the model's heads; at a global batch below the GPU count only its groups can
+    train it, the data-parallel strategies are left out, saying why, and its all-reduces are
+    exposed whole."""
+    def degrees(**request):
+        return plan.tp_degrees(plan.PlanRequest(gpu_mem_bytes=80 * 2**30, **request))
+
+    assert degrees(model="llama-1b", gpus=8) == (2, 4)  # 8 would leave one group
+    assert degrees(model="llama-1b", gpus=16, nodes=2) == (2, 4, 8)
+    assert degrees(model="llama-1b", gpus=16, nodes=4) == (2, 4)  # within a node of 4
+    assert degrees(model="llama-1b", gpus=8, optimizer="adam8bit") == ()  # bitsandbytes takes no DTensor
+    assert degrees(model="bert-base", gpus=8) == ()  # no tensor-parallel plan for its layout
+    req = plan.PlanRequest(model="llama3-8b", gpus=64, nodes=8, gpu_mem_bytes=80 * 2**30, seq=8192, global_batch=32)
+    result = plan.plan(req, named="tp_fsdp/tp8/bf16/ckpt_full")
+    assert {(r["cell"].strategy.name, r["cell"].strategy.tp_degree) for r in result["rows"]} == {
+        ("tp_fsdp", 2), ("tp_fsdp", 4), ("tp_fsdp", 8)}
+    assert all(r["cell"].global_batch == 32 for r in result["rows"])
+    assert result["named"]["cell"].strategy.tp_degree == 8
+    for row in result["rows"]:
+        step = row["step_time"]
+        assert step["exposed_comm_s"] >= step["comm_s_by_op"]["all_reduce"] > 0
+    table = plan.as_table(result, markdown=False)
+    assert ("Not planned: the data-parallel strategies (64 GPUs): a batch of 32 does not split into micro-batches"
+            " of 1 over them") in table
+    assert plan.recommendation_text(result).startswith("Recommended: tp_fsdp/tp")
 
 
 def test_plan_traced_refuses_a_leading_candidate_whose_trace_does_not_fit():
@@ -1262,7 +1295,7 @@ def test_selective_recompute_keeps_nothing_of_the_grouped_experts(precision):
 # keeps all of gpt2-124m gathered (within its reuse distance): its release rules are held
 # against DeepSpeed's coordinator in test_zero3_residency_replays_deepspeeds_coordinator.
 REAL_SIZE_SAMPLE = ("ddp/bf16/ckpt_none", "zero1/bf16/ckpt_selective", "fsdp_full/bf16/ckpt_none",
-                    "deepspeed_zero2/bf16/ckpt_full")
+                    "deepspeed_zero2/bf16/ckpt_full", "tp_fsdp/tp4/bf16/ckpt_selective")
 
 
 def test_plan_configurations_at_real_size_match_their_trace():

@@ -323,6 +323,37 @@ def test_a_job_over_several_nodes_prices_what_crosses_them_at_the_sweep_across_n
         4 * 2**22 / 1e9 * busbw_factor("all_reduce", 2) / busbw_factor("all_reduce", 8))
 
 
+def test_tp_fsdp_prices_each_collective_in_its_own_group():
+    """8 ranks, tensor parallel in groups of 2, FSDP2 over the 4 groups: the all-reduce is the
+    tensor-parallel group's (bus factor 1, not the world's 1.75), the gathers and
+    reduce-scatters the data-parallel group's. On 2 nodes of 4 the tensor-parallel groups stay
+    in a node; each data-parallel group crosses, the 2 of a node at once. On CUDA the
+    tensor-parallel all-reduces wait between a block's matmuls: exposed whole, while FSDP's
+    gathers hide behind compute as fsdp_full's do."""
+    within = _calibration(bandwidth=10e9, world_size=8)
+    job = {**within, "across_nodes": {"world_size": 8, "rows": _calibration(bandwidth=1e9, world_size=8)["rows"]}}
+    collectives = {"all_gather": [[2**24, 1]], "reduce_scatter": [[2**24, 1]], "all_reduce": [[2**22, 1]]}
+    cell = _cell("tp_fsdp", world_size=8, tp_degree=2)
+    assert [step_time.call_group(cell, kind) for kind in ("all_reduce", "all_gather")] == [(2, 1), (4, 2)]
+
+    def comm(calibration, nodes):
+        return step_time.predict(cell, analytic.predict(cell), {"work": _work(collectives=collectives)}, calibration,
+                                 "cuda", nodes)["comm_s_by_op"]
+
+    def at(kind, nbytes, ranks, bandwidth):  # the sweep's 8 ranks rescaled to the group's
+        return nbytes / bandwidth * busbw_factor(kind, ranks) / busbw_factor(kind, 8)
+
+    one_node, two_nodes = comm(within, 1), comm(job, 2)
+    assert one_node["all_reduce"] == pytest.approx(at("all_reduce", 2**22, 2, 10e9))
+    assert one_node["all_gather"] == pytest.approx(at("all_gather", 2**24, 4, 10e9))
+    assert two_nodes["all_reduce"] == one_node["all_reduce"]
+    assert two_nodes["all_gather"] == pytest.approx(at("all_gather", 2 * 2**24, 4, 1e9))
+    gathers = {"all_gather": [[2**10, 1], [2**20, 10]], "reduce_scatter": [[2**20, 10]], "all_reduce": [[2**20, 8]]}
+    p = step_time.predict(cell, analytic.predict(cell), {"work": _work(collectives=gathers)}, within, "cuda")
+    first_gather = 1 * MS * busbw_factor("all_gather", 4) / busbw_factor("all_gather", 8)  # its latency
+    assert p["exposed_comm_s"] == pytest.approx(p["comm_s_by_op"]["all_reduce"] + first_gather)
+
+
 def test_an_untraced_cell_is_priced_from_the_analytic_work_and_says_so():
     cell = _cell(checkpointing="full")
     a = analytic.predict(cell, device_type="cpu")

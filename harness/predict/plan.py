@@ -61,6 +61,12 @@ from harness.predict import analytic, fit, plan_work, rough_time
 PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
                            if s.engine_model.analytic == "data_parallel" and s.superseded_by is None
                            and s.splits_batch and "reference" not in s.families)
+# tp_fsdp, torchtitan's 2-D layout (tensor parallel inside each group of tp_degree GPUs, FSDP2
+# over the groups), at every power-of-two degree within a node (``tp_degrees``): its
+# all-reduces wait between a block's matmuls, which is why Megatron-LM and torchtitan keep the
+# tensor-parallel group on NVLink. A group takes one micro-batch between its GPUs, so it lets
+# a global batch smaller than the GPU count train, and splits what a sample's blocks hold.
+PLANNED_TENSOR_PARALLEL = "tp_fsdp"
 # Activation offload last: its copies cross PCIe every micro-step (the step time prices them).
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
 OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "params", "optimizer", "optimizer_params")
@@ -75,7 +81,7 @@ class PlanRequest:
     nodes: int = 1
     seq: int | None = None
     # None: 1, or with global_batch each configuration's largest that fits (fit.sized).
-    micro_batch: int | None = None
+    micro_batch: int | None = None  # samples a micro-step per GPU, or per tensor-parallel group under tp_fsdp
     global_batch: int | None = None  # samples per optimizer step over every GPU; None: one micro-batch each
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
@@ -98,10 +104,6 @@ class PlanRequest:
                              " every node runs the same number of GPUs")
         if self.inter_node_bytes_per_s is not None and self.nodes < 2:
             raise ValueError("--inter-node-bw prices what crosses nodes: it applies to a plan over several --nodes")
-        if self.global_batch is not None and self.global_batch % (self.gpus * (self.micro_batch or 1)):
-            micro = f" × --micro-batch {self.micro_batch}" if self.micro_batch else ""
-            raise ValueError(f"--global-batch {self.global_batch:,} is not a multiple of --gpus {self.gpus}{micro}:"
-                             " every GPU takes the same number of samples each step")
         if self.optimizer not in get_args(Optimizer):
             raise ValueError(f"--optimizer {self.optimizer}: choose one of {', '.join(get_args(Optimizer))}")
         spec = self.model if isinstance(self.model, models.ModelSpec) else models.get_preset(self.model)
@@ -124,6 +126,13 @@ class PlanRequest:
                                  " implementation; plan it with --attention sdpa or eager")
             if self.attention == "flash" and self.precision == "fp32":
                 raise ValueError("--attention flash with --precision fp32: flash-attn computes in fp16 or bf16 only")
+        # A tensor-parallel group's GPUs share its samples: the largest degree needs the fewest.
+        takers = self.gpus // max(tp_degrees(self), default=1)
+        if self.global_batch is not None and self.global_batch % (takers * (self.micro_batch or 1)):
+            micro = f" × --micro-batch {self.micro_batch}" if self.micro_batch else ""
+            groups = f" tensor-parallel groups of {self.gpus // takers} GPUs" if takers < self.gpus else " GPUs"
+            raise ValueError(f"--global-batch {self.global_batch:,} is not a multiple of {takers}{groups}{micro}:"
+                             " every GPU (or tensor-parallel group) takes the same number of samples each step")
 
     @property
     def model_attention(self) -> Attention:
@@ -134,10 +143,18 @@ class PlanRequest:
         return "eager" if hf is not None and not hf.sdpa and self.spec.has_attention else "sdpa"
 
     @property
+    def trained_batch(self) -> int:
+        """Samples per optimizer step every configuration trains: --global-batch, else one
+        micro-batch per GPU (a tensor-parallel group trains its GPUs' micro-batches)."""
+        return self.global_batch or self.gpus * (self.micro_batch or 1)
+
+    @property
     def batch_text(self) -> str:
         """The batch a step trains, in the plan's header."""
         if self.global_batch is None:
-            return f"micro-batch {self.micro_batch or 1}"
+            shared = (f" (global batch {self.trained_batch:,}: a tensor-parallel group takes its GPUs' samples)"
+                      if tp_degrees(self) else "")
+            return f"micro-batch {self.micro_batch or 1}{shared}"
         tokens = f", {self.global_batch * self.spec.tokens_per_sample / 1e6:.3g}M tokens" if self.spec.seq_len else ""
         how = (_micro_steps_text(self.micro_batch, self.global_batch // (self.gpus * self.micro_batch))
                if self.micro_batch else "each configuration at the largest micro-batch that fits, accumulating"
@@ -155,18 +172,38 @@ class PlanRequest:
         return dataclasses.replace(spec, seq_len=self.seq) if self.seq else spec
 
 
+def tp_degrees(req: PlanRequest) -> tuple[int, ...]:
+    """The tensor-parallel degrees tp_fsdp is planned at (PLANNED_TENSOR_PARALLEL): powers of
+    two from 2 up to a node's GPUs, each leaving at least two data-parallel groups, that the
+    model splits over (whole heads and MLP slices a GPU) at the request's precision and
+    optimizer."""
+    per_node = req.gpus // req.nodes
+
+    def composes(degree: int) -> bool:
+        strategy = StrategySpec(name=PLANNED_TENSOR_PARALLEL, precision=req.precision, optimizer=req.optimizer,
+                                tp_degree=degree)
+        cell = CellSpec(model=req.model, strategy=strategy, world_size=req.gpus, seq_len=req.seq)
+        return strategies.incompatibility(cell) is None
+
+    return tuple(t for t in (2**k for k in range(1, per_node.bit_length()))
+                 if req.gpus % t == 0 and req.gpus // t >= 2 and composes(t))
+
+
 def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
-    """Every planned strategy × checkpointing × offload the strategy composes with, each at
-    the request's batch: with --global-batch and no --micro-batch, at the largest micro-batch
-    whose analytic peak fits (fit.sized) on a ``device_type`` device."""
-    micro_batch = req.micro_batch or 1
-    accumulation = req.global_batch // (req.gpus * micro_batch) if req.global_batch and req.micro_batch else 1
+    """Every planned strategy (tp_fsdp at each of ``tp_degrees``) × checkpointing × offload
+    the strategy composes with, each training the request's batch (``trained_batch``): at
+    --micro-batch, accumulating the rest, or without it at the largest micro-batch whose
+    analytic peak fits (fit.sized) on a ``device_type`` device. A configuration the batch does
+    not split over is left out."""
     usable = fit.USABLE_FRACTION * req.gpu_mem_bytes
-    cells = []
+    batch = req.trained_batch
     # One GPU runs the model whole: the single-process step with each checkpointing, and the
     # engines that offload at one rank (ZeRO-Offload's one-GPU case: DeepSpeed ZeRO-3, FSDP2);
     # an engine at one rank without offload is the single-process step with its overhead.
-    for name in PLANNED_STRATEGIES if req.gpus >= 2 else ("single", *PLANNED_STRATEGIES):
+    layouts: list[tuple[str, int | None]] = [(name, None) for name in (PLANNED_STRATEGIES if req.gpus >= 2 else ("single", *PLANNED_STRATEGIES))]
+    layouts += [(PLANNED_TENSOR_PARALLEL, degree) for degree in tp_degrees(req)]
+    cells = []
+    for name, degree in layouts:
         if name == "fsdp_hybrid" and req.nodes < 2:
             continue  # on one node HSDP is full sharding with a trivial replicate dimension
         for ckpt in CHECKPOINTING_ORDER:
@@ -175,19 +212,21 @@ def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
                     continue
                 try:
                     strategy = StrategySpec(name=name, precision=req.precision, checkpointing=ckpt,
-                                            offload=offload, optimizer=req.optimizer, accumulation=accumulation)
-                    cell = CellSpec(model=req.model, strategy=strategy, micro_batch=micro_batch,
+                                            offload=offload, optimizer=req.optimizer, tp_degree=degree)
+                    cell = CellSpec(model=req.model, strategy=strategy, micro_batch=req.micro_batch or 1,
                                     world_size=req.gpus, seq_len=req.seq, attention=req.model_attention)
                 except ValueError:
                     continue
                 if strategies.incompatibility(cell) is not None:
                     continue
-                if req.global_batch is not None and req.micro_batch is None:
-                    sized = fit.sized(cell, req.global_batch,
+                if req.micro_batch is None:
+                    sized = fit.sized(cell, batch,
                                       lambda c: _analytic(c, req, device_type).get("peak_bytes", 0) <= usable)
                     cells += [sized] if sized else []
-                else:
-                    cells.append(cell)
+                elif batch % cell.global_batch == 0:
+                    accumulation = batch // cell.global_batch
+                    cells.append(dataclasses.replace(
+                        cell, strategy=dataclasses.replace(strategy, accumulation=accumulation)))
     return cells
 
 
@@ -237,8 +276,10 @@ def plan(req: PlanRequest, trace: plan_work.Trace | None = None, named: str | No
     # GPU nodes are planned as having the packages a configuration needs (flash-attn: the header says so).
     unsupported = {c: strategies.unsupported_reason(c, rates.device_type, installed=False)
                    for c in candidates(req, rates.device_type)}
+    if not unsupported:  # the batch splits over no layout this model has (PlanRequest checked the rest)
+        raise ValueError(f"nothing to plan for {req.spec.name}: {_unsplit_text(req)}")
     cells = [c for c, why in unsupported.items() if why is None]
-    if unsupported and not cells:
+    if not cells:
         why = next(iter(unsupported.values()))
         raise ValueError(f"nothing to plan: no configuration runs on {rates.source}: {why}")
     # Ranked by the analytic peak: a configuration it does not describe is listed apart, and a
@@ -309,8 +350,7 @@ def recommendation_text(result: dict) -> str:
                 " shorten the sequence, or lower the micro-batch.")
     s = best["cell"].strategy
     peak = (best["traced"] or {}).get("peak_bytes", best["predicted"]["peak_bytes"])
-    at = (f" at {_micro_steps_text(best['cell'].micro_batch, s.accumulation)}"
-          if req.global_batch is not None and req.micro_batch is None else "")
+    at = f" at {_micro_steps_text(best['cell'].micro_batch, s.accumulation)}" if _batch_column(result) else ""
     text = (f"Recommended: {config_label(best['cell'])}{at}: fits with {_gib(usable - peak)} to spare"
             f" (peak {_gib(peak)}{' traced' if best['traced'] and 'peak_bytes' in best['traced'] else ''} of"
             f" {_gib(usable)} usable) and is fastest by the prediction: {_step_text(best)}.")
@@ -349,6 +389,19 @@ def against_measured(result: dict) -> dict | None:
     if not ratios:
         return None
     return {"count": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+
+
+def _unsplit_text(req: PlanRequest) -> str:
+    """The layouts the batch does not split over, left out of the plan (``candidates``)."""
+    micro = req.micro_batch or 1
+    takers = {"the data-parallel strategies": req.gpus,
+              **{f"tp_fsdp/tp{t}": req.gpus // t for t in tp_degrees(req)}}
+    left_out = [f"{what} ({n:,} {'GPUs' if what.startswith('the') else 'groups'})"
+                for what, n in takers.items() if req.trained_batch % (n * micro)]
+    if not left_out:
+        return ""
+    return (f"Not planned: {', '.join(left_out)}: a batch of {req.trained_batch:,} does not split into"
+            f" micro-batches of {micro} over them (a tensor-parallel group takes one between its GPUs).")
 
 
 def _unchecked_text(spec: models.ModelSpec) -> str:
@@ -424,9 +477,10 @@ def _beside(runner_up: dict, best: dict) -> str:
 
 
 def config_label(cell: CellSpec) -> str:
-    """How plan names a configuration (``--config``): ``fsdp_full/bf16/ckpt_full``."""
+    """How plan names a configuration (``--config``): ``fsdp_full/bf16/ckpt_full``,
+    ``tp_fsdp/tp4/bf16/ckpt_none``."""
     s = cell.strategy
-    parts = [s.name, s.precision, f"ckpt_{s.checkpointing}"]
+    parts = [s.name, *((f"tp{s.tp_degree}",) if s.tp_degree else ()), s.precision, f"ckpt_{s.checkpointing}"]
     if s.offload != "none":
         parts.append(f"offload_{s.offload}")
     return "/".join(parts)
@@ -437,6 +491,15 @@ def _micro_steps_text(micro_batch: int, accumulation: int) -> str:
     if accumulation == 1:
         return f"micro-batch {micro_batch}, no accumulation"
     return f"micro-batch {micro_batch} × {accumulation} accumulation steps"
+
+
+def _batch_column(result: dict) -> bool:
+    """Whether the configurations train their batch in different micro-steps (each sized to
+    fit, or a tensor-parallel group sharing its GPUs' samples): then the table has a batch
+    column and the recommendation names its micro-steps."""
+    req = result["request"]
+    return ((req.global_batch is not None and req.micro_batch is None)
+            or len({_batch_text(r["cell"]) for r in result["rows"]}) > 1)
 
 
 def _batch_text(cell: CellSpec) -> str:
@@ -484,7 +547,7 @@ def as_table(result: dict, markdown: bool) -> str:
             f" (harness/predict/analytic.py), per GPU; step time: harness/predict/rough_time.py on"
             f" {result['rates'].source}{_single_node_sweep_text(req, result['rates'])}.{_unchecked_text(spec)}")
     beside = against_measured(result)
-    sized = req.global_batch is not None and req.micro_batch is None
+    sized = _batch_column(result)
     cols = ("config", "fits", *(("batch",) if sized else ()), "peak", "params", "grads", "optimizer", "buffers",
             "activations", "transient", "offloaded", "host/node", "comm/step", "step s", "tokens/s", "MFU", "traced",
             *(("measured s",) if beside else ()))
@@ -524,6 +587,8 @@ def as_table(result: dict, markdown: bool) -> str:
     by_reason: dict[str, list[str]] = {}
     for label, why in result["unplanned"].items():
         by_reason.setdefault(why, []).append(label)
+    if unsplit := _unsplit_text(req):
+        lines.append(unsplit)
     for why, labels in by_reason.items():
         shown = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
         lines.append(f"Not ranked, with no analytic peak: {shown}: {why}.")

@@ -41,9 +41,11 @@ run's own calibration launch; the record names which was used):
   (log-log between measured sizes, the smallest size's latency below them, the largest's
   bandwidth above them; all-reduce's bus factor 2(n−1)/n and the others' (n−1)/n rescale a
   sweep of another world size). A send or a recv is priced as the sweep's send/recv between
-  ranks of one node. A job over several nodes prices what crosses them at the sweep across
-  nodes (a run's own, or plan's assumed fabric) and what stays in a node (HSDP's shard group)
-  at the node's (``_job_call_seconds``). Collectives the sweep does not run (gather, scatter, reduce; and
+  ranks of one node. Each call is priced for its own process group (``call_group``: HSDP's
+  shard group and replicas, tp_fsdp's tensor- and data-parallel groups, else the world): a job
+  over several nodes prices what crosses them at the sweep across nodes (a run's own, or
+  plan's assumed fabric) and what stays in a node (HSDP's shard group, a tensor-parallel
+  group) at the node's (``_job_call_seconds``). Collectives the sweep does not run (gather, scatter, reduce; and
   broadcast, all-to-all and send/recv in a run swept before they were added) are priced as
   an all-gather of the same bytes. Local SGD's traced step is an averaging step, whose
   collectives are sent every ``local_sgd_period``-th step and none between: a step's share,
@@ -57,7 +59,10 @@ run's own calibration launch; the record names which was used):
   the compute stream, as DeepSpeed's do without ``overlap_comm``, its default for ZeRO-1/2), and the gather of its
   updated partitions (ZeRO-1/2) follows the step, exposed; an engine that shards the
   parameters gathers behind forward and backward, all but the first gather, which nothing
-  precedes, its hidden reductions sharing that compute (``_exposed_on_cuda``).
+  precedes, its hidden reductions sharing that compute (``_exposed_on_cuda``). Tensor
+  parallelism's all-reduces sit between a block's matmuls, each waited on by the next
+  (torch's plans issue them synchronously): exposed whole; tp_fsdp's FSDP gathers and
+  reduce-scatters overlap as FSDP2's do.
 - a pipeline: its schedule played out (predict/pipeline_schedule.py), each rank's compute
   spread over its stages' micro-batches (the last rank's from its own trace, which holds the
   LM head and the loss; the ranks before it at rank 0's) and each hand-over between ranks a
@@ -91,6 +96,7 @@ from harness.measure import compute_rate, dispatched_work
 from harness.measure.comm import busbw_factor
 from harness.predict import analytic_data_parallel, pipeline_schedule
 from harness.strategies import pipeline
+from harness.strategies.base import EngineModel
 
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16 host-device copies as measured by bandwidthTest, ~25 of 32 GB/s
 HOST_MEMORY_BYTES_PER_S = 50e9  # a server socket's sustained stream bandwidth per GPU's share
@@ -198,23 +204,38 @@ def _comm_seconds_by_op(work: dict, cell: CellSpec, calibration: dict, nodes: in
 
 
 def _job_call_seconds(kind: str, nbytes: float, cell: CellSpec, calibration: dict, nodes: int) -> float:
-    """One call of ``kind`` by the cell's ranks spread over ``nodes`` nodes. Within a node, at
-    the run's own sweep; across nodes, at the sweep across them (``calibration["across_nodes"]``:
-    a run on several nodes measures one, a plan assumes one, predict/rough_time.py), or, where
-    there is none, at the one node's. HSDP's gathers and reduce-scatters stay in their node
-    (its shard group); its all-reduce crosses, over the replicas, one rank a node, each local
-    rank's at once over the node's links: priced as one call of all their bytes."""
-    within = calibration["rows"], calibration["world_size"]
-    if nodes < 2:
-        return _call_seconds(kind, nbytes, cell.world_size, *within)
-    across = calibration.get("across_nodes")
-    between = (across["rows"], across["world_size"]) if across else within
+    """One call of ``kind`` by its process group (``call_group``), the cell's ranks spread over
+    ``nodes`` nodes. A group within one node is priced at the run's own sweep; one that spans
+    nodes at the sweep across them (``calibration["across_nodes"]``: a run on several nodes
+    measures one, a plan assumes one, predict/rough_time.py), or, where there is none, at the
+    one node's. The groups of a node's other ranks call theirs at the same time (HSDP's
+    all-reduce over the replicas, one rank a node; tp_fsdp's data-parallel gathers, a
+    tensor-parallel group's ranks each in their own), sharing the node's links: priced as one
+    call of all their bytes."""
+    ranks, stride = call_group(cell, kind, nodes)
     per_node = cell.world_size // nodes
-    if strategies.get(cell.strategy.name).engine_model.shard_group == "hsdp_shard":
-        if kind == "all_reduce":
-            return _call_seconds(kind, nbytes * per_node, nodes, *between)
-        return _call_seconds(kind, nbytes, per_node, *within)
-    return _call_seconds(kind, nbytes, cell.world_size, *between)
+    if nodes < 2 or ranks * stride <= per_node:
+        return _call_seconds(kind, nbytes, ranks, calibration["rows"], calibration["world_size"])
+    across = calibration.get("across_nodes")
+    between = (across["rows"], across["world_size"]) if across else (calibration["rows"], calibration["world_size"])
+    return _call_seconds(kind, nbytes * min(stride, per_node), ranks, *between)
+
+
+def call_group(cell: CellSpec, kind: str, nodes: int = 1) -> tuple[int, int]:
+    """(ranks, stride) of the process group a ``kind`` call of the cell runs in: consecutive
+    ranks (stride 1) or every ``stride``-th. HSDP reduce-scatters and gathers in its shard
+    group (a node) and all-reduces over the replicas; tp_fsdp all-reduces in its
+    tensor-parallel group (the mesh's inner dimension) and gathers and reduce-scatters over
+    the data-parallel one; every other engine over the world (Megatron's tensor- and
+    data-parallel all-reduces among them: one kind, two groups)."""
+    engine = strategies.get(cell.strategy.name).engine_model
+    if engine.shard_group == "hsdp_shard":
+        shard = analytic_data_parallel.shard_degree(cell, nodes)
+        return (cell.world_size // shard, shard) if kind == "all_reduce" else (shard, 1)
+    if engine.analytic == "tensor_parallel":
+        tp = analytic_data_parallel.tensor_parallel_degree(cell)
+        return (tp, 1) if kind == "all_reduce" else (cell.world_size // tp, tp)
+    return cell.world_size, 1
 
 
 def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
@@ -240,14 +261,19 @@ def _analytic_calls(cell: CellSpec, kind: str) -> int:
     """The calls a step's ``kind`` bytes are spread over: one, but where the engine shards the
     parameters, one a unit (each block and the root) and pass: its gathers once or twice each
     micro-step, its reductions each micro-step or once (so that the first gather, which
-    nothing hides on CUDA, is one unit's, and each call's latency is counted)."""
+    nothing hides on CUDA, is one unit's, and each call's latency is counted); tensor
+    parallelism's all-reduces, one per row-parallel output in forward (recomputed ones again)
+    and per replicated input in backward, each micro-step (``tp_all_reduce_bytes``)."""
     engine = strategies.get(cell.strategy.name).engine_model
-    if engine.analytic != "data_parallel" or "params" not in engine.sharded:
+    s = cell.strategy
+    if engine.analytic == "tensor_parallel" and kind == "all_reduce":
+        return s.accumulation * cell.model_spec.n_layers * (4 + int(s.checkpointing != "none"))
+    if engine.analytic not in ("data_parallel", "tensor_parallel") or "params" not in engine.sharded:
         return 1
     units = cell.model_spec.n_layers + 1
     if kind == "all_gather":
-        return units * (1 if engine.gathers == "forward" else 2) * cell.strategy.accumulation
-    return units * (cell.strategy.accumulation if engine.grad_partition_in_backward else 1)
+        return units * (1 if engine.gathers == "forward" else 2) * s.accumulation
+    return units * (s.accumulation if engine.grad_partition_in_backward else 1)
 
 
 def _optimizer_bytes_per_element(name: str, device_type: str) -> float:
@@ -336,11 +362,22 @@ def _exposed_on_cuda(cell: CellSpec, compute: float, work: dict, comm_by_op: dic
     ZeRO-3), and none where they run on the compute stream (DeepSpeed without overlap_comm:
     EngineModel.overlap_comm_default); a parameter-sharding engine's gathers behind all of it but the first unit's,
     sharing it with the hidden reductions; anything else (ZeRO-1/2's gather of the updated
-    partitions, after the step) exposed."""
+    partitions, after the step; tensor parallelism's all-reduces, tp_fsdp's FSDP part
+    overlapping as above) exposed."""
     engine = strategies.get(cell.strategy.name).engine_model
-    comm = sum(comm_by_op.values())
+    if engine.analytic == "tensor_parallel" and "params" in engine.sharded:  # tp_fsdp: FSDP2 over the groups
+        blocking = comm_by_op.get("all_reduce", 0.0)
+        sharded_by_op = {kind: seconds for kind, seconds in comm_by_op.items() if kind != "all_reduce"}
+        return blocking + _exposed_sharded(cell, engine, compute, work, sharded_by_op, calibration, nodes)
     if engine.analytic != "data_parallel":
-        return comm
+        return sum(comm_by_op.values())
+    return _exposed_sharded(cell, engine, compute, work, comm_by_op, calibration, nodes)
+
+
+def _exposed_sharded(cell: CellSpec, engine: EngineModel, compute: float, work: dict, comm_by_op: dict[str, float],
+                     calibration: dict, nodes: int) -> float:
+    """``_exposed_on_cuda`` of a data-parallel (or FSDP-over-tensor-parallel) engine's calls."""
+    comm = sum(comm_by_op.values())
     reductions = comm_by_op.get("all_reduce", 0.0) + comm_by_op.get("reduce_scatter", 0.0)
     overlap_comm = cell.strategy.overlap_comm
     beside_backward = engine.overlap_comm_default is None or (

@@ -46,18 +46,34 @@ ONE_RANK_NO_SWEEP = "a bandwidth sweep needs at least 2 ranks; this run has 1"
 
 
 def engine_step_cell(name: str, world_size: int) -> CellSpec:
-    """The cell whose step calibrates strategy ``name``'s engine."""
-    return CellSpec(model=compute_rate.OP_COST_MODEL, strategy=StrategySpec(name=name),
-                    micro_batch=ENGINE_STEP_SAMPLES, world_size=world_size)
+    """The cell whose step calibrates strategy ``name``'s engine: at its declared layout, or,
+    where that needs more ranks than the launch has (tp_fsdp's two data-parallel groups of
+    tp_degree ranks), at the tensor-parallel degree that leaves two groups: its DTensor
+    dispatch and FSDP's hooks are the engine's at any degree (on 2 ranks, degree 1)."""
+    def cell(strategy: StrategySpec) -> CellSpec:
+        return CellSpec(model=compute_rate.OP_COST_MODEL, strategy=strategy, micro_batch=ENGINE_STEP_SAMPLES,
+                        world_size=world_size)
+
+    declared = StrategySpec(name=name)
+    try:
+        return cell(declared)
+    except ValueError:
+        if declared.tp_degree is None or world_size < 2:
+            raise
+        return cell(StrategySpec(name=name, tp_degree=world_size // 2))
 
 
 def engine_steps(env: DistEnv, names: list[str]) -> dict[str, dict[str, Any]]:
-    """{strategy: {"cell_id", "step_s", "work"[, "last_rank_work"]} or {"cell_id", "unavailable": why}} for each
+    """{strategy: {"cell_id", "step_s", "work"[, "last_rank_work"]} or {["cell_id",] "unavailable": why}} for each
     of ``names`` (module docstring). A strategy this launch cannot run (its world size, the
     device, a combination it refuses) is recorded with the reason and skipped on every rank."""
     steps: dict[str, dict[str, Any]] = {}
     for name in names:
-        cell = engine_step_cell(name, env.world_size)
+        try:
+            cell = engine_step_cell(name, env.world_size)
+        except ValueError as error:  # a layout this world size cannot form
+            steps[name] = {"unavailable": str(error)}
+            continue
         why = strategies.incompatibility(cell) or strategies.unsupported_reason(cell, env.device.type)
         if why:
             steps[name] = {"cell_id": cell.cell_id, "unavailable": why}

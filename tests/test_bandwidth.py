@@ -154,7 +154,7 @@ def _pipeline_engine_step(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     env = DistEnv(rank=rank, world_size=2, nnodes=1, device=torch.device("cpu"), backend="gloo")
-    steps = calibration.engine_steps(env, ["pp_gpipe"])
+    steps = calibration.engine_steps(env, ["pp_gpipe", "tp_fsdp", "tp"])
     if rank == 0:
         Path(out_dir, "steps.json").write_text(json.dumps(steps))
     dist.destroy_process_group()
@@ -167,7 +167,12 @@ def test_a_pipelines_engine_step_is_timed_with_its_last_ranks_work(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_pipeline_engine_step, args=(port, str(tmp_path)), nprocs=2)
-    gpipe = json.loads((tmp_path / "steps.json").read_text())["pp_gpipe"]
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    # tp_fsdp needs two data-parallel groups: on 2 ranks its engine is timed at degree 1 (its
+    # declared 2 ended the whole calibration once, and with it every cell's step time).
+    assert steps["tp_fsdp"]["cell_id"] == "llama-tiny/tp_fsdp/fp32/ckpt_none/tp1/mb2/ws2/seed0"
+    assert steps["tp_fsdp"]["step_s"] > 0
+    gpipe = steps["pp_gpipe"]
     assert gpipe["cell_id"] == "llama-tiny/pp_gpipe/fp32/ckpt_none/pmb4/mb2/ws2/seed0"
     assert 1e-4 < gpipe["step_s"] < 5
     assert gpipe["last_rank_work"]["matmul_flops"] > gpipe["work"]["matmul_flops"] > 0

@@ -113,7 +113,7 @@ def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str
 def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
     """Megatron's four all-reduces per block (``tp_all_reduce_bytes``) per micro-step, each
     direction in the width noted below; tp_fsdp adds FSDP's gathers (forward and
-    backward) and reduce-scatter of each rank's tensor-parallel part."""
+    backward, the root's once) and reduce-scatter of each rank's tensor-parallel part."""
     s = cell.strategy
     # tp computes under autocast: the blocks' inputs (norm outputs) stay fp32, so their
     # gradients, the backward all-reduces, are fp32 (tests/test_tensor_parallel.py: gpt2-tiny
@@ -130,7 +130,10 @@ def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, 
     if _sharded_over_data_parallel(cell):
         sharded = _split_numel(spec)
         local = sharded / s.layout("tp_degree") + layout.numel - sharded
-        out["all_gather"] = 2 * low * local * s.accumulation
+        # Every unit gathered in forward and again in backward, but a root that stays gathered
+        # between the two (its parameters are replicated over the tensor-parallel group).
+        kept = strategies.get(s.name).engine_model.gathers == "forward_and_backward_but_root"
+        out["all_gather"] = low * (2 * local - (layout.root_numel if kept else 0)) * s.accumulation
         out["reduce_scatter"] = 4 * local
     return out
 

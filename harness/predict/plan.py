@@ -1,8 +1,9 @@
 """``python -m harness plan``: which configuration to rent the GPUs for, before renting them.
 
 For one model, GPU count and memory budget, every strategy and sensible option combination
-(activation checkpointing or offload, parameter and optimizer offload) at the chosen
-precision and optimizer, with the analytic predictor's peak per GPU and its breakdown,
+(activation checkpointing or offload, parameter and optimizer offload; tp_fsdp's 2-D layout at
+each tensor-parallel degree within a node) at the chosen precision and optimizer, each
+training the same global batch, with the analytic predictor's peak per GPU and its breakdown,
 whether it fits, the communication per step, and the predicted step time, tokens/s and MFU
 (harness/predict/rough_time.py: the step-time predictor at datasheet rates, each assumption
 stated there, or, with ``--calibration``, at the rates a run measured on the user's own
@@ -200,7 +201,8 @@ def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
     # One GPU runs the model whole: the single-process step with each checkpointing, and the
     # engines that offload at one rank (ZeRO-Offload's one-GPU case: DeepSpeed ZeRO-3, FSDP2);
     # an engine at one rank without offload is the single-process step with its overhead.
-    layouts: list[tuple[str, int | None]] = [(name, None) for name in (PLANNED_STRATEGIES if req.gpus >= 2 else ("single", *PLANNED_STRATEGIES))]
+    names = PLANNED_STRATEGIES if req.gpus >= 2 else ("single", *PLANNED_STRATEGIES)
+    layouts: list[tuple[str, int | None]] = [(name, None) for name in names]
     layouts += [(PLANNED_TENSOR_PARALLEL, degree) for degree in tp_degrees(req)]
     cells = []
     for name, degree in layouts:

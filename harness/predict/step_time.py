@@ -272,7 +272,9 @@ def _analytic_calls(cell: CellSpec, kind: str) -> int:
         return 1
     units = cell.model_spec.n_layers + 1
     if kind == "all_gather":
-        return units * (1 if engine.gathers == "forward" else 2) * s.accumulation
+        per_micro_step = {"forward": units, "forward_and_backward": 2 * units,
+                          "forward_and_backward_but_root": 2 * units - 1}[engine.gathers]
+        return per_micro_step * s.accumulation
     return units * (s.accumulation if engine.grad_partition_in_backward else 1)
 
 

@@ -311,6 +311,7 @@ def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float, nodes:
     out, log_file = workdir / "bandwidth.json", workdir / "log.txt"
     across = nodes_of(world_size, nodes) > 1
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(world_size, nodes, rdzv_id, timeout_s),
+           "--log-dir", str(workdir / "ranks"), "--tee", "3",  # a failing rank's own lines, as a cell's
            "-m", "harness.entry", "harness.calibration", "--out", str(out),
            *(["--collectives-only"] if across else ["--engines", ",".join(engines)])]
     launch = _Launch(cmd, log_file, {"OMP_NUM_THREADS": "1", **os.environ})
@@ -321,6 +322,5 @@ def run_bandwidth_sweep(world_size: int, workdir: Path, timeout_s: float, nodes:
     finally:
         launch.kill()
     if launch.proc.returncode != 0 or not out.exists():
-        return {"error": f"the bandwidth sweep exited with status {launch.proc.returncode}; log tail:\n"
-                         f"{_tail(log_file)}"}
+        return {"error": f"the bandwidth sweep failed: {_crash_reason(launch.proc.returncode, workdir, log_file)}"}
     return json.loads(out.read_text())

@@ -105,7 +105,8 @@ class EngineModel:
     comm: Literal["none", "all_reduce", "reduce_to_owner", "gather_and_reduce_scatter", "deepspeed"] = "none"
     # Parameter gathers per micro-step (gather_and_reduce_scatter): once in forward and again in
     # backward; once (the unit stays gathered until its backward); or again in backward for all
-    # but the root unit (FSDP1 and FairScale keep the root gathered between the two).
+    # but the root unit (FSDP1 and FairScale keep the root gathered between the two, as FSDP2
+    # does where its root is left at fully_shard's default: tp_fsdp).
     gathers: Literal["forward_and_backward", "forward", "forward_and_backward_but_root"] = "forward_and_backward"
     # Whether every unit stays gathered from forward to the end of backward: never (two blocks
     # at a time), always (SHARD_GRAD_OP) or while the model is within DeepSpeed's

@@ -259,8 +259,10 @@ STRATEGIES = (
         engine="torch", families=("tp", "fsdp"), options={"tp_degree": DEFAULT_TP_DEGREE},
         capabilities=_TP_FSDP_CAPABILITIES, combination_problem=combination_problem,
         layout_problem=_tp_fsdp_layout_problem,
-        # FSDP2 shards each rank's tensor-parallel part over the data-parallel groups.
-        engine_model=EngineModel(analytic="tensor_parallel", sharded=frozenset({"optimizer", "grads", "params"})),
+        # FSDP2 shards each rank's tensor-parallel part over the data-parallel groups; its root
+        # (fully_shard's default) stays gathered from forward to backward.
+        engine_model=EngineModel(analytic="tensor_parallel", sharded=frozenset({"optimizer", "grads", "params"}),
+                                 gathers="forward_and_backward_but_root"),
         prepare=prepare,
     ),
 )

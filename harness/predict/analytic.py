@@ -28,6 +28,7 @@ from harness.predict.analytic_data_parallel import (
 from harness.predict.analytic_parallel import (
     model_parallel_parts,
     pipeline_stage_layers,
+    tp_local_numel,
     tp_sharded_numel,
 )
 from harness.predict.formulas import comm_volume
@@ -215,10 +216,12 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     pipelined = engine.analytic == "pipeline" or (engine.analytic == "megatron"
                                                   and cell.strategy.layout("pp_degree") > 1)
     held_grads = cell.strategy.accumulation > 1 or pipelined or engine.grads_between_steps == "zeroed"
-    # What the micro-steps before hold (EngineModel.accumulated_grads).
+    # What the micro-steps before hold (EngineModel.accumulated_grads), unsharded: the whole
+    # model's, or a tensor-parallel rank's part of it.
+    unsharded = tp_local_numel(cell, layout) if engine.analytic == "tensor_parallel" else layout.numel
     grads_held = ({"sharded": on_device["grads"], "sharded_beside_partition": on_device["grads"],
-                   "unsharded_fp32": 4.0 * layout.numel,
-                   "unsharded_compute": PRECISION_BYTES[cell.strategy.precision] * layout.numel}
+                   "unsharded_fp32": 4.0 * unsharded,
+                   "unsharded_compute": PRECISION_BYTES[cell.strategy.precision] * unsharded}
                   [engine.accumulated_grads] if cell.strategy.accumulation > 1 else on_device["grads"])
     # A gradient partition allocated early in backward is held at its start by the rank
     # that reduces first, whose peak the record's (the max over ranks) is. Under accumulation

@@ -519,7 +519,8 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
     the router's logits for a mixture of experts, whose routed experts keep nothing where a
     grouped matmul computes them, an op the policy recomputes); and the attention's output with, for a
     fused kernel, its fp32 log-sum-exp per row, for eager attention its score matmul's s×s
-    output. A tensor-parallel cell divides the projections and attention by its degree."""
+    output. A tensor-parallel cell divides the column-parallel projections and attention by
+    its degree."""
     s, b, h, f = spec.tokens_per_sample, cell.micro_batch, spec.hidden, _ffn(spec, experts)
     heads = spec.required("n_heads")
     fused = _fused_kernel(cell, spec, device_type)
@@ -538,7 +539,11 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
         mlp = routed + spec.required("n_experts") + shared
     projections = value_bytes * s * b * (attention_projections + h + mlp)
     attention = value_bytes * s * b * out_width + (4.0 * heads * s * b if fused else value_bytes * heads * s * s * b)
-    return residual_bytes * s * b * h + (projections + attention) / tensor_parallel_degree(cell)
+    degree = tensor_parallel_degree(cell)
+    # A row-parallel projection's output (the attention's output projection's, the MLP's down
+    # projection's) is each rank's partial sum, h wide: not divided by the degree.
+    row_parallel = value_bytes * s * b * 2 * h if degree > 1 else 0.0
+    return residual_bytes * s * b * h + (projections + attention - row_parallel) / degree + row_parallel
 
 
 def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:

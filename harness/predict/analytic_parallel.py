@@ -92,6 +92,13 @@ def _split_numel(spec: ModelSpec) -> int:
     return sharded
 
 
+def tp_local_numel(cell: CellSpec, layout: ParamLayout) -> float:
+    """Parameters one rank of a tensor-parallel group holds before any data-parallel sharding:
+    its slice of the split ones (``tp_sharded_numel``) and every replicated one."""
+    sharded = _split_numel(cell.model_spec)
+    return sharded / tensor_parallel_degree(cell) + layout.numel - sharded
+
+
 def _sharded_over_data_parallel(cell: CellSpec) -> bool:
     """tp_fsdp: FSDP2 shards each tensor-parallel part over the data-parallel groups, and casts
     the parameters to the compute dtype itself (tp computes under torch autocast)."""
@@ -128,8 +135,7 @@ def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, 
         backward_bytes=low if _sharded_over_data_parallel(cell) else 4,
         recomputed_per_block=int(s.checkpointing != "none"))}
     if _sharded_over_data_parallel(cell):
-        sharded = _split_numel(spec)
-        local = sharded / s.layout("tp_degree") + layout.numel - sharded
+        local = tp_local_numel(cell, layout)
         # Every unit gathered in forward and again in backward, but a root that stays gathered
         # between the two (its parameters are replicated over the tensor-parallel group).
         kept = strategies.get(s.name).engine_model.gathers == "forward_and_backward_but_root"

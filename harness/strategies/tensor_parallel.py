@@ -260,9 +260,10 @@ STRATEGIES = (
         capabilities=_TP_FSDP_CAPABILITIES, combination_problem=combination_problem,
         layout_problem=_tp_fsdp_layout_problem,
         # FSDP2 shards each rank's tensor-parallel part over the data-parallel groups; its root
-        # (fully_shard's default) stays gathered from forward to backward.
+        # (fully_shard's default) stays gathered from forward to backward, and its micro-steps
+        # without gradient sync hold that part's gradients unsharded, in fp32 (as fsdp.py's).
         engine_model=EngineModel(analytic="tensor_parallel", sharded=frozenset({"optimizer", "grads", "params"}),
-                                 gathers="forward_and_backward_but_root"),
+                                 gathers="forward_and_backward_but_root", accumulated_grads="unsharded_fp32"),
         prepare=prepare,
     ),
 )

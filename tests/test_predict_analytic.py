@@ -638,7 +638,8 @@ def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fi
     fixed = plan.plan(dataclasses.replace(req, micro_batch=4))
     assert {(r["cell"].micro_batch, r["cell"].strategy.accumulation * 4 // (r["cell"].strategy.tp_degree or 1))
             for r in fixed["rows"]} == {(4, 64)}
-    assert "global batch 512 a step (micro-batch 4 × 16 accumulation steps" in plan.as_table(fixed, markdown=False)
+    assert ("global batch 512 a step (micro-batch 4 × 16 accumulation steps a GPU, more for a tensor-parallel group"
+            in plan.as_table(fixed, markdown=False))
     # --traced traces each leading configuration's peak over two micro-steps, not sixteen.
     asked: list[CellSpec] = []
 
@@ -790,6 +791,8 @@ def test_plan_takes_tensor_parallel_groups_within_a_node_and_a_batch_smaller_tha
     table = plan.as_table(result, markdown=False)
     assert ("Not planned: the data-parallel strategies (64 GPUs): a batch of 32 does not split into micro-batches"
             " of 1 over them") in table
+    fixed = plan.as_table(plan.plan(dataclasses.replace(req, micro_batch=1)), markdown=False)
+    assert "global batch 32 a step (micro-batch 1 a tensor-parallel group, accumulating the rest" in fixed
     assert plan.recommendation_text(result).startswith("Recommended: tp_fsdp/tp")
 
 

@@ -157,9 +157,13 @@ class PlanRequest:
                       if tp_degrees(self) else "")
             return f"micro-batch {self.micro_batch or 1}{shared}"
         tokens = f", {self.global_batch * self.spec.tokens_per_sample / 1e6:.3g}M tokens" if self.spec.seq_len else ""
-        how = (_micro_steps_text(self.micro_batch, self.global_batch // (self.gpus * self.micro_batch))
-               if self.micro_batch else "each configuration at the largest micro-batch that fits, accumulating"
-               " the rest")
+        if self.micro_batch is None:
+            how = "each configuration at the largest micro-batch that fits, accumulating the rest"
+        elif self.global_batch % (self.gpus * self.micro_batch):  # only tensor-parallel groups split it
+            how = f"micro-batch {self.micro_batch} a tensor-parallel group, accumulating the rest"
+        else:
+            groups = " a GPU, more for a tensor-parallel group" if tp_degrees(self) else ""
+            how = _micro_steps_text(self.micro_batch, self.global_batch // (self.gpus * self.micro_batch)) + groups
         return f"global batch {self.global_batch:,} a step ({how}{tokens})"
 
     @property

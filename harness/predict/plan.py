@@ -185,9 +185,13 @@ def tp_degrees(req: PlanRequest) -> tuple[int, ...]:
     per_node = req.gpus // req.nodes
 
     def composes(degree: int) -> bool:
-        strategy = StrategySpec(name=PLANNED_TENSOR_PARALLEL, precision=req.precision, optimizer=req.optimizer,
-                                tp_degree=degree)
-        cell = CellSpec(model=req.model, strategy=strategy, world_size=req.gpus, seq_len=req.seq)
+        try:  # as ``candidates`` builds its cells, at the request's attention
+            strategy = StrategySpec(name=PLANNED_TENSOR_PARALLEL, precision=req.precision, optimizer=req.optimizer,
+                                    tp_degree=degree)
+            cell = CellSpec(model=req.model, strategy=strategy, world_size=req.gpus, seq_len=req.seq,
+                            attention=req.model_attention)
+        except ValueError:
+            return False
         return strategies.incompatibility(cell) is None
 
     return tuple(t for t in (2**k for k in range(1, per_node.bit_length()))

@@ -117,6 +117,18 @@ def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str
             "buffers": 0.0}
 
 
+def _recomputed_all_reduces(cell: CellSpec) -> int:
+    """Forward all-reduces a checkpointed block's recompute repeats: it stops at its last saved
+    tensor, so one, the attention's (tests/test_tensor_parallel.py)."""
+    return int(cell.strategy.checkpointing != "none")
+
+
+def tp_all_reduce_calls(cell: CellSpec) -> int:
+    """Tensor parallelism's all-reduces a step (``tp_all_reduce_bytes``'s): per block two in
+    forward, two in backward and the recompute's, every micro-step."""
+    return cell.strategy.accumulation * cell.model_spec.n_layers * (4 + _recomputed_all_reduces(cell))
+
+
 def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
     """Megatron's four all-reduces per block (``tp_all_reduce_bytes``) per micro-step, each
     direction in the width noted below; tp_fsdp adds FSDP's gathers (forward and
@@ -133,7 +145,7 @@ def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, 
     out = {"all_reduce": s.accumulation * tp_all_reduce_bytes(
         cell.micro_batch, spec.tokens_per_sample, spec.hidden, spec.n_layers, forward_bytes=low,
         backward_bytes=low if _sharded_over_data_parallel(cell) else 4,
-        recomputed_per_block=int(s.checkpointing != "none"))}
+        recomputed_per_block=_recomputed_all_reduces(cell))}
     if _sharded_over_data_parallel(cell):
         local = tp_local_numel(cell, layout)
         # Every unit gathered in forward and again in backward, but a root that stays gathered

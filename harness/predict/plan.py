@@ -127,8 +127,7 @@ class PlanRequest:
                                  " implementation; plan it with --attention sdpa or eager")
             if self.attention == "flash" and self.precision == "fp32":
                 raise ValueError("--attention flash with --precision fp32: flash-attn computes in fp16 or bf16 only")
-        # A tensor-parallel group's GPUs share its samples: the largest degree needs the fewest.
-        takers = self.gpus // max(tp_degrees(self), default=1)
+        takers = min(_micro_batch_takers(self).values())  # the largest tensor-parallel groups: the fewest
         if self.global_batch is not None and self.global_batch % (takers * (self.micro_batch or 1)):
             micro = f" × --micro-batch {self.micro_batch}" if self.micro_batch else ""
             groups = f" tensor-parallel groups of {self.gpus // takers} GPUs" if takers < self.gpus else " GPUs"
@@ -401,11 +400,16 @@ def against_measured(result: dict) -> dict | None:
     return {"count": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
+def _micro_batch_takers(req: PlanRequest) -> dict[str, int]:
+    """What takes a micro-batch of its own, per planned layout: each GPU under the
+    data-parallel strategies, each tensor-parallel group under tp_fsdp at a degree."""
+    return {"the data-parallel strategies": req.gpus, **{f"tp_fsdp/tp{t}": req.gpus // t for t in tp_degrees(req)}}
+
+
 def _unsplit_text(req: PlanRequest) -> str:
     """The layouts the batch does not split over, left out of the plan (``candidates``)."""
     micro = req.micro_batch or 1
-    takers = {"the data-parallel strategies": req.gpus,
-              **{f"tp_fsdp/tp{t}": req.gpus // t for t in tp_degrees(req)}}
+    takers = _micro_batch_takers(req)
     left_out = [f"{what} ({n:,} {'GPUs' if what.startswith('the') else 'groups'})"
                 for what, n in takers.items() if req.trained_batch % (n * micro)]
     if not left_out:

@@ -94,7 +94,7 @@ from harness.config import CellSpec
 from harness.features import optimizers
 from harness.measure import compute_rate, dispatched_work
 from harness.measure.comm import busbw_factor
-from harness.predict import analytic_data_parallel, pipeline_schedule
+from harness.predict import analytic_data_parallel, analytic_parallel, pipeline_schedule
 from harness.strategies import pipeline
 from harness.strategies.base import EngineModel
 
@@ -262,12 +262,11 @@ def _analytic_calls(cell: CellSpec, kind: str) -> int:
     parameters, one a unit (each block and the root) and pass: its gathers once or twice each
     micro-step, its reductions each micro-step or once (so that the first gather, which
     nothing hides on CUDA, is one unit's, and each call's latency is counted); tensor
-    parallelism's all-reduces, one per row-parallel output in forward (recomputed ones again)
-    and per replicated input in backward, each micro-step (``tp_all_reduce_bytes``)."""
+    parallelism's all-reduces, one call each (analytic_parallel.tp_all_reduce_calls)."""
     engine = strategies.get(cell.strategy.name).engine_model
     s = cell.strategy
     if engine.analytic == "tensor_parallel" and kind == "all_reduce":
-        return s.accumulation * cell.model_spec.n_layers * (4 + int(s.checkpointing != "none"))
+        return analytic_parallel.tp_all_reduce_calls(cell)
     if engine.analytic not in ("data_parallel", "tensor_parallel") or "params" not in engine.sharded:
         return 1
     units = cell.model_spec.n_layers + 1

@@ -176,6 +176,14 @@ class StrategySpec:
     tp_degree: int | None = None
     # megatron: pipeline stages; the data-parallel size is world_size / (tp_degree × pp_degree).
     pp_degree: int | None = None
+    # Tensor parallelism's plan beyond the blocks' matmuls (tp, tp_fsdp: Capabilities.
+    # plan_options). ``sequence_parallel``: the norms and the residual stream split along the
+    # sequence between the blocks' parallel regions, their entries all-gathers and exits
+    # reduce-scatters (Korthikanti et al. 2022; torch's SequenceParallel). ``loss_parallel``:
+    # the token embedding and the LM head split by vocabulary, the cross-entropy taken on the
+    # split logits (Megatron's vocabulary-parallel layers; torch's loss_parallel).
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
     # Pipelines (and megatron with pp_degree > 1): the micro-batches one optimizer step is cut
     # into (each of cell.micro_batch samples).
     pp_microbatches: int | None = None
@@ -547,6 +555,8 @@ class CellSpec:
             f"prefetch{s.prefetch}" if s.prefetch is not None else "",
             f"overlap_comm_{'on' if s.overlap_comm else 'off'}" if s.overlap_comm is not None else "",
             "opt_in_backward" if s.optimizer_in_backward else "",
+            "sp" if s.sequence_parallel else "",
+            "lossp" if s.loss_parallel else "",
             f"fp32_blocks{_block_id(s.fp32_blocks)}" if s.fp32_blocks else "",
             f"offload_blocks{_block_id(s.offload_blocks)}" if s.offload_blocks else "",
             f"mesh_{s.hsdp_mesh}" if s.hsdp_mesh != "explicit" else "",

@@ -198,6 +198,8 @@ def model_parallel(world_size: int) -> list[CellSpec]:
     2-layer models split only so far: a cell this world size cannot form (llama-tiny's 2
     key/value heads over 4 ranks, 8 pipeline stages of 2 blocks) is left out, as in ``full``."""
     candidates = [_cell(model, "tp", world_size) for model in ("gpt2-tiny", "llama-tiny")]
+    # torchtitan's plan options, the untied table and head split by vocabulary.
+    candidates.append(_cell("llama-tiny", "tp", world_size, sequence_parallel=True, loss_parallel=True))
     tp_degree = strategies.get("tp_fsdp").options["tp_degree"]
     if not isinstance(tp_degree, int):
         raise TypeError(f"tp_fsdp declares tp_degree={tp_degree!r}: a degree is an int number of ranks")

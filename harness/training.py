@@ -120,7 +120,7 @@ def train_step(built: models.BuiltModel, prep: Prepared, cell: CellSpec, env: Di
         if k:
             between_micro_steps()
         last = k == n_micro - 1
-        with nullcontext() if last else prep.no_sync():
+        with prep.loss_context(), nullcontext() if last else prep.no_sync():
             if prep.forward_backward is not None:  # a pipeline schedule does both
                 with precision.autocast(cell.strategy.precision, env.device, enabled=prep.use_autocast):
                     loss = prep.forward_backward(batch)
@@ -216,8 +216,8 @@ class PreparedCell:
         total, right, samples = torch.zeros((), device=self.env.device), torch.zeros((), device=self.env.device), 0
         counted = True
         self.prep.model.eval()
-        with torch.no_grad(), precision.autocast(self.cell.strategy.precision, self.env.device,
-                                                 enabled=self.prep.use_autocast):
+        with torch.no_grad(), self.prep.loss_context(), precision.autocast(
+                self.cell.strategy.precision, self.env.device, enabled=self.prep.use_autocast):
             for batch in self.held_out:
                 n = len(next(iter(batch.values())))
                 loss, correct = self.built.loss_and_correct(self.prep.model, batch)

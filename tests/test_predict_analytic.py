@@ -780,7 +780,7 @@ def test_plan_takes_tensor_parallel_groups_within_a_node_and_a_batch_smaller_tha
     assert degrees(model="llama-1b", gpus=8, optimizer="adam8bit") == ()  # bitsandbytes takes no DTensor
     assert degrees(model="bert-base", gpus=8) == ()  # no tensor-parallel plan for its layout
     req = plan.PlanRequest(model="llama3-8b", gpus=64, nodes=8, gpu_mem_bytes=80 * 2**30, seq=8192, global_batch=32)
-    result = plan.plan(req, named="tp_fsdp/tp8/bf16/ckpt_full")
+    result = plan.plan(req, named="tp_fsdp/tp8/sp/lossp/bf16/ckpt_full")
     assert {(r["cell"].strategy.name, r["cell"].strategy.tp_degree) for r in result["rows"]} == {
         ("tp_fsdp", 2), ("tp_fsdp", 4), ("tp_fsdp", 8)}
     assert all(r["cell"].global_batch == 32 for r in result["rows"])
@@ -1310,7 +1310,7 @@ def test_selective_recompute_keeps_nothing_of_the_grouped_experts(precision):
 # keeps all of gpt2-124m gathered (within its reuse distance): its release rules are held
 # against DeepSpeed's coordinator in test_zero3_residency_replays_deepspeeds_coordinator.
 REAL_SIZE_SAMPLE = ("ddp/bf16/ckpt_none", "zero1/bf16/ckpt_selective", "fsdp_full/bf16/ckpt_none",
-                    "deepspeed_zero2/bf16/ckpt_full", "tp_fsdp/tp4/bf16/ckpt_selective")
+                    "deepspeed_zero2/bf16/ckpt_full", "tp_fsdp/tp4/sp/lossp/bf16/ckpt_selective")
 
 
 def test_plan_configurations_at_real_size_match_their_trace():

@@ -6,19 +6,21 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from harness import distributed, models, strategies
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
+from harness.predict import analytic_parallel
 from harness.strategies import tensor_parallel
 
 STEPS = 6  # the fewest a cell accepts: 2 warm-up, 2 probes, 2 timed
 
 
-def tp_cell(model: str, name: str = "tp", world_size: int = 2, micro_batch: int = 2, **options) -> CellSpec:
+def tp_cell(model: str, name: str = "tp", world_size: int = 2, micro_batch: int = 2, seq_len: int | None = None,
+            **options) -> CellSpec:
     return CellSpec(model=model, strategy=StrategySpec(name=name, **options), world_size=world_size,
-                    micro_batch=micro_batch, steps=STEPS)
+                    micro_batch=micro_batch, steps=STEPS, seq_len=seq_len)
 
 
 # --- the plans, in one process --------------------------------------------------------------
@@ -55,9 +57,9 @@ def _local_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if isinstance(p, DTensor)}
 
 
-def _prepared(model_name: str, env: DistEnv):
+def _prepared(model_name: str, env: DistEnv, **options):
     built = models.build(models.get_preset(model_name))
-    cell = tp_cell(model_name)
+    cell = tp_cell(model_name, **options)
     return built, tensor_parallel.prepare(built.module, built.block_type, cell, env)
 
 
@@ -93,6 +95,25 @@ def test_llama_plan_splits_grouped_query_attention_by_whole_kv_heads(fake_world_
     assert groups == [{True}, {False}]
 
 
+def test_sequence_and_loss_parallel_split_the_norms_inputs_and_the_vocabulary(fake_world_of_two):
+    """GPT-2 ties its head to its token table: split by vocabulary, the pair stays one
+    parameter (two would train apart); the norms' weights become replicated DTensors, which
+    the sequence slices' partial gradients are reduced into."""
+    built, prep = _prepared("gpt2-tiny", fake_world_of_two, sequence_parallel=True, loss_parallel=True)
+    model = prep.model
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.placements == (Shard(0),)
+    assert _local_shapes(model)["transformer.wte.weight"] == (256, 64)  # 512 tokens, the first 256 here
+    for norm in (model.transformer.h[0].ln_1, model.transformer.h[1].ln_2, model.transformer.ln_f):
+        assert norm.weight.placements == (Replicate(),)
+    assert not isinstance(model.transformer.wpe.weight, DTensor)  # positions stay whole
+    batch = built.make_batch(torch.Generator().manual_seed(0), 2)
+    with prep.loss_context():
+        output = model(**batch)
+    assert output.logits.placements == (Shard(2),) and output.logits.to_local().shape == (2, 32, 256)
+    assert type(output.loss) is torch.Tensor  # the training loop adds plain tensors
+
+
 # --- refused cells --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cell, message", [
@@ -105,6 +126,12 @@ def test_llama_plan_splits_grouped_query_attention_by_whole_kv_heads(fake_world_
      "tp_fsdp with model=gpt2-tiny: n_heads=4 does not split"),
     (tp_cell("gpt2-tiny", precision="fp16"), "got mixed torch.Tensor and DTensor"),
     (tp_cell("gpt2-tiny", optimizer="adafactor"), "tp with optimizer=adafactor"),
+    (tp_cell("gpt2-tiny", seq_len=33, sequence_parallel=True),
+     "tp with sequence_parallel with seq_len=33: the sequence does not split over tensor-parallel degree 2"),
+    (tp_cell("gpt2-tiny", "ddp", sequence_parallel=True),
+     "ddp with sequence_parallel=True: an option of tp, tp_fsdp only"),
+    (tp_cell("llama-tiny", "fsdp_full", loss_parallel=True),
+     "fsdp_full with loss_parallel=True: an option of tp, tp_fsdp only"),
 ])
 def test_cells_without_a_plan_or_an_even_split_are_refused_with_the_reason(cell, message):
     assert message in strategies.incompatibility(cell)
@@ -125,9 +152,16 @@ GPT2_TP_FSDP = tp_cell("gpt2-tiny", "tp_fsdp", world_size=4, micro_batch=1)
 GPT2_TP_BF16, GPT2_TP_CKPT = tp_cell("gpt2-tiny", precision="bf16"), tp_cell("gpt2-tiny", checkpointing="full")
 
 
+# torchtitan's plan options: LLaMA's untied head and table split by vocabulary; tp_fsdp's
+# collectives in bf16, the compute dtype FSDP casts to.
+LLAMA_TP_SP = tp_cell("llama-tiny", sequence_parallel=True, loss_parallel=True)
+GPT2_TP_FSDP_SP = tp_cell("gpt2-tiny", "tp_fsdp", world_size=4, micro_batch=1, precision="bf16",
+                          sequence_parallel=True, loss_parallel=True)
+
+
 # Run, traced first as every run is, in tests/conftest.py's shared_traced_matrix: the tp cells
 # at 2 ranks and tp_fsdp at 4, with their references.
-TRACED_MATRIX_CELLS = [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, GPT2_TP_BF16, GPT2_TP_CKPT]
+TRACED_MATRIX_CELLS = [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, GPT2_TP_BF16, GPT2_TP_CKPT, LLAMA_TP_SP, GPT2_TP_FSDP_SP]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +169,8 @@ def records(shared_traced_matrix) -> dict[str, dict]:
     return shared_traced_matrix.records
 
 
-@pytest.mark.parametrize("cell", [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP], ids=lambda c: c.cell_id)
+@pytest.mark.parametrize("cell", [GPT2_TP, LLAMA_TP, GPT2_TP_FSDP, LLAMA_TP_SP, GPT2_TP_FSDP_SP],
+                         ids=lambda c: c.cell_id)
 def test_a_tensor_parallel_cell_trains_the_reference_model(records, cell):
     record = records[cell.cell_id]
     assert record["status"] == "ok", record["reason"]
@@ -205,3 +240,28 @@ def test_tp_all_reduce_bytes_follow_autocast_widths_and_the_recompute(records, c
     assert record["status"] == "ok" and record["equivalence"]["passed"], record["reason"]
     assert record["metrics"]["comm_by_op"]["all_reduce"]["bytes"] == expected
     assert record["predicted"]["analytic"]["comm_bytes_per_step"] == expected
+
+
+@pytest.mark.parametrize("cell", [LLAMA_TP_SP, GPT2_TP_FSDP_SP], ids=lambda c: c.cell_id)
+def test_sequence_and_loss_parallel_move_the_analytic_bytes_in_the_analytic_calls(records, cell):
+    """Each all-reduce of activations becomes a reduce-scatter and an all-gather; the norms'
+    partial gradients are all-reduced once each, the embedding's output and the split loss's
+    three per-token statistics once a micro-step (analytic_parallel._tp_activation_collectives):
+    to the byte, and for tp (no FSDP calls beside them) to the call."""
+    comm = records[cell.cell_id]["metrics"]["comm_by_op"]
+    predicted = records[cell.cell_id]["predicted"]["analytic"]["comm_bytes_by_op"]
+    assert {kind: c["bytes"] for kind, c in comm.items()} == {kind: pytest.approx(predicted[kind]) for kind in comm}
+    if cell.strategy.name == "tp":
+        calls = {kind: sum(n for _, n in analytic_parallel.tp_activation_calls(cell, kind)) for kind in comm}
+        assert {kind: c["count"] for kind, c in comm.items()} == calls
+        assert calls == {"all_reduce": 5 + 1 + 3, "all_gather": 10, "reduce_scatter": 9}
+
+
+def test_a_vocabulary_parallel_rank_holds_its_slice_of_the_untied_table_and_its_gradient(records):
+    """llama-tiny's token table and head (512 × 64 each) split over 2 ranks: the embedding's
+    backward computes the whole table's gradient on each rank, which the strategy cuts to the
+    rank's slice as it is accumulated (it held 131,072 B for a 65,536 B slice before)."""
+    held = records[LLAMA_TP_SP.cell_id]["per_rank"][0]["at_optimizer_step_bytes"]
+    predicted = records[LLAMA_TP_SP.cell_id]["predicted"]["analytic"]["model_states_bytes"]
+    unsplit = records[LLAMA_TP.cell_id]["per_rank"][0]["at_optimizer_step_bytes"]
+    assert held["params"] == held["grads"] == predicted["params"] == unsplit["params"] - 2 * 512 * 64 * 4 // 2

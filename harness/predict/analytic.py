@@ -23,6 +23,7 @@ from harness.predict.analytic_data_parallel import (
     offloaded_bytes,
     optimizer_step_bytes,
     shard_degree,
+    tensor_parallel_degree,
     transient_bytes,
 )
 from harness.predict.analytic_parallel import (
@@ -210,7 +211,10 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     engine = strategies.get(cell.strategy.name).engine_model
     # A tied head's token table: backward's last op sums its gradient from the head's and the
     # embedding's, three copies of it at once (the moments below, per engine).
-    table = cell.model_spec.required("vocab_size") * cell.model_spec.hidden if cell.model_spec.head_tied else 0
+    # (A vocabulary-parallel rank's slice of it.)
+    vocabulary_slices = tensor_parallel_degree(cell) if cell.strategy.loss_parallel else 1
+    table = (cell.model_spec.required("vocab_size") * cell.model_spec.hidden / vocabulary_slices
+             if cell.model_spec.head_tied else 0)
     # A pipeline's schedule runs later micro-batches' forwards while earlier ones' gradients
     # are held, as accumulation does.
     pipelined = engine.analytic == "pipeline" or (engine.analytic == "megatron"

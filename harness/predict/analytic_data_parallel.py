@@ -233,7 +233,7 @@ def activation_bytes(cell: CellSpec, spec: ModelSpec, device_type: str = "cuda")
     value_bytes = PRECISION_BYTES[cell.strategy.precision]
     norm = _mean_keeps(_block_norms(spec), _residual_bytes(cell))
     tokens_wide = spec.tokens_per_sample * cell.micro_batch * spec.hidden
-    head = _head_keeps(cell, spec, norm, value_bytes, device_type) * tokens_wide
+    head = _head_keeps(cell, spec, norm / sequence_slices(cell), value_bytes, device_type) * tokens_wide
     return {"per_layer": per_layer, "layers": layers, "logits": _kept_logits_bytes(cell, spec) + head}
 
 
@@ -263,6 +263,12 @@ def _block_norms(spec: ModelSpec) -> tuple[NormKeeps, ...]:
     return models.param_layout(spec).block_norms or (models.LAYERNORM_KEEPS,) * 2
 
 
+def sequence_slices(cell: CellSpec) -> int:
+    """Slices of the sequence the residual stream and the norms hold between the blocks'
+    tensor-parallel regions: the degree under sequence parallelism, else 1."""
+    return tensor_parallel_degree(cell) if cell.strategy.sequence_parallel else 1
+
+
 def _residual_bytes(cell: CellSpec) -> int:
     """Bytes of a residual-stream value: fp32 under fp32 and under autocast, else the precision
     the engine casts the model to."""
@@ -286,7 +292,7 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, masked: bool, d
     norm = _mean_keeps(block_norms, residual_bytes)
     mode = cell.strategy.checkpointing
     if mode == "full":  # the block's input alone, from the residual stream
-        return float(residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden)
+        return residual_bytes * spec.tokens_per_sample * cell.micro_batch * spec.hidden / sequence_slices(cell)
     if mode == "selective":
         return _selective_per_layer(cell, spec, value_bytes, residual_bytes, experts, device_type)
     # Attention and MLP side by side behind one norm (Cohere) read the same input: kept once,
@@ -305,6 +311,7 @@ def _block_bytes(cell: CellSpec, spec: ModelSpec, experts: bool, masked: bool, d
         attention_width=query_width, value_width=value_width,
         mlp_value_bytes=residual_bytes if experts and autocast else None, norms=_norm_inputs(spec, block_norms),
         score_bytes=4.0 if math_kernel else _score_bytes(spec, value_bytes, autocast),
+        sequence_parallel=cell.strategy.sequence_parallel, gathered_inputs_kept=True,
     )
     upcast = (4 - value_bytes) * spec.tokens_per_sample * cell.micro_batch * (2 * query_width + value_width)
     return (per_layer + (upcast if math_kernel else 0.0) + _qk_norms(cell, spec, value_bytes)
@@ -543,7 +550,8 @@ def _selective_per_layer(cell: CellSpec, spec: ModelSpec, value_bytes: int, resi
     # A row-parallel projection's output (the attention's output projection's, the MLP's down
     # projection's) is each rank's partial sum, h wide: not divided by the degree.
     row_parallel = value_bytes * s * b * 2 * h if degree > 1 else 0.0
-    return residual_bytes * s * b * h + (projections + attention - row_parallel) / degree + row_parallel
+    return residual_bytes * s * b * h / sequence_slices(cell) + (projections + attention - row_parallel) / degree \
+        + row_parallel
 
 
 def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
@@ -560,7 +568,8 @@ def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     value_bytes = 4.0 if fp32 else PRECISION_BYTES[cell.strategy.precision]
     if spec.task == "image_classification":
         return value_bytes * cell.micro_batch * spec.required("num_classes")
-    return value_bytes * spec.tokens_per_sample * cell.micro_batch * spec.required("vocab_size")
+    vocabulary_slices = tensor_parallel_degree(cell) if cell.strategy.loss_parallel else 1
+    return value_bytes * spec.tokens_per_sample * cell.micro_batch * spec.required("vocab_size") / vocabulary_slices
 
 
 def _kept_logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
@@ -606,8 +615,10 @@ def loss_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     """What the loss's backward holds at the start of backward: the gradients of the
     log-probabilities and of the logits, two logits-sized tensors (``_logits_bytes``:
     transformers upcasts a causal LM's logits to fp32 and cross_entropy's log_softmax keeps
-    its output, the activations' ``logits`` term)."""
-    return 2.0 * _logits_bytes(cell, spec)
+    its output, the activations' ``logits`` term); torch's vocabulary-parallel loss
+    (``loss_parallel``) a third slice of them (llama-tiny, 2 gloo ranks: 65,536 B, one slice,
+    over two at backward's start)."""
+    return (3.0 if cell.strategy.loss_parallel else 2.0) * _logits_bytes(cell, spec)
 
 
 def optimizer_step_bytes(cell: CellSpec, layout: ParamLayout, device_type: str) -> float:

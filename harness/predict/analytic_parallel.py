@@ -37,7 +37,6 @@ from harness.predict.formulas import (
     pipeline_bubble_fraction,
     pipeline_p2p_bytes,
     pipeline_peak_in_flight,
-    tp_all_reduce_bytes,
     tp_model_states,
 )
 from harness.strategies import pipeline  # its stage split; the schedules come from torch
@@ -92,11 +91,28 @@ def _split_numel(spec: ModelSpec) -> int:
     return sharded
 
 
+def tp_split_numel(cell: CellSpec) -> int:
+    """Parameters a tensor-parallel group splits: the blocks' matmuls (``tp_sharded_numel``)
+    and, with ``loss_parallel``, the vocabulary-parallel token table and untied head, as
+    Megatron splits them (``megatron_split_numel``)."""
+    spec = cell.model_spec
+    return megatron_split_numel(spec) if cell.strategy.loss_parallel else _split_numel(spec)
+
+
 def tp_local_numel(cell: CellSpec, layout: ParamLayout) -> float:
     """Parameters one rank of a tensor-parallel group holds before any data-parallel sharding:
-    its slice of the split ones (``tp_sharded_numel``) and every replicated one."""
-    sharded = _split_numel(cell.model_spec)
-    return sharded / tensor_parallel_degree(cell) + layout.numel - sharded
+    its slice of the split ones (``tp_split_numel``) and every replicated one."""
+    return _local_of(cell, layout.numel, tp_split_numel(cell))
+
+
+def _local_root_numel(cell: CellSpec, layout: ParamLayout) -> float:
+    """A rank's part of the parameters outside the blocks: all of them, but its slice of the
+    vocabulary-parallel ones."""
+    return _local_of(cell, layout.root_numel, tp_split_numel(cell) - _split_numel(cell.model_spec))
+
+
+def _local_of(cell: CellSpec, numel: float, split: float) -> float:
+    return numel - split * (1 - 1 / tensor_parallel_degree(cell))
 
 
 def _sharded_over_data_parallel(cell: CellSpec) -> bool:
@@ -109,7 +125,7 @@ def _tp_states(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str
     """tp: Megatron's split with fp32 parameters, gradients and AdamW moments (torch
     autocast keeps fp32 parameters: no master copy); tp_fsdp: the same, then sharded over
     the data-parallel dimension (FSDP2 holds ZeRO-3's layout at the optimizer step)."""
-    sharded = _split_numel(spec)
+    sharded = tp_split_numel(cell)
     dp = cell.strategy.data_parallel_size(cell.world_size) if _sharded_over_data_parallel(cell) else 1
     states = tp_model_states(sharded, layout.numel - sharded, tensor_parallel_degree(cell), data_parallel=dp)
     step_counters = 4 * len(layout.shapes)  # one fp32 step per tensor, split or not
@@ -123,36 +139,80 @@ def _recomputed_all_reduces(cell: CellSpec) -> int:
     return int(cell.strategy.checkpointing != "none")
 
 
-def tp_all_reduce_calls(cell: CellSpec) -> int:
-    """Tensor parallelism's all-reduces a step (``tp_all_reduce_bytes``'s): per block two in
-    forward, two in backward and the recompute's, every micro-step."""
-    return cell.strategy.accumulation * cell.model_spec.n_layers * (4 + _recomputed_all_reduces(cell))
+def tp_activation_calls(cell: CellSpec, kind: str) -> list[tuple[float, int]]:
+    """Tensor parallelism's ``kind`` calls a step, every micro-step's
+    (``_tp_activation_collectives``): (bytes a call, calls)."""
+    return [(nbytes, n * cell.strategy.accumulation) for nbytes, n in _tp_activation_collectives(cell).get(kind, [])]
+
+
+def _tp_activation_collectives(cell: CellSpec) -> dict[str, list[tuple[float, int]]]:
+    """Tensor parallelism's collectives of activations (and, under sequence parallelism, of
+    the norms' gradients) in one micro-step, by kind: (bytes a call, calls). A call's bytes
+    are the whole b·s·h tensor, as the record counts them (a gather's output, a scatter's
+    input).
+
+    The widths: tp computes under autocast, where the residual stream and the norms' outputs
+    stay fp32 and the matmuls' outputs are 16-bit; a gradient is as wide as its tensor. tp_fsdp
+    casts the parameters (FSDP's policy), so there everything is in the compute dtype.
+    - Without sequence parallelism (Megatron's f and g, ``tp_all_reduce_bytes``): per block
+      two all-reduces of the row-parallel outputs in forward and two of the regions' input
+      gradients in backward (tests/test_tensor_parallel.py: gpt2-tiny bf16 98,304 B = 4 ×
+      2-byte forward + 4 × 4-byte backward values of b·s·h); a checkpointed block's recompute
+      stops at its last saved tensor and repeats one, the attention's.
+    - With it (Korthikanti et al. 2022) each all-reduce is a reduce-scatter and an
+      all-gather: forward, each region's input gathered and its output scattered; backward,
+      the reverse; the recompute repeats the attention's pair and the MLP's gather. Besides:
+      the first block's input gradient gathered (the stream is cut there), the head's input
+      gathered, and each norm parameter's gradient all-reduced once (partial sums over the
+      slices), fp32 under tp, in the compute dtype under tp_fsdp.
+    - With loss_parallel: the embedding's output all-reduced (each rank embeds its slice of
+      the vocabulary), three per-token fp32 statistics of the split logits all-reduced (their
+      maximum, the sum of exponentials, the target's logit), and the head's input gradient
+      reduced: scattered to the slices with sequence parallelism, else all-reduced."""
+    s, spec = cell.strategy, cell.model_spec
+    low = PRECISION_BYTES[s.precision]
+    stream = low if _sharded_over_data_parallel(cell) else 4
+    tokens = cell.micro_batch * spec.tokens_per_sample
+    activation, layers = tokens * spec.hidden, spec.n_layers
+    recomputed = _recomputed_all_reduces(cell)
+    calls: dict[str, list[tuple[float, int]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    if s.sequence_parallel:
+        calls["all_gather"] += [(stream * activation, (2 + 2 * recomputed) * layers + 2),
+                                (low * activation, 2 * layers)]
+        calls["reduce_scatter"] += [(low * activation, (2 + recomputed) * layers), (stream * activation, 2 * layers)]
+        calls["all_reduce"] += [(stream * numel, 1) for numel in _sequence_parallel_norms(spec)]
+    else:
+        calls["all_reduce"] += [(low * activation, (2 + recomputed) * layers), (stream * activation, 2 * layers)]
+    if s.loss_parallel:
+        calls["all_reduce"] += [(stream * activation, 1), (4 * tokens, 3)]
+        calls["reduce_scatter" if s.sequence_parallel else "all_reduce"].append((stream * activation, 1))
+    return calls
+
+
+def _sequence_parallel_norms(spec: ModelSpec) -> list[int]:
+    """The elements of each norm parameter sequence parallelism leaves replicated: two norms a
+    block and the final one, GPT-2's LayerNorms a weight and a bias each, LLaMA's RMSNorms a
+    weight."""
+    tensors = 2 if spec.layout == "gpt2" else 1
+    return [spec.hidden] * tensors * (2 * spec.n_layers + 1)
 
 
 def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:
-    """Megatron's four all-reduces per block (``tp_all_reduce_bytes``) per micro-step, each
-    direction in the width noted below; tp_fsdp adds FSDP's gathers (forward and
-    backward, the root's once) and reduce-scatter of each rank's tensor-parallel part."""
+    """Tensor parallelism's collectives of activations (``_tp_activation_collectives``) every
+    micro-step; tp_fsdp adds FSDP's gathers (forward and backward, the root's once) and
+    reduce-scatter of each rank's tensor-parallel part."""
     s = cell.strategy
-    # tp computes under autocast: the blocks' inputs (norm outputs) stay fp32, so their
-    # gradients, the backward all-reduces, are fp32 (tests/test_tensor_parallel.py: gpt2-tiny
-    # bf16 98,304 B = 4 × 2-byte forward + 4 × 4-byte backward values of b·s·h); tp_fsdp casts
-    # the parameters (FSDP's policy), so there both directions are taken in the compute dtype
-    # (not measured yet). A checkpointed block's recompute stops at its last saved tensor and
-    # repeats one forward all-reduce, the attention's (tests/test_tensor_parallel.py: full
-    # checkpointing, fp32, 163,840 B = 131,072 + 2 blocks × b·s·h × 4 B).
-    low = PRECISION_BYTES[s.precision]
-    out = {"all_reduce": s.accumulation * tp_all_reduce_bytes(
-        cell.micro_batch, spec.tokens_per_sample, spec.hidden, spec.n_layers, forward_bytes=low,
-        backward_bytes=low if _sharded_over_data_parallel(cell) else 4,
-        recomputed_per_block=_recomputed_all_reduces(cell))}
+    out = {kind: s.accumulation * sum(nbytes * n for nbytes, n in calls)
+           for kind, calls in _tp_activation_collectives(cell).items() if calls}
     if _sharded_over_data_parallel(cell):
+        low = PRECISION_BYTES[s.precision]
         local = tp_local_numel(cell, layout)
         # Every unit gathered in forward and again in backward, but a root that stays gathered
         # between the two (its parameters are replicated over the tensor-parallel group).
         kept = strategies.get(s.name).engine_model.gathers == "forward_and_backward_but_root"
-        out["all_gather"] = low * (2 * local - (layout.root_numel if kept else 0)) * s.accumulation
-        out["reduce_scatter"] = 4 * local
+        root = _local_root_numel(cell, layout) if kept else 0.0
+        out["all_gather"] = out.get("all_gather", 0.0) + low * (2 * local - root) * s.accumulation
+        out["reduce_scatter"] = out.get("reduce_scatter", 0.0) + 4 * local
     return out
 
 
@@ -163,7 +223,7 @@ def _tp_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
     if _sharded_over_data_parallel(cell):  # FSDP2 casts itself; it gathers as fsdp_full does
         t = tensor_parallel_degree(cell)
         block = layout.block_numel - _split_numel(spec) / spec.n_layers * (1 - 1 / t)
-        transient["gathered"] = PRECISION_BYTES[cell.strategy.precision] * (layout.root_numel + 2 * block)
+        transient["gathered"] = PRECISION_BYTES[cell.strategy.precision] * (_local_root_numel(cell, layout) + 2 * block)
         transient["autocast_copies"] = 0.0
     return {"states": states, "activations": activation_bytes(cell, spec), "transient": transient,
             "comm": _tp_comm(cell, spec, layout), "extra": {}}

@@ -64,9 +64,12 @@ PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
                            and s.splits_batch and "reference" not in s.families)
 # tp_fsdp, torchtitan's 2-D layout (tensor parallel inside each group of tp_degree GPUs, FSDP2
 # over the groups), at every power-of-two degree within a node (``tp_degrees``): its
-# all-reduces wait between a block's matmuls, which is why Megatron-LM and torchtitan keep the
+# collectives wait between a block's matmuls, which is why Megatron-LM and torchtitan keep the
 # tensor-parallel group on NVLink. A group takes one micro-batch between its GPUs, so it lets
 # a global batch smaller than the GPU count train, and splits what a sample's blocks hold.
+# With torchtitan's plan options: the sequence split between the blocks' regions and the
+# vocabulary split (the same bytes moved as without them, and the residual stream, norms,
+# embedding, head and logits divided by the degree).
 PLANNED_TENSOR_PARALLEL = "tp_fsdp"
 # Activation offload last: its copies cross PCIe every micro-step (the step time prices them).
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
@@ -186,7 +189,7 @@ def tp_degrees(req: PlanRequest) -> tuple[int, ...]:
     def composes(degree: int) -> bool:
         try:  # as ``candidates`` builds its cells, at the request's attention
             strategy = StrategySpec(name=PLANNED_TENSOR_PARALLEL, precision=req.precision, optimizer=req.optimizer,
-                                    tp_degree=degree)
+                                    tp_degree=degree, sequence_parallel=True, loss_parallel=True)
             cell = CellSpec(model=req.model, strategy=strategy, world_size=req.gpus, seq_len=req.seq,
                             attention=req.model_attention)
         except ValueError:
@@ -221,7 +224,8 @@ def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
                     continue
                 try:
                     strategy = StrategySpec(name=name, precision=req.precision, checkpointing=ckpt,
-                                            offload=offload, optimizer=req.optimizer, tp_degree=degree)
+                                            offload=offload, optimizer=req.optimizer, tp_degree=degree,
+                                            sequence_parallel=bool(degree), loss_parallel=bool(degree))
                     cell = CellSpec(model=req.model, strategy=strategy, micro_batch=req.micro_batch or 1,
                                     world_size=req.gpus, seq_len=req.seq, attention=req.model_attention)
                 except ValueError:
@@ -492,9 +496,11 @@ def _beside(runner_up: dict, best: dict) -> str:
 
 def config_label(cell: CellSpec) -> str:
     """How plan names a configuration (``--config``): ``fsdp_full/bf16/ckpt_full``,
-    ``tp_fsdp/tp4/bf16/ckpt_none``."""
+    ``tp_fsdp/tp4/sp/lossp/bf16/ckpt_none`` (the plan options tagged as in a cell id)."""
     s = cell.strategy
-    parts = [s.name, *((f"tp{s.tp_degree}",) if s.tp_degree else ()), s.precision, f"ckpt_{s.checkpointing}"]
+    options = [tag for tag, on in (("sp", s.sequence_parallel), ("lossp", s.loss_parallel)) if on]
+    parts = [s.name, *((f"tp{s.tp_degree}",) if s.tp_degree else ()), *options, s.precision,
+             f"ckpt_{s.checkpointing}"]
     if s.offload != "none":
         parts.append(f"offload_{s.offload}")
     return "/".join(parts)

@@ -85,6 +85,7 @@ dispatcher's cost of ops the trace does not see.
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 from collections.abc import Callable
 
@@ -134,8 +135,9 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
                 if device_type == "cpu" and cell.world_size > 1 else 0.0)
     compute = _compute_seconds(work, rates, cell.strategy.precision, overhead) / share
     sent_every = cell.strategy.local_sgd_period or 1
-    comm_by_op = {kind: seconds / share / sent_every
-                  for kind, seconds in _comm_seconds_by_op(work, cell, calibration, nodes).items()}
+    priced = _comm_seconds_by_op(work, cell, calibration, nodes)
+    comm_by_op = {kind: total / share / sent_every for kind, (total, _) in priced.items()}
+    in_group_by_op = {kind: in_group / share / sent_every for kind, (_, in_group) in priced.items()}
     comm = sum(comm_by_op.values())
     if cell.strategy.pipelined:
         last_rank_work = traced.get("last_rank_work", work) if source == "traced" else work
@@ -143,7 +145,7 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     else:
         bubble = 1.0
         exposed = (comm if device_type != "cuda"
-                   else _exposed_on_cuda(cell, compute, work, comm_by_op, calibration, nodes))
+                   else _exposed_on_cuda(cell, compute, work, comm_by_op, in_group_by_op, calibration, nodes))
     offload = _offload_seconds(cell, analytic) if device_type == "cuda" else 0.0
     step = compute * bubble + exposed + offload
     return {"step_time_s": step, "compute_s": compute, "comm_s": comm, "comm_s_by_op": comm_by_op,
@@ -175,7 +177,7 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
 
         return _solved(priced, engine["step_s"], most=engine["step_s"] / work["ops"])
     priced_step = (_compute_seconds(work, rates, "fp32", 0.0)
-                   + sum(_comm_seconds_by_op(work, cell, calibration).values()))
+                   + _comm_seconds(work, cell, calibration))
     return max(0.0, (engine["step_s"] - priced_step) / work["ops"])
 
 
@@ -198,13 +200,50 @@ def _compute_seconds(work: dict, rates: dict, precision: str, overhead_per_op: f
             + compute_rate.kernel_seconds(work, rates, precision) + compute_rate.memory_seconds(work, rates))
 
 
-def _comm_seconds_by_op(work: dict, cell: CellSpec, calibration: dict, nodes: int = 1) -> dict[str, float]:
-    return {kind: sum(calls * _job_call_seconds(kind, nbytes, cell, calibration, nodes) for nbytes, calls in sizes)
-            for kind, sizes in work["collectives"].items()}
+def _comm_seconds_by_op(work: dict, cell: CellSpec, calibration: dict,
+                        nodes: int = 1) -> dict[str, tuple[float, float]]:
+    """Seconds of the step's calls by kind, each in its process group (``_calls_by_group``):
+    (all of them, those in a tensor-parallel group)."""
+    by_kind = {kind: [(calls * _job_call_seconds(kind, nbytes, cell, calibration, nodes, group), in_group)
+                      for group, nbytes, calls, in_group in _calls_by_group(cell, kind, sizes, nodes)]
+               for kind, sizes in work["collectives"].items()}
+    return {kind: (sum(t for t, _ in calls), sum(t for t, in_group in calls if in_group))
+            for kind, calls in by_kind.items()}
 
 
-def _job_call_seconds(kind: str, nbytes: float, cell: CellSpec, calibration: dict, nodes: int) -> float:
-    """One call of ``kind`` by its process group (``call_group``), the cell's ranks spread over
+def _comm_seconds(work: dict, cell: CellSpec, calibration: dict) -> float:
+    return sum(total for total, _ in _comm_seconds_by_op(work, cell, calibration).values())
+
+
+def _calls_by_group(cell: CellSpec, kind: str, sizes: list,
+                    nodes: int) -> list[tuple[tuple[int, int], float, int, bool]]:
+    """The step's ``kind`` calls ([bytes, calls] pairs) as (group, bytes, calls, whether the
+    group is a tensor-parallel one), the group as ``call_group`` gives it. tp_fsdp calls both
+    kinds of group for one kind under sequence parallelism (its regions' gathers and scatters
+    in the tensor-parallel group, FSDP's over the data-parallel one): the calls of the sizes
+    and counts analytic_parallel.tp_activation_calls names go to the first."""
+    engine = strategies.get(cell.strategy.name).engine_model
+    group = call_group(cell, kind, nodes)
+    if engine.analytic != "tensor_parallel":
+        return [(group, nbytes, calls, False) for nbytes, calls in sizes]
+    tp_group = (analytic_data_parallel.tensor_parallel_degree(cell), 1)
+    if group == tp_group:
+        return [(group, nbytes, calls, True) for nbytes, calls in sizes]
+    own: collections.Counter[int] = collections.Counter()
+    for nbytes, calls in analytic_parallel.tp_activation_calls(cell, kind):
+        own[round(nbytes)] += calls
+    out = []
+    for nbytes, calls in sizes:
+        in_group = min(calls, own[round(nbytes)])
+        own[round(nbytes)] -= in_group
+        out += [(tp_group, nbytes, in_group, True)] if in_group else []
+        out += [(group, nbytes, calls - in_group, False)] if calls > in_group else []
+    return out
+
+
+def _job_call_seconds(kind: str, nbytes: float, cell: CellSpec, calibration: dict, nodes: int,
+                      group: tuple[int, int]) -> float:
+    """One call of ``kind`` by its process ``group`` (ranks, stride), the cell's ranks spread over
     ``nodes`` nodes. A group within one node is priced at the run's own sweep; one that spans
     nodes at the sweep across them (``calibration["across_nodes"]``: a run on several nodes
     measures one, a plan assumes one, predict/rough_time.py), or, where there is none, at the
@@ -212,7 +251,7 @@ def _job_call_seconds(kind: str, nbytes: float, cell: CellSpec, calibration: dic
     all-reduce over the replicas, one rank a node; tp_fsdp's data-parallel gathers, a
     tensor-parallel group's ranks each in their own), sharing the node's links: priced as one
     call of all their bytes."""
-    ranks, stride = call_group(cell, kind, nodes)
+    ranks, stride = group
     per_node = cell.world_size // nodes
     if nodes < 2 or ranks * stride <= per_node:
         return _call_seconds(kind, nbytes, ranks, calibration["rows"], calibration["world_size"])
@@ -234,7 +273,7 @@ def call_group(cell: CellSpec, kind: str, nodes: int = 1) -> tuple[int, int]:
         return (cell.world_size // shard, shard) if kind == "all_reduce" else (shard, 1)
     if engine.analytic == "tensor_parallel":
         tp = analytic_data_parallel.tensor_parallel_degree(cell)
-        return (tp, 1) if kind == "all_reduce" else (cell.world_size // tp, tp)
+        return (tp, 1) if kind == "all_reduce" or "params" not in engine.sharded else (cell.world_size // tp, tp)
     return cell.world_size, 1
 
 
@@ -253,20 +292,29 @@ def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
     # Each stream at the working set of all of it: a first-order figure for want of op sizes.
     return {"ops": 0, "matmul_flops": flops,
             "memory_bytes": [[b, b] for b in sorted((optimizer_traffic, activation_traffic)) if b],
-            "collectives": {kind: [[nbytes / calls, calls]] for kind, nbytes in analytic["comm_bytes_by_op"].items()
-                            if nbytes and (calls := _analytic_calls(cell, kind))}}
+            "collectives": {kind: _analytic_collectives(cell, kind, nbytes)
+                            for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
 
 
-def _analytic_calls(cell: CellSpec, kind: str) -> int:
-    """The calls a step's ``kind`` bytes are spread over: one, but where the engine shards the
-    parameters, one a unit (each block and the root) and pass: its gathers once or twice each
-    micro-step, its reductions each micro-step or once (so that the first gather, which
-    nothing hides on CUDA, is one unit's, and each call's latency is counted); tensor
-    parallelism's all-reduces, one call each (analytic_parallel.tp_all_reduce_calls)."""
+def _analytic_collectives(cell: CellSpec, kind: str, nbytes: float) -> list[list[float]]:
+    """A step's ``kind`` bytes as [bytes a call, calls]: tensor parallelism's collectives of
+    activations at their own sizes (analytic_parallel.tp_activation_calls), the rest spread
+    over the engine's calls (``_engine_calls``)."""
+    tensor_parallel = strategies.get(cell.strategy.name).engine_model.analytic == "tensor_parallel"
+    own = analytic_parallel.tp_activation_calls(cell, kind) if tensor_parallel else []
+    rest = nbytes - sum(size * calls for size, calls in own)
+    engine_calls = _engine_calls(cell, kind)
+    return [[size, calls] for size, calls in own if calls] + ([[rest / engine_calls, engine_calls]] if rest > 0 else [])
+
+
+def _engine_calls(cell: CellSpec, kind: str) -> int:
+    """The calls a step's ``kind`` bytes (but tensor parallelism's own) are spread over: one,
+    but where the engine shards the parameters, one a unit (each block and the root) and
+    pass: its gathers once or twice each micro-step, its reductions each micro-step or once
+    (so that the first gather, which nothing hides on CUDA, is one unit's, and each call's
+    latency is counted)."""
     engine = strategies.get(cell.strategy.name).engine_model
     s = cell.strategy
-    if engine.analytic == "tensor_parallel" and kind == "all_reduce":
-        return analytic_parallel.tp_all_reduce_calls(cell)
     if engine.analytic not in ("data_parallel", "tensor_parallel") or "params" not in engine.sharded:
         return 1
     units = cell.model_spec.n_layers + 1
@@ -356,20 +404,23 @@ def _call_seconds(kind: str, nbytes: float, world_size: int, rows: list[dict], s
 
 
 def _exposed_on_cuda(cell: CellSpec, compute: float, work: dict, comm_by_op: dict[str, float],
-                     calibration: dict, nodes: int) -> float:
+                     in_group_by_op: dict[str, float], calibration: dict, nodes: int) -> float:
     """What of the step's communication no compute hides (module docstring, "overlap"):
     gradient reductions behind backward (two thirds of the compute), under accumulation the
     last micro-step's only unless the engine reduces every micro-step (DeepSpeed ZeRO-2 and
     ZeRO-3), and none where they run on the compute stream (DeepSpeed without overlap_comm:
     EngineModel.overlap_comm_default); a parameter-sharding engine's gathers behind all of it but the first unit's,
     sharing it with the hidden reductions; anything else (ZeRO-1/2's gather of the updated
-    partitions, after the step; tensor parallelism's all-reduces, tp_fsdp's FSDP part
-    overlapping as above) exposed."""
+    partitions, after the step; tensor parallelism's collectives, those of ``in_group_by_op``,
+    between a block's matmuls; tp_fsdp's FSDP part overlapping as above) exposed."""
     engine = strategies.get(cell.strategy.name).engine_model
     if engine.analytic == "tensor_parallel" and "params" in engine.sharded:  # tp_fsdp: FSDP2 over the groups
-        blocking = comm_by_op.get("all_reduce", 0.0)
-        sharded_by_op = {kind: seconds for kind, seconds in comm_by_op.items() if kind != "all_reduce"}
-        return blocking + _exposed_sharded(cell, engine, compute, work, sharded_by_op, calibration, nodes)
+        sharded_by_op = {kind: seconds - in_group_by_op.get(kind, 0.0) for kind, seconds in comm_by_op.items()}
+        fsdp_calls = {kind: [[nbytes, calls] for _, nbytes, calls, in_group in _calls_by_group(cell, kind, sizes, nodes)
+                             if not in_group] for kind, sizes in work["collectives"].items()}
+        fsdp_work = {**work, "collectives": fsdp_calls}
+        return sum(in_group_by_op.values()) + _exposed_sharded(cell, engine, compute, fsdp_work, sharded_by_op,
+                                                               calibration, nodes)
     if engine.analytic != "data_parallel":
         return sum(comm_by_op.values())
     return _exposed_sharded(cell, engine, compute, work, comm_by_op, calibration, nodes)
@@ -389,7 +440,8 @@ def _exposed_sharded(cell: CellSpec, engine: EngineModel, compute: float, work: 
     if "params" not in engine.sharded:
         return (comm - reductions) + exposed_reductions
     first_gather = min((nbytes for nbytes, _ in work["collectives"].get("all_gather", [])), default=0)
-    unhidden = _job_call_seconds("all_gather", first_gather, cell, calibration, nodes) if first_gather else 0.0
+    unhidden = (_job_call_seconds("all_gather", first_gather, cell, calibration, nodes,
+                                  call_group(cell, "all_gather", nodes)) if first_gather else 0.0)
     hidden = comm - exposed_reductions - unhidden  # the gathers after the first, and the reductions in their window
     return unhidden + exposed_reductions + max(0.0, hidden - compute)
 
@@ -419,7 +471,7 @@ def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict
         if hop_bytes else 0.0
     hops = sum(calls for kind in ("send", "recv") for nbytes, calls in work["collectives"].get(kind, [])
                if nbytes == hop_bytes)
-    comm = sum(_comm_seconds_by_op(work, cell, calibration).values()) / share
+    comm = _comm_seconds(work, cell, calibration) / share
     forward_share = 1 / 4 if s.checkpointing == "full" else 1 / 3
     action_s = [(per_action * forward_share, per_action * (1 - forward_share))
                 for compute in compute_by_rank for per_action in [compute / (microbatches * virtual)]]

@@ -110,6 +110,10 @@ def incompatibility(cell: CellSpec) -> str | None:
         if getattr(s, option) is not None and option not in caps.block_options:
             takers = sorted(d.name for d in declarations() if option in d.capabilities.block_options)
             return f"{s.name} with {option}={getattr(s, option)!r}: an option of {', '.join(takers)} only"
+    for option in ("sequence_parallel", "loss_parallel"):
+        if getattr(s, option) and option not in caps.plan_options:
+            takers = sorted(d.name for d in declarations() if option in d.capabilities.plan_options)
+            return f"{s.name} with {option}=True: an option of {', '.join(takers)} only"
     if s.local_sgd_period is not None and not caps.local_sgd:
         return f"{s.name} with local_sgd_period={s.local_sgd_period}: local SGD is wired for DDP only"
     if cell.world_size < caps.min_world_size:

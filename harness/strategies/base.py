@@ -66,6 +66,9 @@ class Capabilities:
     # Which per-block options (StrategySpec.fp32_blocks, offload_blocks) it applies; every
     # strategy that checkpoints takes checkpoint_blocks, as it takes checkpoint_every.
     block_options: frozenset[str] = frozenset()
+    # Which of tensor parallelism's plan options (StrategySpec.sequence_parallel,
+    # loss_parallel) it applies.
+    plan_options: frozenset[str] = frozenset()
     min_world_size: int = 2
     max_world_size: int | None = None
     # Why a value is refused, for the values that need explaining.
@@ -292,6 +295,10 @@ class Prepared:
     # None on the others. None: the worker's own forward and backward.
     forward_backward: Callable[[dict[str, torch.Tensor]], torch.Tensor | None] | None = None
     holds_loss: bool = True
+    # Entered around every micro-step's forward and backward and around the held-out
+    # evaluation: torch's loss_parallel, where the cross-entropy of vocabulary-split logits
+    # is dispatched in both directions (strategies/tensor_parallel.py).
+    loss_context: Callable[[], AbstractContextManager[None]] = nullcontext
     # The loss scaler of an fp16 step where torch's GradScaler would be wrong: FSDP's sharded
     # gradients need a scaler that agrees on an overflow over every rank (ShardedGradScaler).
     # None: precision.grad_scaler's.

@@ -15,24 +15,41 @@ replicated DTensor (PrepareModuleInput), so the backward all-reduces the input g
 per module, not once per projection (LLaMA's q, k and v; gate and up). Embeddings, norms and
 the LM head stay replicated: each rank computes them whole on the same samples, so their
 gradients agree without any communication.
+
+Two options split more, as torchtitan's plan does (StrategySpec):
+- ``sequence_parallel`` (Korthikanti et al. 2022): between the blocks' parallel regions the
+  residual stream holds each rank's slice of the sequence, and the norms run on it
+  (SequenceParallel, their weights replicated DTensors whose gradients DTensor sums); each
+  region's input is all-gathered and its output reduce-scattered, the same bytes as the
+  all-reduce they replace. Unlike Megatron, DTensor keeps the gathered input of the column
+  projections for their backward, so what the slices save is the norms' and the residual's
+  activations, not the projections' inputs.
+- ``loss_parallel``: the token embedding and the LM head split by vocabulary (Megatron's
+  vocabulary-parallel layers; a tied pair stays one parameter), the logits left split and
+  the cross-entropy taken on them under torch's loss_parallel, which all-reduces each token's
+  maximum, sum and target logit instead of any rank holding s × V logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from transformers.pytorch_utils import Conv1D
@@ -43,6 +60,8 @@ from harness.strategies import fsdp
 from harness.strategies.base import FSDP_CAPABILITIES, Capabilities, EngineModel, Prepared, Strategy
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from harness.config import CellSpec
     from harness.distributed import DistEnv
 
@@ -52,6 +71,7 @@ _TP_CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
     checkpointing=frozenset({"none", "full", "selective"}),
     optimizers=frozenset({"adamw", "sgd"}),
+    plan_options=frozenset({"sequence_parallel", "loss_parallel"}),
     notes={
         "fp16": ("fp16's GradScaler unscales every gradient of a device and dtype in one kernel"
                  " (_amp_foreach_non_finite_check_and_unscale_), and tensor parallel's gradients mix"
@@ -89,6 +109,11 @@ def combination_problem(cell: CellSpec) -> str | None:
         if size % degree:
             return (f"model={cell.model_name}: {field}={size} does not split over tensor-parallel degree {degree};"
                     f" choose a degree that divides {size}")
+    if cell.strategy.sequence_parallel and spec.tokens_per_sample % degree:
+        return (f"sequence_parallel with seq_len={spec.tokens_per_sample}: the sequence does not split over"
+                f" tensor-parallel degree {degree}")
+    if cell.strategy.loss_parallel and spec.task != "causal_lm":
+        return f"loss_parallel with model={cell.model_name}: it splits a causal LM's head, and this is a {spec.task}"
     return None
 
 
@@ -132,16 +157,9 @@ def _prepare_gpt2_block(block: nn.Module, degree: int) -> None:
     attn.num_heads //= degree
 
 
-def _gpt2_plan() -> dict[str, ParallelStyle]:
-    replicated_input = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
-    return {
-        "attn": replicated_input,
-        "attn.c_attn": ColwiseParallel(),
-        "attn.c_proj": RowwiseParallel(),
-        "mlp": replicated_input,
-        "mlp.c_fc": ColwiseParallel(),
-        "mlp.c_proj": RowwiseParallel(),
-    }
+def _gpt2_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    return _block_plan(("attn", "mlp"), ("ln_1", "ln_2"), ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj"),
+                       sequence_parallel)
 
 
 # --- LLaMA -------------------------------------------------------------------------------
@@ -151,40 +169,129 @@ def _prepare_llama_block(block: nn.Module, degree: int) -> None:
     repeats k/v by num_key_value_groups, a ratio that splitting both head counts keeps."""
 
 
-def _llama_plan() -> dict[str, ParallelStyle]:
-    return {
-        # The decoder layer calls self_attn(hidden_states=...) by keyword, mlp(x) by position.
-        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
+def _llama_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    # The decoder layer calls self_attn(hidden_states=...) by keyword, mlp(x) by position.
+    return _block_plan(("self_attn", "mlp"), ("input_layernorm", "post_attention_layernorm"),
+                       ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+                       ("self_attn.o_proj", "mlp.down_proj"), sequence_parallel, keyword_input=frozenset({"self_attn"}))
+
+
+# --- every layout ----------------------------------------------------------------------------
+
+def _block_plan(regions: tuple[str, ...], norms: tuple[str, ...], column: tuple[str, ...], row: tuple[str, ...],
+                sequence_parallel: bool, keyword_input: frozenset[str] = frozenset()) -> dict[str, ParallelStyle]:
+    """A block's plan: each parallel region (the attention, the MLP) takes its input as one
+    replicated DTensor, so that the backward reduces the input gradient once per region, not
+    once per projection (LLaMA's q, k and v; gate and up); its ``column`` projections split by
+    output features, its ``row`` ones by input features. Without sequence parallelism the
+    region's input is whole on every rank and its output all-reduced; with it the residual
+    stream between regions holds each rank's slice of the sequence: the ``norms`` run on it
+    (SequenceParallel), a region's input is all-gathered and its output reduce-scattered."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    for region in regions:
+        if region in keyword_input:
+            plan[region] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": between},
+                                              desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        else:
+            plan[region] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
+    plan.update({name: ColwiseParallel() for name in column})
+    plan.update({name: RowwiseParallel(output_layouts=between) for name in row})
+    if sequence_parallel:
+        plan.update({name: SequenceParallel() for name in norms})
+    return plan
 
 
 def _layout_named(layout: str | None) -> str:
     return "not one harness.models.layouts recognises" if layout is None else layout
 
 
-_LAYOUT_PLANS: dict[str, tuple[Callable[[nn.Module, int], None], Callable[[], dict[str, ParallelStyle]]]] = {
+_LAYOUT_PLANS: dict[str, tuple[Callable[[nn.Module, int], None], Callable[[bool], dict[str, ParallelStyle]]]] = {
     "gpt2": (_prepare_gpt2_block, _gpt2_plan),
     "llama": (_prepare_llama_block, _llama_plan),
 }
 
 
-def apply_tensor_parallel(model: nn.Module, block_type: type[nn.Module], layout: str, tp_mesh: DeviceMesh) -> None:
+# Where each layout's final norm is (its embeddings and LM head transformers' accessors find).
+_FINAL_NORMS = {"gpt2": "transformer.ln_f", "llama": "model.norm"}
+
+
+def apply_tensor_parallel(model: nn.Module, block_type: type[nn.Module], layout: str, tp_mesh: DeviceMesh, *,
+                          sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """Split every ``block_type`` block over ``tp_mesh`` in place by the plan for its ``layout``
-    (inside any checkpoint wrapper: the plan names modules relative to the block)."""
+    (inside any checkpoint wrapper: the plan names modules relative to the block), then what
+    lies outside the blocks as the plan options say (StrategySpec.sequence_parallel,
+    loss_parallel)."""
     prepare_block, plan = _LAYOUT_PLANS[layout]
     degree = tp_mesh.size()
-    for block in [m for m in model.modules() if isinstance(m, block_type)]:
+    blocks = [m for m in model.modules() if isinstance(m, block_type)]
+    for block in blocks:
         prepare_block(block, degree)
-        parallelize_module(block, tp_mesh, plan())
+        parallelize_module(block, tp_mesh, plan(sequence_parallel))
+    if sequence_parallel:
+        # transformers builds the positions and the causal mask from the whole sequence
+        # before the first block, so the residual stream is cut there.
+        blocks[0].register_forward_pre_hook(functools.partial(_slice_sequence, tp_mesh))
+    hf_model = cast("PreTrainedModel", model)  # the layouts are transformers' models
+    embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    names = {module: name for name, module in model.named_modules()}
+    outer: dict[str, ParallelStyle] = {}
+    if sequence_parallel:
+        outer[_FINAL_NORMS[layout]] = SequenceParallel()
+    head_input = Shard(1) if sequence_parallel else Replicate()
+    if loss_parallel:
+        # Each rank embeds the tokens of its slice of the vocabulary (the rest as zeros) and
+        # the output is all-reduced; the head computes that slice's logits, which stay split.
+        outer[names[embedding]] = RowwiseParallel(input_layouts=Replicate())
+        outer[names[head]] = ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1),
+                                             use_local_output=False)
+        model.register_forward_hook(_local_loss)
+    elif sequence_parallel:
+        outer[names[head]] = PrepareModuleInput(input_layouts=(head_input,), desired_input_layouts=(Replicate(),),
+                                                use_local_output=True)
+    parallelize_module(model, tp_mesh, outer)
+    if tied and head.weight is not embedding.weight:
+        # Each style made its own parameter of the shared weight (both split by vocabulary, as
+        # Shard(0)); without this the two would train apart.
+        head.weight = embedding.weight
+
+
+def _slice_sequence(tp_mesh: DeviceMesh, block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The first block's input (the residual stream, positional first) cut to this rank's
+    slice of the sequence; its backward all-gathers the gradient."""
+    hidden, *rest = args
+    whole = DTensor.from_local(hidden, tp_mesh, [Replicate()], run_check=False)
+    return (whole.redistribute(tp_mesh, [Shard(1)]).to_local(), *rest)
+
+
+def _gradients_as_their_parameters(model: nn.Module) -> None:
+    """Each DTensor parameter's gradient laid out as the parameter is, as it is accumulated.
+    FSDP2 does this for tp_fsdp as it reduces; plain tp needs it twice over:
+    - a sequence-parallel norm's replicated weight gets its gradient as partial sums (each
+      rank's over its slice of the sequence), which torch's optimizer would all-reduce at
+      each use (AdamW and the gradient norm: three a step, measured on 2 gloo ranks): here
+      once;
+    - a vocabulary-parallel embedding's backward computes the whole table's gradient on every
+      rank (replicated: llama-tiny's held 131,072 B for its 65,536 B slice), which would stay
+      that large beside the slice it updates: here cut to the slice."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(_as_parameter)  # type: ignore[no-untyped-call]
+
+
+def _as_parameter(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+def _local_loss(model: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """The loss of vocabulary-split logits is a replicated DTensor; the training loop adds
+    losses as plain tensors (its backward still runs through the DTensor's)."""
+    if isinstance(output.loss, DTensor):
+        output.loss = output.loss.to_local()
+    return output
 
 
 # --- the strategies ----------------------------------------------------------------------
@@ -222,18 +329,24 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
     layout = cell.model_spec.layout
     if layout is None:  # combination_problem refused the cell before launch
         raise ValueError(f"model={cell.model_name}: no tensor-parallel plan for its layout")
-    apply_tensor_parallel(model, block_type, layout, mesh["tp"])
+    s = cell.strategy
+    apply_tensor_parallel(model, block_type, layout, mesh["tp"], sequence_parallel=s.sequence_parallel,
+                          loss_parallel=s.loss_parallel)
+    # torch's loss_parallel dispatches the cross-entropy of split logits, forward and backward.
+    loss_context = loss_parallel if s.loss_parallel else nullcontext
     if cell.strategy.name == "tp":
-        return Prepared(model=model, optimizer=optimizers.make(_param_groups(model), cell.strategy.optimizer, cell.lr),
-                        data_rank=0)
+        _gradients_as_their_parameters(model)
+        return Prepared(model=model, optimizer=optimizers.make(_param_groups(model), s.optimizer, cell.lr),
+                        data_rank=0, loss_context=loss_context)
     root = _shard_over_dp(model, block_type, cell, mesh["dp"])
     return Prepared(
         model=model,
-        optimizer=optimizers.make(_param_groups(model), cell.strategy.optimizer, cell.lr),
+        optimizer=optimizers.make(_param_groups(model), s.optimizer, cell.lr),
         no_sync=lambda: fsdp.no_gradient_sync(root),
+        loss_context=loss_context,
         use_autocast=False,
         fsdp2=True,
-        scaler=precision.sharded_grad_scaler(cell.strategy, env.device),
+        scaler=precision.sharded_grad_scaler(s, env.device),
         data_rank=mesh.get_local_rank("dp"),
     )
 

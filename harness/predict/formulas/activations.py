@@ -14,7 +14,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
                                router_experts: int = 0, norm_bytes: float | None = None,
                                input_copies: tuple[int, int] = (1, 1), attention_width: int | None = None,
                                mlp_value_bytes: int | None = None, norms: int = 2,
-                               score_bytes: float | None = None, value_width: int | None = None) -> float:
+                               score_bytes: float | None = None, value_width: int | None = None,
+                               gathered_inputs_kept: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022, §4.1-4.2 (Table 2), for a GPT layer with 16-bit values
@@ -43,7 +44,10 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         the kept Q, K, V, leaving 34sbh with dropout;
       - ``tensor_parallel=t`` divides the terms computed inside the TP region (24sbh and
         the score terms) by t; ``sequence_parallel`` also the LayerNorm and dropout terms
-        (the remaining 10sbh), giving the table's 34sbh/t;
+        and the inputs of the QKV and first MLP matmuls (the remaining 10sbh), giving the
+        table's 34sbh/t, for Megatron re-gathers those inputs in backward;
+        ``gathered_inputs_kept``: the matmuls keep their all-gathered inputs whole instead
+        (torch's DTensor sequence parallelism), so 4sbh of the 10 stay undivided;
       - ``kv_heads`` (grouped-query attention, Ainslie et al. 2023; multi-query, Shazeer
         2019): K and V are kv_heads/heads as wide as Q, so their terms (2sbh of the paper's
         Q, K and V 6sbh at 2 bytes) scale by kv_heads/heads;
@@ -111,6 +115,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     # The router (replicated, like the LayerNorms) keeps its fp32 logits.
     norm = v if norm_bytes is None else norm_bytes
     attention_in, mlp_in = input_copies
-    outside = (attention_in * v * sbh + mlp_in * v * sbh + norms * norm * sbh + 2 * mask * sbh
-               + 4.0 * s * b * router_experts)
-    return inside / t + outside / (t if sequence_parallel else 1)
+    region_inputs = attention_in * v * sbh + mlp_in * v * sbh
+    outside = norms * norm * sbh + 2 * mask * sbh + 4.0 * s * b * router_experts
+    sliced = t if sequence_parallel else 1
+    return inside / t + outside / sliced + region_inputs / (1 if gathered_inputs_kept else sliced)

@@ -39,6 +39,11 @@ real peers:
   tensors real (the rebuilt buckets are fake).
 - DeviceMesh keeps its ranks in a tensor it reads: meshes are built outside fake mode, and
   so is the mesh FSDP2 joins from the dp and tp dimensions of a tensor-parallel model.
+- DTensor derives an op's global output shape by running the op on fake tensors of the
+  global shape in whichever fake mode is active, which in a trace is the step's own: the
+  tracker counted them as the rank's. torch's loss_parallel does so on every call, its
+  cross-entropy over the whole vocabulary (gpt2 with 50,257 tokens under tp: 1.22 and 2.11 of
+  the measured peak at 2 and 4 ranks, to the byte once run outside the step's mode).
 - Data-dependent Python scalars (``.item()``, ``bool(t)``) that fake mode cannot know read as
   0: GradScaler's found-inf count (the step is taken), Adafactor's parameter RMS (a step-size
   factor), the rejection loop of trunc_normal_ in ViT's init (one draw), bitsandbytes LAMB's
@@ -418,11 +423,7 @@ def _patched_for_fake_world(cell: CellSpec, stage_metas: list[object]) -> Iterat
         # FSDP2 over a tensor-parallel model joins the dp and tp sub-meshes into a new mesh.
         unittest.mock.patch.object(DeviceMesh, "_concatenate",
                                    staticmethod(_outside_fake_mode(DeviceMesh._concatenate))),
-        # DTensor derives an op's global output shape by running the op on fake tensors of
-        # the global shape, in the fake mode it finds active: here the step's own, whose
-        # tracker would count them as the rank's. torch's loss_parallel does it on every call
-        # (its cross-entropy on the whole vocabulary: 1.22 and 2.11 of the measured peak at 2
-        # and 4 ranks, 50,257 tokens); outside the step's mode it makes its own.
+        # DTensor's global-shape propagation (module docstring), in a fake mode of its own.
         unittest.mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached",
                                    _outside_fake_mode(ShardingPropagator._propagate_tensor_meta_non_cached)),
         unittest.mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes", _no_op),

@@ -186,8 +186,8 @@ def test_every_axis_the_default_suite_varies_has_a_finding_and_its_figure(tmp_pa
     try:
         shown = pg.eval_on_selector_all(".finding", "els => els.map(e => e.id)")
         assert shown == [f"finding-{axis}" for axis in (
-            "strategy", "precision", "checkpointing", "offload", "accumulation", "compression", "optimizer",
-            "attention", "heads", "model", "micro_batch")]
+            "strategy", "tp_plan", "precision", "checkpointing", "offload", "accumulation", "compression",
+            "optimizer", "attention", "heads", "model", "micro_batch")]
         _figures_render(pg)
         assert errors == []
     finally:

@@ -1,12 +1,12 @@
 """What a run found, one axis at a time: the run page's ``findings`` section, computed from
 the records alone.
 
-For every axis the run varied (``AXES``: sharding stage and engine, precision,
-checkpointing, offload, accumulation, compression, optimizer, gradient clipping, attention kernel, key/value
-heads, model, micro-batch, sequence length), the pairs of ``ok`` cells that differ in that
-axis alone (every other field of the cell the same, the warm-up apart, which follows the
-strategy), and for each value the effect against the axis's baseline value, as
-cell ÷ baseline over the pairs:
+For every axis the run varied (``AXES``: sharding stage and engine, tensor parallelism's plan
+options, precision, checkpointing, offload, accumulation, compression, optimizer, gradient
+clipping, attention kernel, key/value heads, model, micro-batch, sequence length), the pairs
+of ``ok`` cells that differ in that axis alone (every other field of the cell the same, the
+warm-up apart, which follows the strategy), and for each value the effect against the
+axis's baseline value, as cell ÷ baseline over the pairs:
 
 - measured: peak memory per rank, step time, tokens/s, communication bytes per step;
 - predicted beside it: the analytic peak, the predicted step time (and the tokens/s it
@@ -56,6 +56,14 @@ def _clipping(record: dict) -> str:
     return "clip_none" if clip is None else f"clip{clip:g}"
 
 
+def _tensor_parallel_plan(record: dict) -> str:
+    """The plan options a tensor-parallel cell splits with, as its cell id tags them (absent
+    from records before the options: none)."""
+    strategy = record["cell"]["strategy"]
+    tags = [tag for tag, option in (("sp", "sequence_parallel"), ("lossp", "loss_parallel")) if strategy.get(option)]
+    return "/".join(tags) or "plan_blocks_only"
+
+
 def _heads(record: dict) -> str | None:
     return next((m for m in record.get("markers") or () if m in _HEADS), None)
 
@@ -88,6 +96,8 @@ STRATEGY = Axis("strategy", "sharding stage and engine",
                 lambda r: _strategy(r["cell"]), ("ddp",), display=_strategy_name)
 AXES: tuple[Axis, ...] = (
     STRATEGY,
+    Axis("tp_plan", "tensor-parallel plan options", ("strategy.sequence_parallel", "strategy.loss_parallel"),
+         _tensor_parallel_plan, ("plan_blocks_only",)),
     Axis("precision", "precision", ("strategy.precision",), lambda r: r["cell"]["strategy"]["precision"], ("fp32",)),
     Axis("checkpointing", "activation checkpointing", ("strategy.checkpointing",),
          lambda r: f"ckpt_{r['cell']['strategy']['checkpointing']}", ("ckpt_none",)),

@@ -221,8 +221,11 @@ def test_tp_fsdp_moves_the_analytic_bytes_its_root_gathered_once(records):
     assert measured == {kind: pytest.approx(predicted[kind]) for kind in measured}
 
 
-def test_the_trace_predicts_a_tp_cell_peak_to_the_byte_but_for_frees_on_gloos_threads(records):
-    record = records[GPT2_TP.cell_id]
+@pytest.mark.parametrize("cell", [GPT2_TP, LLAMA_TP_SP], ids=lambda c: c.cell_id)
+def test_the_trace_predicts_a_tp_cell_peak_to_the_byte_but_for_frees_on_gloos_threads(records, cell):
+    """With loss_parallel too: DTensor's global-shape propagation of the split cross-entropy
+    kept out of the traced step (harness/predict/traced.py)."""
+    record = records[cell.cell_id]
     rank0 = record["per_rank"][0]
     # A buffer DTensor's collectives free on a gloo worker thread may be freed late, after the
     # step's peak (measure/memory.py "Frees on another thread"): on a busy host rank 0 once

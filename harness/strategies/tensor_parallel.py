@@ -12,14 +12,15 @@ output features (ColwiseParallel: each rank computes whole heads / a slice of th
 and the projections back to the hidden size by input features (RowwiseParallel: partial
 sums, all-reduced in forward). The attention and MLP modules take their input as one
 replicated DTensor (PrepareModuleInput), so the backward all-reduces the input gradient once
-per module, not once per projection (LLaMA's q, k and v; gate and up). Embeddings, norms and
-the LM head stay replicated: each rank computes them whole on the same samples, so their
-gradients agree without any communication.
+per module, not once per projection (LLaMA's q, k and v; gate and up). Without the options
+below, embeddings, norms and the LM head stay replicated: each rank computes them whole on
+the same samples, so their gradients agree without any communication.
 
 Two options split more, as torchtitan's plan does (StrategySpec):
 - ``sequence_parallel`` (Korthikanti et al. 2022): between the blocks' parallel regions the
   residual stream holds each rank's slice of the sequence, and the norms run on it
-  (SequenceParallel, their weights replicated DTensors whose gradients DTensor sums); each
+  (SequenceParallel: their weights are replicated DTensors, their gradients partial sums
+  reduced once, ``_gradients_as_their_parameters``); each
   region's input is all-gathered and its output reduce-scattered, the same bytes as the
   all-reduce they replace. Unlike Megatron, DTensor keeps the gathered input of the column
   projections for their backward, so what the slices save is the norms' and the residual's

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                           " (exact; slower); a traced peak over the usable memory is not a fit")
     pln.add_argument("--config", default=None, metavar="LABEL",
                      help="a configuration to hold beside the recommendation, as the table labels it,"
-                          " e.g. fsdp_full/bf16/ckpt_full or tp_fsdp/tp4/bf16/ckpt_none")
+                          " e.g. fsdp_full/bf16/ckpt_full or tp_fsdp/tp4/sp/lossp/bf16/ckpt_none")
     pln.add_argument("--gpu", default=None, metavar="NAME",
                      help="the GPU to price steps on at its datasheet peaks, as torch.cuda.get_device_name()"
                           " names it or by words naming one, e.g. A100-SXM4-80GB or H200 (default: NVIDIA H100 80GB"

@@ -148,6 +148,24 @@ def test_tp_claim_compares_the_params_each_rank_holds():
     assert run([4 * 134_912] * 2)["verdict"] == "does not hold"  # nothing split
 
 
+def test_sequence_parallel_claim_holds_the_measured_volume_to_the_models():
+    """gpt2-tiny, 2 ranks, fp32: 8 all-reduces of b·s·h (16,384 B) a step without sequence
+    parallelism; with it 8 reduce-scatters and 10 all-gathers (the first block's input
+    gradient and the head's input besides) and 10 norm parameters' gradients (256 B each)."""
+    plain, sequence = cell("tp", 2), cell("tp", 2, sequence_parallel=True)
+    activation = 4 * 2 * 32 * 64
+
+    def run(sequence_ops: dict) -> dict:
+        by_id = {plain.cell_id: _record(plain, **_comm({"all_reduce": 8 * activation})),
+                 sequence.cell_id: _record(sequence, **_comm(sequence_ops))}
+        return records.evaluate("tensor_parallel/sequence_parallel_volume", lambda c: by_id.get(c.cell_id), 2)
+
+    held = run({"all_gather": 10 * activation, "reduce_scatter": 8 * activation, "all_reduce": 10 * 256})
+    assert held["verdict"] == "holds" and held["predicted"] == pytest.approx((18 * activation + 2 * 2560)
+                                                                             / (16 * activation))
+    assert run({"all_reduce": 8 * activation})["verdict"] == "does not hold"  # all-reduced: half the volume
+
+
 def test_fp16_underflow_claim_reads_the_cells_gradient_range():
     c = cell("ddp", 2, precision="fp16")
 

@@ -21,6 +21,10 @@ def _tp_cells(world_size: int) -> list[CellSpec]:
     return [cell("tp", world_size)] if judges.tp_strategy_present() else []
 
 
+def _sequence_parallel_cells(world_size: int) -> list[CellSpec]:
+    return [*_tp_cells(world_size), cell("tp", world_size, sequence_parallel=True)] if _tp_cells(world_size) else []
+
+
 _ZERO = "Rajbhandari et al. 2020 (ZeRO)"
 _KORTHIKANTI = "Korthikanti et al. 2022"
 # ZeRO §5's model states per device at each stage, as published (K: optimizer bytes per parameter).
@@ -111,6 +115,14 @@ _CLAIMS += [
           formula="4·(sharded/t + replicated) bytes of fp32 parameters per rank (analytic.tp_model_states,"
                   " analytic.tp_sharded_numel)",
           tolerance=f"±{EXACT_TOL:.0%}", unit="bytes", judge=judges.tp_params_split, cells=_tp_cells),
+    Claim(claim_id="tensor_parallel/sequence_parallel_volume",
+          title="Sequence parallelism moves a block's activations at tensor parallelism's volume",
+          source=f"{_KORTHIKANTI} §4.2.2",
+          published="a block's all-reduce becomes a reduce-scatter and an all-gather: the same bandwidth",
+          formula="analytic comm volume with sequence_parallel ÷ without: 1, but for the gathers outside the blocks"
+                  " and the norms' gradients (analytic_parallel._tp_activation_collectives)",
+          tolerance=f"±{EXACT_TOL:.0%}", unit="volume with ÷ without", judge=judges.sequence_parallel_volume,
+          cells=_sequence_parallel_cells),
     Claim(claim_id="optimizer/adamw8bit_quarter", title="8-bit AdamW state is a quarter of AdamW's 32-bit moments",
           source="Dettmers et al. 2022", published="2 B/param against 8 B/param: 75% less",
           formula="analytic.optimizer_state_bytes: uint8 moments + fp32 absmax per 256 values; tensors < 4,096"

@@ -274,6 +274,26 @@ def tp_params_split(r: Readings) -> Outcome:
     return compare(max(held), predicted, EXACT_TOL, details={**details, "per_rank_params_bytes": held})
 
 
+def sequence_parallel_volume(r: Readings) -> Outcome:
+    """Korthikanti §4.2.2: sequence parallelism turns each of a block's all-reduces into a
+    reduce-scatter and an all-gather of the same tensor, the same volume (an all-reduce counts
+    twice, ZeRO §7). Outside the blocks it adds the first block's input gradient and the
+    head's input gathered and the norms' partial gradients all-reduced, which the analytic
+    model counts (analytic_parallel._tp_activation_collectives): the measured ratio of the two
+    cells' volumes against the model's."""
+    from harness.predict import analytic, formulas
+
+    sequence, plain = r.cell("tp", sequence_parallel=True), r.cell("tp")
+    measured = {c: _bytes_by_op(r.record(c)) for c in (sequence, plain)}
+    if not all(measured.values()):
+        raise NotMeasurable("a tp cell counted no collectives", failed=True)
+    predicted = {c: analytic.predict(c, device_type="cpu")["comm_volume_per_step"] for c in (sequence, plain)}
+    return compare(formulas.comm_volume(measured[sequence]) / formulas.comm_volume(measured[plain]),
+                   predicted[sequence] / predicted[plain], EXACT_TOL, details={
+                       "sequence_parallel_bytes_by_op": measured[sequence], "plain_bytes_by_op": measured[plain],
+                       "published": 1.0, "layers": sequence.model_spec.n_layers})
+
+
 # --- optimizer state ----------------------------------------------------------------------------
 
 def _optimizer_bytes(r: Readings, c: CellSpec) -> float:

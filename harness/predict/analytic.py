@@ -29,7 +29,7 @@ from harness.predict.analytic_data_parallel import (
 from harness.predict.analytic_parallel import (
     model_parallel_parts,
     pipeline_stage_layers,
-    tp_local_numel,
+    tp_accumulated_numel,
     tp_sharded_numel,
 )
 from harness.predict.formulas import comm_volume
@@ -222,7 +222,7 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     held_grads = cell.strategy.accumulation > 1 or pipelined or engine.grads_between_steps == "zeroed"
     # What the micro-steps before hold (EngineModel.accumulated_grads), unsharded: the whole
     # model's, or a tensor-parallel rank's part of it.
-    unsharded = tp_local_numel(cell, layout) if engine.analytic == "tensor_parallel" else layout.numel
+    unsharded = tp_accumulated_numel(cell, layout) if engine.analytic == "tensor_parallel" else layout.numel
     grads_held = ({"sharded": on_device["grads"], "sharded_beside_partition": on_device["grads"],
                    "unsharded_fp32": 4.0 * unsharded,
                    "unsharded_compute": PRECISION_BYTES[cell.strategy.precision] * unsharded}

@@ -105,6 +105,18 @@ def tp_local_numel(cell: CellSpec, layout: ParamLayout) -> float:
     return _local_of(cell, layout.numel, tp_split_numel(cell))
 
 
+def tp_accumulated_numel(cell: CellSpec, layout: ParamLayout) -> float:
+    """The gradient elements a tensor-parallel rank's micro-steps without gradient sync hold
+    unsharded (EngineModel.accumulated_grads): its part of every one (``tp_local_numel``),
+    but an untied vocabulary-parallel token table's whole, which the embedding's backward
+    computes on every rank (llama-tiny under tp_fsdp at 4 ranks, 2 micro-steps: 65,536 B over
+    its slice, measured; tp cuts it to the slice as it accumulates)."""
+    spec = cell.model_spec
+    whole_table = cell.strategy.loss_parallel and not spec.head_tied
+    table = spec.required("vocab_size") * spec.hidden if whole_table else 0
+    return tp_local_numel(cell, layout) + table * (1 - 1 / tensor_parallel_degree(cell))
+
+
 def _local_root_numel(cell: CellSpec, layout: ParamLayout) -> float:
     """A rank's part of the parameters outside the blocks: all of them, but its slice of the
     vocabulary-parallel ones."""

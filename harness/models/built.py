@@ -91,6 +91,9 @@ class ParamLayout:
     # (``NormKeeps``): two for GPT-2 and LLaMA, four for Gemma2 and Gemma3 (a norm before and
     # after each sublayer), one for Cohere (attention and MLP side by side, reading the same norm).
     block_norms: tuple[NormKeeps, ...] = ()
+    # Those norms' module paths in the block, in the same order (``_norm_paths``): what
+    # sequence parallelism must split, every one of them (strategies/tensor_parallel.py).
+    block_norm_paths: tuple[str, ...] = ()
     # Whether the block's MLP is gated, a gate projection beside the up projection (SwiGLU,
     # GeGLU), separate (LLaMA's gate_proj) or fused (Phi-3's gate_up_proj).
     gated_mlp: bool = False
@@ -209,6 +212,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         rotary=any("Rotary" in type(m).__name__ for m in module.modules()),
         loss_upcasts_logits="self.loss_function" in _forward_source(module),
         block_norms=_norms(blocks[0], spec.hidden) if blocks else (),
+        block_norm_paths=_norm_paths(blocks[0]) if blocks else (),
         gated_mlp=any(name.rpartition(".")[2] in ("gate_proj", "gate_up_proj")
                       for name, _ in [*blocks[0].named_modules(), *blocks[0].named_parameters()]) if blocks else False,
         modules=_modules(module, blocks, params),
@@ -339,15 +343,24 @@ def _is_matmul(module: nn.Module) -> bool:
 
 
 def _norms(block: nn.Module, width: int) -> tuple[NormKeeps, ...]:
-    """ParamLayout.block_norms: the block's normalisation modules (by class name: LayerNorm,
-    LlamaRMSNorm, Gemma2RMSNorm, ...) but the attention's own: the per-head query and key norms
-    and latent attention's norms of its latents (``LatentAttention``), each normalising
-    ``width`` channels."""
+    """ParamLayout.block_norms: what each of the block's token norms (``_token_norms``) keeps,
+    each normalising ``width`` channels."""
+    return tuple(_norm_keeps(m, width) for _, m in _token_norms(block))
+
+
+def _norm_paths(block: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name, _ in _token_norms(block))
+
+
+def _token_norms(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The block's normalisation modules (by class name: LayerNorm, LlamaRMSNorm,
+    Gemma2RMSNorm, ...) but the attention's own: the per-head query and key norms and latent
+    attention's norms of its latents (``LatentAttention``)."""
     # A convolution's BatchNorm or GroupNorm normalises images, not a token's channels: the
     # convnet's activations have their own formula.
     images = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)
-    return tuple(_norm_keeps(m, width) for name, m in block.named_modules()
-                 if "Norm" in type(m).__name__ and not _in_attention_norm(name) and not isinstance(m, images))
+    return [(name, m) for name, m in block.named_modules()
+            if "Norm" in type(m).__name__ and not _in_attention_norm(name) and not isinstance(m, images)]
 
 
 # The attention's own norms: per-head query and key norms (StableLM's and Persimmon's

@@ -1,9 +1,11 @@
 """Architectures beyond the built-in families, from config files written here, trained for
 real on 2 gloo ranks (one of each kind: ``RUN``): each through fsdp_full (which shards by
 the blocks the harness finds in it; DDP wraps any model whole, and runs on configs in the
-default suite), a decoder and an encoder through deepspeed_zero3, and a LLaMA-like decoder
-with tied embeddings through tp and a pipeline, gated against its single-process reference,
-with the analytic and traced predictions recorded beside the measurement."""
+default suite), a decoder and an encoder through deepspeed_zero3, a LLaMA-like decoder
+with tied embeddings through tp and a pipeline, and Qwen3 (query and key norms a head) through
+tp with sequence parallelism and the vocabulary-parallel loss, gated against its
+single-process reference, with the analytic and traced predictions recorded beside the
+measurement."""
 
 import pytest
 
@@ -21,13 +23,16 @@ LAYOUT_STRATEGIES = ("tp", "pp_gpipe")
 # embedding's weight across a split): untied, the layout is the llama-tiny preset's, which the
 # default suite and tests/test_tensor_parallel.py run through them.
 LAYOUT_ON = ("qwen2",)
+# Qwen3's query and key norms, one head's channels each, split with the heads; with torchtitan's
+# plan options (the sequence and the vocabulary split too).
+PLAN_OPTIONS_ON = ("qwen3",)
 SEQ_LEN = 16  # short: the point is that each architecture trains the same model, not its speed
 
 
 # Run here: a LLaMA-like decoder with its own and one with tied embeddings, another decoder, an
 # encoder and a vision model; OPT and Phi, decoders like GPT-NeoX to the data-parallel
 # strategies, are resolved and built in test_model_sources.py.
-RUN = ("mistral", "qwen2", "gpt_neox", "roberta", "deit")
+RUN = ("mistral", "qwen2", "gpt_neox", "roberta", "deit", *PLAN_OPTIONS_ON)
 
 
 def TRACED_MATRIX_CELLS(tmp_path) -> list[CellSpec]:
@@ -37,6 +42,10 @@ def TRACED_MATRIX_CELLS(tmp_path) -> list[CellSpec]:
     for name in RUN:
         model = sources.resolve(str(model_configs.write(tmp_path / "configs", name)))
         seq_len = SEQ_LEN if model.seq_len is not None else None
+        if name in PLAN_OPTIONS_ON:
+            cells.append(CellSpec(model=model, strategy=StrategySpec(name="tp", sequence_parallel=True,
+                                                                     loss_parallel=True), seq_len=seq_len, steps=6))
+            continue
         names = (DATA_PARALLEL + (("deepspeed_zero3",) if name in DEEPSPEED_ON else ())
                  + (LAYOUT_STRATEGIES if name in LAYOUT_ON else ()))
         cells += [CellSpec(model=model, strategy=StrategySpec(name=s), seq_len=seq_len, steps=6) for s in names]

@@ -77,6 +77,10 @@ class ParamLayout:
     # What the repeated block's per-head query and key norm keeps (a ``q_norm`` module: Qwen3,
     # Gemma3, OLMo2), beside their projections' outputs; None for an attention without one.
     qk_norm: NormKeeps | None = None
+    # Whether those are one query and one key norm, each of one head's channels (Qwen3's,
+    # Gemma3's q_norm and k_norm), which tensor parallelism splits with the heads; not a
+    # norm across every head (OLMo2's) nor a norm module a head (StableLM's).
+    qk_norms_per_head: bool = False
     # Whether one projection outputs the repeated block's queries, keys and values together
     # (GPT-NeoX's query_key_value, Phi-3's qkv_proj, GPT-2's c_attn), which they are views of,
     # and whether the model turns its queries and keys by a rotary embedding (a module whose
@@ -208,6 +212,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         block_matmul_numel=sum(matmul.get(id(p), 0) for p in blocks[0].parameters()) if blocks else 0,
         mlp_activation=_mlp_activation(blocks[0]) if blocks else "",
         qk_norm=_qk_norm_keeps(blocks[0], spec.hidden) if blocks else None,
+        qk_norms_per_head=_qk_norms_per_head(blocks[0], spec.head_dim) if blocks else False,
         fused_qkv=bool(block_modules & _FUSED_QKV),
         rotary=any("Rotary" in type(m).__name__ for m in module.modules()),
         loss_upcasts_logits="self.loss_function" in _forward_source(module),
@@ -384,6 +389,13 @@ def _qk_norm_keeps(block: nn.Module, width: int) -> NormKeeps | None:
         return None
     per_head = getattr(norm, "norms", None)
     return _norm_keeps(per_head[0] if isinstance(per_head, nn.ModuleList) else norm, width)
+
+
+def _qk_norms_per_head(block: nn.Module, head_dim: int) -> bool:
+    """``ParamLayout.qk_norms_per_head``."""
+    norms = [_named(block, name) for name in ("q_norm", "k_norm")]
+    return all(norm is not None and not isinstance(norm, nn.ModuleList) and _normalised_width(norm, 0) == head_dim
+               for norm in norms)
 
 
 def _normalised_width(norm: nn.Module, width: int) -> int:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from harness import strategies
+from harness import models, strategies
 from harness.config import CellSpec
 from harness.models import ModelSpec
 from harness.predict import pipeline_schedule
@@ -180,7 +180,9 @@ def _tp_activation_collectives(cell: CellSpec) -> dict[str, list[tuple[float, in
     - With loss_parallel: the embedding's output all-reduced (each rank embeds its slice of
       the vocabulary), three per-token fp32 statistics of the split logits all-reduced (their
       maximum, the sum of exponentials, the target's logit), and the head's input gradient
-      reduced: scattered to the slices with sequence parallelism, else all-reduced."""
+      reduced: scattered to the slices with sequence parallelism, else all-reduced.
+    - Per-head query and key norms (Qwen3's): each weight's gradient all-reduced, partial sums
+      over the ranks' heads."""
     s, spec = cell.strategy, cell.model_spec
     low = PRECISION_BYTES[s.precision]
     stream = low if _sharded_over_data_parallel(cell) else 4
@@ -195,6 +197,8 @@ def _tp_activation_collectives(cell: CellSpec) -> dict[str, list[tuple[float, in
         calls["all_reduce"] += [(stream * numel, 1) for numel in _sequence_parallel_norms(spec)]
     else:
         calls["all_reduce"] += [(low * activation, (2 + recomputed) * layers), (stream * activation, 2 * layers)]
+    if models.param_layout(spec).qk_norms_per_head:  # their weights' gradients, summed over the ranks' heads
+        calls["all_reduce"] += [(stream * spec.head_dim, 1)] * (2 * layers)
     if s.loss_parallel:
         calls["all_reduce"] += [(stream * activation, 1), (4 * tokens, 3)]
         calls["reduce_scatter" if s.sequence_parallel else "all_reduce"].append((stream * activation, 1))

@@ -104,12 +104,11 @@ def combination_problem(cell: CellSpec) -> str | None:
     if spec.layout not in _PLANNED_LAYOUTS:
         return (f"model={cell.model_name}: no tensor-parallel plan for its layout ({_layout_named(spec.layout)});"
                 f" plans exist for the {' and '.join(_PLANNED_LAYOUTS)} layouts (harness/models/spec.py, Layout)")
-    if models.param_layout(spec).qk_norm is not None:
-        # Measured: Qwen3 under tp on 2 gloo ranks trains apart from its reference (the loss
-        # 3.7e-5 off after 6 steps, beyond the gate's 1e-5).
-        return (f"model={cell.model_name}: its attention normalises queries and keys with weights every head"
-                " shares (q_norm, k_norm): split by heads, each rank's gradient of them would be its own heads'"
-                " alone, and the ranks would train them apart")
+    layout = models.param_layout(spec)
+    if layout.qk_norm is not None and not layout.qk_norms_per_head:
+        return (f"model={cell.model_name}: its attention's query and key norms are not one norm each of a head's"
+                " channels (OLMo2's span every head, StableLM's are a module a head), which a split by heads"
+                " would cut")
     degree = tp_degree(cell)
     # Every rank must hold whole (query and key/value) heads and an equal slice of the MLP.
     for field, size in (("n_heads", spec.required("n_heads")), ("n_kv_heads", spec.kv_heads), ("ffn_hidden", spec.ffn)):
@@ -177,7 +176,7 @@ def _prepare_gpt2_block(block: nn.Module, degree: int) -> None:
     attn.num_heads //= degree
 
 
-def _gpt2_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _gpt2_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return _block_plan(("attn", "mlp"), _BLOCK_NORMS["gpt2"], ("attn.c_attn", "mlp.c_fc"),
                        ("attn.c_proj", "mlp.c_proj"), sequence_parallel)
 
@@ -195,11 +194,18 @@ def _prepare_llama_block(block: nn.Module, degree: int) -> None:
             setattr(attention, count, getattr(attention, count) // degree)
 
 
-def _llama_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _llama_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     # The decoder layer calls self_attn(hidden_states=...) by keyword, mlp(x) by position.
-    return _block_plan(("self_attn", "mlp"), _BLOCK_NORMS["llama"],
+    plan = _block_plan(("self_attn", "mlp"), _BLOCK_NORMS["llama"],
                        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
                        ("self_attn.o_proj", "mlp.down_proj"), sequence_parallel, keyword_input=frozenset({"self_attn"}))
+    # Qwen3's and Gemma3's query and key norms, one head's channels each, run on the rank's
+    # heads (b, s, heads, head_dim): split along the heads as a sequence-parallel norm is along
+    # the sequence, their weights replicated and their gradients summed over the ranks' heads.
+    attention = block.get_submodule("self_attn")
+    head_norms = [f"self_attn.{name}" for name in ("q_norm", "k_norm") if hasattr(attention, name)]
+    plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in head_norms})
+    return plan
 
 
 # --- every layout ----------------------------------------------------------------------------
@@ -232,7 +238,8 @@ def _layout_named(layout: str | None) -> str:
     return "not one harness.models.layouts recognises" if layout is None else layout
 
 
-_LAYOUT_PLANS: dict[str, tuple[Callable[[nn.Module, int], None], Callable[[bool], dict[str, ParallelStyle]]]] = {
+_LAYOUT_PLANS: dict[str, tuple[Callable[[nn.Module, int], None],
+                               Callable[[nn.Module, bool], dict[str, ParallelStyle]]]] = {
     "gpt2": (_prepare_gpt2_block, _gpt2_plan),
     "llama": (_prepare_llama_block, _llama_plan),
 }
@@ -253,7 +260,7 @@ def apply_tensor_parallel(model: nn.Module, block_type: type[nn.Module], layout:
     blocks = [m for m in model.modules() if isinstance(m, block_type)]
     for block in blocks:
         prepare_block(block, degree)
-        parallelize_module(block, tp_mesh, plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, plan(block, sequence_parallel))
     if sequence_parallel:
         # transformers builds the positions and the causal mask from the whole sequence
         # before the first block, so the residual stream is cut there.

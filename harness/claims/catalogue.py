@@ -22,7 +22,8 @@ def _tp_cells(world_size: int) -> list[CellSpec]:
 
 
 def _sequence_parallel_cells(world_size: int) -> list[CellSpec]:
-    return [*_tp_cells(world_size), cell("tp", world_size, sequence_parallel=True)] if _tp_cells(world_size) else []
+    plain = _tp_cells(world_size)
+    return [*plain, cell("tp", world_size, sequence_parallel=True)] if plain else []
 
 
 _ZERO = "Rajbhandari et al. 2020 (ZeRO)"

@@ -98,6 +98,11 @@ class ParamLayout:
     # Those norms' module paths in the block, in the same order (``_norm_paths``): what
     # sequence parallelism must split, every one of them (strategies/tensor_parallel.py).
     block_norm_paths: tuple[str, ...] = ()
+    # The elements of each parameter of those norms (one block's) and of the norms outside the
+    # blocks (the final norm): what sequence parallelism leaves replicated, each gradient
+    # all-reduced (none for a norm without weights: OLMo's).
+    block_norm_param_numels: tuple[int, ...] = ()
+    root_norm_param_numels: tuple[int, ...] = ()
     # Whether the block's MLP is gated, a gate projection beside the up projection (SwiGLU,
     # GeGLU), separate (LLaMA's gate_proj) or fused (Phi-3's gate_up_proj).
     gated_mlp: bool = False
@@ -200,6 +205,7 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         module = _FAMILIES[spec.family].build_module(spec)
     blocks = list(layouts.repeated_blocks(module))
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    in_block_modules = {id(m) for b in blocks for m in b.modules()}
     params = list(module.parameters())  # de-duplicates tied weights
     matmul = {id(p): p.numel() for m in module.modules() if _is_matmul(m) for p in m.parameters(recurse=False)}
     expert_blocks, dense_ffn, shared_width, shared_gated = _mlp_kinds(blocks)
@@ -218,6 +224,9 @@ def param_layout(spec: ModelSpec) -> ParamLayout:
         loss_upcasts_logits="self.loss_function" in _forward_source(module),
         block_norms=_norms(blocks[0], spec.hidden) if blocks else (),
         block_norm_paths=_norm_paths(blocks[0]) if blocks else (),
+        block_norm_param_numels=_norm_param_numels(_token_norms(blocks[0])) if blocks else (),
+        root_norm_param_numels=_norm_param_numels(
+            [(name, m) for name, m in _token_norms(module) if id(m) not in in_block_modules]),
         gated_mlp=any(name.rpartition(".")[2] in ("gate_proj", "gate_up_proj")
                       for name, _ in [*blocks[0].named_modules(), *blocks[0].named_parameters()]) if blocks else False,
         modules=_modules(module, blocks, params),
@@ -355,6 +364,10 @@ def _norms(block: nn.Module, width: int) -> tuple[NormKeeps, ...]:
 
 def _norm_paths(block: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, _ in _token_norms(block))
+
+
+def _norm_param_numels(norms: list[tuple[str, nn.Module]]) -> tuple[int, ...]:
+    return tuple(p.numel() for _, norm in norms for p in norm.parameters(recurse=False))
 
 
 def _token_norms(block: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -23,8 +23,8 @@ from harness.predict.analytic_data_parallel import (
     offloaded_bytes,
     optimizer_step_bytes,
     shard_degree,
-    tensor_parallel_degree,
     transient_bytes,
+    vocabulary_slices,
 )
 from harness.predict.analytic_parallel import (
     model_parallel_parts,
@@ -212,8 +212,7 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     # A tied head's token table: backward's last op sums its gradient from the head's and the
     # embedding's, three copies of it at once (the moments below, per engine).
     # (A vocabulary-parallel rank's slice of it.)
-    vocabulary_slices = tensor_parallel_degree(cell) if cell.strategy.loss_parallel else 1
-    table = (cell.model_spec.required("vocab_size") * cell.model_spec.hidden / vocabulary_slices
+    table = (cell.model_spec.required("vocab_size") * cell.model_spec.hidden / vocabulary_slices(cell)
              if cell.model_spec.head_tied else 0)
     # A pipeline's schedule runs later micro-batches' forwards while earlier ones' gradients
     # are held, as accumulation does.

@@ -269,6 +269,12 @@ def sequence_slices(cell: CellSpec) -> int:
     return tensor_parallel_degree(cell) if cell.strategy.sequence_parallel else 1
 
 
+def vocabulary_slices(cell: CellSpec) -> int:
+    """Slices of the vocabulary the token table, the LM head and the logits are split into:
+    the tensor-parallel degree under ``loss_parallel``, else 1."""
+    return tensor_parallel_degree(cell) if cell.strategy.loss_parallel else 1
+
+
 def _residual_bytes(cell: CellSpec) -> int:
     """Bytes of a residual-stream value: fp32 under fp32 and under autocast, else the precision
     the engine casts the model to."""
@@ -568,8 +574,8 @@ def _logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:
     value_bytes = 4.0 if fp32 else PRECISION_BYTES[cell.strategy.precision]
     if spec.task == "image_classification":
         return value_bytes * cell.micro_batch * spec.required("num_classes")
-    vocabulary_slices = tensor_parallel_degree(cell) if cell.strategy.loss_parallel else 1
-    return value_bytes * spec.tokens_per_sample * cell.micro_batch * spec.required("vocab_size") / vocabulary_slices
+    vocabulary = spec.required("vocab_size") / vocabulary_slices(cell)
+    return value_bytes * spec.tokens_per_sample * cell.micro_batch * vocabulary
 
 
 def _kept_logits_bytes(cell: CellSpec, spec: ModelSpec) -> float:

@@ -25,6 +25,7 @@ from harness.predict.analytic_data_parallel import (
     recompute_bytes,
     tensor_parallel_degree,
     transient_bytes,
+    vocabulary_slices,
 )
 from harness.predict.formulas import (
     context_parallel_kv_bytes,
@@ -112,9 +113,8 @@ def tp_accumulated_numel(cell: CellSpec, layout: ParamLayout) -> float:
     computes on every rank (llama-tiny under tp_fsdp at 4 ranks, 2 micro-steps: 65,536 B over
     its slice, measured; tp cuts it to the slice as it accumulates)."""
     spec = cell.model_spec
-    whole_table = cell.strategy.loss_parallel and not spec.head_tied
-    table = spec.required("vocab_size") * spec.hidden if whole_table else 0
-    return tp_local_numel(cell, layout) + table * (1 - 1 / tensor_parallel_degree(cell))
+    table = 0 if spec.head_tied else spec.required("vocab_size") * spec.hidden
+    return tp_local_numel(cell, layout) + table * (1 - 1 / vocabulary_slices(cell))
 
 
 def _local_root_numel(cell: CellSpec, layout: ParamLayout) -> float:
@@ -206,11 +206,11 @@ def _tp_activation_collectives(cell: CellSpec) -> dict[str, list[tuple[float, in
 
 
 def _sequence_parallel_norms(spec: ModelSpec) -> list[int]:
-    """The elements of each norm parameter sequence parallelism leaves replicated: two norms a
-    block and the final one, GPT-2's LayerNorms a weight and a bias each, LLaMA's RMSNorms a
-    weight."""
-    tensors = 2 if spec.layout == "gpt2" else 1
-    return [spec.hidden] * tensors * (2 * spec.n_layers + 1)
+    """The elements of each norm parameter sequence parallelism leaves replicated: every
+    block's norms' and the final norm's (GPT-2's LayerNorms a weight and a bias each, LLaMA's
+    RMSNorms a weight, OLMo's none)."""
+    layout = models.param_layout(spec)
+    return [*layout.block_norm_param_numels * spec.n_layers, *layout.root_norm_param_numels]
 
 
 def _tp_comm(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict[str, float]:

@@ -367,7 +367,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
                           loss_parallel=s.loss_parallel)
     # torch's loss_parallel dispatches the cross-entropy of split logits, forward and backward.
     loss_context = loss_parallel if s.loss_parallel else nullcontext
-    if cell.strategy.name == "tp":
+    if s.name == "tp":
         _gradients_as_their_parameters(model)
         return Prepared(model=model, optimizer=optimizers.make(_param_groups(model), s.optimizer, cell.lr),
                         data_rank=0, loss_context=loss_context)

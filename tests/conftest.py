@@ -2,14 +2,16 @@ import gc
 import os
 import subprocess
 import sys
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from harness import faults
-from harness.distributed import DEVICE_ENV_VAR
+from harness.distributed import DEVICE_ENV_VAR, DistEnv
 from harness.results.store import RunStore
 from harness.runner.launcher import LaunchOptions
 from harness.runner.matrix import MatrixRun
@@ -65,6 +67,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """As harness/entry.py's processes end: interpreter shutdown's collections skip the frozen."""
     gc.freeze()
+
+
+@pytest.fixture
+def one_rank_env() -> Iterator[DistEnv]:
+    """A gloo process group of this process alone, for the test's duration: what the
+    strategies' prepare and the calibration's timings need in a test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,12 @@ group, scikit-learn's digits), and SyncBatchNorm's refusal on CPU in torch's own
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from harness import equivalence, strategies, training
 from harness.config import CellSpec, StrategySpec
-from harness.distributed import DistEnv
 from harness.measure import batch_norm
 from harness.predict import analytic
 from harness.strategies import ddp
@@ -81,36 +77,23 @@ def test_batch_norm_options_that_cannot_apply_are_refused(options, refusal):
         checked()
 
 
-def test_sync_batch_norm_is_recorded_unsupported_on_cpu_with_torchs_own_refusals():
+def test_sync_batch_norm_is_recorded_unsupported_on_cpu_with_torchs_own_refusals(one_rank_env):
     cell = digits_cell("ddp", 2, 8, sync_batch_norm=True)
     assert strategies.unsupported_reason(cell, "cpu") == ddp.SYNC_BATCH_NORM_ON_CPU
     assert strategies.unsupported_reason(cell, "cuda") is None
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))
-        with pytest.raises(ValueError) as refused_wrap:
-            nn.parallel.DistributedDataParallel(model)
-        with pytest.raises(ValueError) as refused_forward:
-            model(torch.randn(2, 1, 4, 4))
-    finally:
-        dist.destroy_process_group()
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))
+    with pytest.raises(ValueError) as refused_wrap:
+        nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(ValueError) as refused_forward:
+        model(torch.randn(2, 1, 4, 4))
     # The reason quotes both of torch's messages: still what this torch says.
     assert f'"{refused_wrap.value}"' in ddp.SYNC_BATCH_NORM_ON_CPU
     assert f'"{refused_forward.value}"' in ddp.SYNC_BATCH_NORM_ON_CPU
 
 
-@pytest.fixture
-def env() -> Iterator[DistEnv]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_run_on_the_digits_records_running_statistics_and_held_out_accuracy(env):
-    whole = training.run_cell(digits_cell(), env)
-    virtual = training.run_cell(digits_cell(accumulation=2, micro_batch=8), env)
+def test_a_run_on_the_digits_records_running_statistics_and_held_out_accuracy(one_rank_env):
+    whole = training.run_cell(digits_cell(), one_rank_env)
+    virtual = training.run_cell(digits_cell(accumulation=2, micro_batch=8), one_rank_env)
     for result in (whole, virtual):
         accuracy = result["evaluation"]["held_out_accuracy"]
         assert [steps for steps, _ in accuracy] == [0, 3, 6]
@@ -127,8 +110,8 @@ def test_a_run_on_the_digits_records_running_statistics_and_held_out_accuracy(en
             1, abs=0.02)
 
 
-def test_evaluation_uses_the_running_statistics_and_leaves_them_as_they_were(env):
-    session = training.prepare_cell(digits_cell(), env)
+def test_evaluation_uses_the_running_statistics_and_leaves_them_as_they_were(one_rank_env):
+    session = training.prepare_cell(digits_cell(), one_rank_env)
     session.step(0)
     before = batch_norm.running_statistics(session.built.module)
     first = session.evaluate()

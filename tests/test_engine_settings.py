@@ -5,24 +5,12 @@ test_deepspeed.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import models, strategies, training
 from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv
-
-
-@pytest.fixture
-def env() -> Iterator[DistEnv]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistEnv(rank=0, world_size=1, nnodes=1, device=torch.device("cpu"), backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def _engine(strategy: str, env: DistEnv, **options) -> dict:
@@ -31,38 +19,38 @@ def _engine(strategy: str, env: DistEnv, **options) -> dict:
     return strategies.get(strategy).prepare(built.module, built.block_type, cell, env).engine_report()
 
 
-def test_ddp_keeps_torchs_buckets_but_for_powersgd_on_gloo(env):
-    assert _engine("ddp", env) == {"name": "torch_ddp", "bucket_cap_mb": 25.0, "first_bucket_smaller": True,
+def test_ddp_keeps_torchs_buckets_but_for_powersgd_on_gloo(one_rank_env):
+    assert _engine("ddp", one_rank_env) == {"name": "torch_ddp", "bucket_cap_mb": 25.0, "first_bucket_smaller": True,
                                    "gradient_as_bucket_view": False}
     # The cell's own knobs, where it sets them.
-    set_by_cell = _engine("ddp", env, bucket_cap_mb=0.5, gradient_as_bucket_view=True)
+    set_by_cell = _engine("ddp", one_rank_env, bucket_cap_mb=0.5, gradient_as_bucket_view=True)
     assert set_by_cell == {"name": "torch_ddp", "bucket_cap_mb": 0.5, "first_bucket_smaller": False,
                            "gradient_as_bucket_view": True}  # 0.5 MiB: a whole number of bytes
-    assert _engine("zero1", env)["bucket_cap_mb"] == 25.0  # ZeroRedundancyOptimizer over the same DDP
+    assert _engine("zero1", one_rank_env)["bucket_cap_mb"] == 25.0  # ZeroRedundancyOptimizer over the same DDP
     # One bucket of the model's size: 134,912 fp32 elements are 0.51 MiB, rounded up, plus one.
-    assert _engine("ddp", env, compression="powersgd") == {"name": "torch_ddp", "bucket_cap_mb": 2.0,
+    assert _engine("ddp", one_rank_env, compression="powersgd") == {"name": "torch_ddp", "bucket_cap_mb": 2.0,
                                                            "first_bucket_smaller": False,
                                                            "gradient_as_bucket_view": False}
 
 
-def test_fsdp_wraps_each_block_then_the_root(env):
+def test_fsdp_wraps_each_block_then_the_root(one_rank_env):
     unit = "each GPT2Block, then the root"
-    assert _engine("fsdp_full", env) == {"name": "fsdp2", "wrap_unit": unit, "units": 3,  # 2 blocks + root
+    assert _engine("fsdp_full", one_rank_env) == {"name": "fsdp2", "wrap_unit": unit, "units": 3,  # 2 blocks + root
                                          "prefetch": "implicit (the next unit)"}
-    assert _engine("fsdp_full", env, prefetch=2)["prefetch"] == 2
-    assert _engine("fsdp1_full", env) == {"name": "fsdp1", "wrap_unit": unit, "units": 3,
+    assert _engine("fsdp_full", one_rank_env, prefetch=2)["prefetch"] == 2
+    assert _engine("fsdp1_full", one_rank_env) == {"name": "fsdp1", "wrap_unit": unit, "units": 3,
                                           "backward_prefetch": "BACKWARD_PRE", "forward_prefetch": False,
                                           "limit_all_gathers": True}
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp_full"])
-def test_fp32_blocks_compute_in_fp32_under_bf16(env, strategy):
+def test_fp32_blocks_compute_in_fp32_under_bf16(one_rank_env, strategy):
     """The listed block computes in fp32 and the others in bf16, by autocast switched off in
     it (single) or by FSDP2's per-module policy, whose report names it; its output goes on to
     the next block in that block's precision."""
     cell = CellSpec(model="llama-tiny", world_size=1, micro_batch=2,
                     strategy=StrategySpec(name=strategy, precision="bf16", fp32_blocks="0"))
-    session = training.prepare_cell(cell, env)
+    session = training.prepare_cell(cell, one_rank_env)
     blocks = [m for m in session.built.module.modules() if isinstance(m, session.built.block_type)]
     seen: dict[int, torch.dtype] = {}
 
@@ -79,10 +67,10 @@ def test_fp32_blocks_compute_in_fp32_under_bf16(env, strategy):
         assert session.prep.engine_report()["fp32_blocks"] == [0]
 
 
-def test_fsdp2_offloads_the_listed_blocks_only(env):
+def test_fsdp2_offloads_the_listed_blocks_only(one_rank_env):
     cell = CellSpec(model="gpt2-tiny", world_size=1, strategy=StrategySpec(name="fsdp_full", offload_blocks="1"))
     built = models.build(cell.model_spec, seed=0)
-    prep = strategies.get("fsdp_full").prepare(built.module, built.block_type, cell, env)
+    prep = strategies.get("fsdp_full").prepare(built.module, built.block_type, cell, one_rank_env)
     assert prep.engine_report()["offloaded_blocks"] == [1]
     policies = [type(block._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
                 for block in built.module.modules() if isinstance(block, built.block_type)]

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import calibration, models
 from harness.config import CellSpec, StrategySpec
@@ -130,7 +129,7 @@ def test_a_library_optimizer_update_is_counted_by_calls_and_elements_and_priced_
                                                                                  "element_s": 0.0}
 
 
-def test_a_library_optimizer_that_cannot_be_timed_is_recorded_with_why(monkeypatch):
+def test_a_library_optimizer_that_cannot_be_timed_is_recorded_with_why(monkeypatch, one_rank_env):
     """No bitsandbytes (the GPU image's torch alone): the calibration says so per optimizer
     and prices their ops by their bytes; every rank agrees on it before any timing."""
     from harness.features import optimizers
@@ -139,11 +138,7 @@ def test_a_library_optimizer_that_cannot_be_timed_is_recorded_with_why(monkeypat
         raise ImportError("No module named 'bitsandbytes'")
 
     monkeypatch.setattr(optimizers, "make", make)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        costs, unavailable = compute_rate._optimizer_op_costs({}, torch.device("cpu"), env=None, alone=True)
-    finally:
-        dist.destroy_process_group()
+    costs, unavailable = compute_rate._optimizer_op_costs({}, torch.device("cpu"), env=None, alone=True)
     assert costs == {}
     assert unavailable == dict.fromkeys(sorted(optimizers.BITSANDBYTES - {"paged_adamw8bit"}),
                                         "ImportError: No module named 'bitsandbytes'")

@@ -42,7 +42,7 @@ def flops_per_sample(spec: ModelSpec) -> float:
     the router (h x n_experts) and top_k of the n_experts experts per layer, so
     N = total - lookups - n_layers * (n_experts - top_k) * 3*h*ffn (Mixtral-8x7B: 12.9B of
     46.7B); a config's mixture of experts the same, counted on its built model (a shared
-    expert and a dense block whole: hf_config.count_module). It is what the hardware computes
+    expert and a dense block whole: common.count_module). It is what the hardware computes
     when every token goes to exactly top_k experts, as in Mixtral (no capacity limit, no
     dropped tokens); the routing itself (softmax, top-k, gather/scatter of tokens) is not a
     matmul and is left out.

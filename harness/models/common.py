@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -45,6 +46,47 @@ class ParamCount(NamedTuple):
         router and the top_k experts a token is routed to, not the others.
         """
         return self.total - self.embedding + self.tied_head - self.inactive
+
+
+@functools.cache
+def counted_on_meta(build_module: Callable[[ModelSpec], nn.Module], spec: ModelSpec) -> ParamCount:
+    """``spec``'s parameters counted on the module ``build_module`` builds on the meta device
+    (no memory, milliseconds even for billions): what the families without a formula of
+    their own (a transformers config, a factory) count."""
+    with on_meta():
+        module = build_module(spec)
+    return count_module(module)
+
+
+def count_module(module: nn.Module) -> ParamCount:
+    params = list(module.parameters())  # a tied weight once
+    tables = [m.weight for m in module.modules() if isinstance(m, nn.Embedding)]
+    head = getattr(module, "get_output_embeddings", lambda: None)()
+    tied = head is not None and any(head.weight is t for t in tables)
+    return ParamCount(total=sum(p.numel() for p in params), embedding=sum(t.numel() for t in tables),
+                      tied_head=head.weight.numel() if head is not None and tied else 0,
+                      inactive=_inactive_experts(module))
+
+
+def _inactive_experts(module: nn.Module) -> int:
+    """The routed experts' parameters a token does not pass through: of each module named
+    ``experts`` (transformers' experts of Mixtral, Qwen-MoE, OLMoE, DeepSeek, GLM-4.5, gpt-oss,
+    their weights stacked over ``num_experts``; or an nn.ModuleList of one module an expert),
+    all but the share ``num_experts_per_tok / num_experts`` of the model's config. A shared
+    expert and a dense block are not named so and count whole. 0 where the model has no
+    config saying how many experts a token goes to (a factory's own module)."""
+    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    if not isinstance(top_k, int):
+        return 0
+    inactive = 0
+    for name, experts in module.named_modules():
+        if name.rpartition(".")[2] != "experts":
+            continue
+        n_experts = len(experts) if isinstance(experts, nn.ModuleList) else experts.num_experts
+        numel = sum(p.numel() for p in experts.parameters())
+        inactive += numel * (n_experts - top_k) // n_experts
+    return inactive
+
 
 
 # CellSpec.attention -> transformers' attn_implementation.

@@ -11,15 +11,13 @@ rank (on the PYTHONPATH the launcher hands to torchrun).
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .common import ParamCount, on_meta
-from .hf_config import count_module
+from .common import ParamCount, counted_on_meta
 from .spec import ModelSpec
 
 MakeBatch = Callable[[torch.Generator, int], dict[str, torch.Tensor]]
@@ -67,14 +65,7 @@ def loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def count_params(spec: ModelSpec) -> ParamCount:
-    return _count_on_meta(spec)
-
-
-@functools.cache
-def _count_on_meta(spec: ModelSpec) -> ParamCount:
-    with on_meta():
-        module = build_module(spec)
-    return count_module(module)
+    return counted_on_meta(build_module, spec)
 
 
 # The make_batch each factory returned in this process (a module cannot be rebuilt just to get it).

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from . import bert
-from .common import ParamCount, causal_lm_batch, hf_attention, hf_loss, on_meta
+from .common import ParamCount, causal_lm_batch, counted_on_meta, hf_attention, hf_loss
 from .spec import ModelSpec, TransformersConfig
 
 _AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "masked_lm": AutoModelForMaskedLM,
@@ -74,44 +74,7 @@ def make_batch(spec: ModelSpec, generator: torch.Generator, batch_size: int) -> 
 def count_params(spec: ModelSpec) -> ParamCount:
     """Counted on a build on the meta device (no memory): the lookup tables are the model's
     nn.Embedding weights, a LM head tied to one of them is credited with its matmul."""
-    return _count_on_meta(spec)
-
-
-@functools.cache
-def _count_on_meta(spec: ModelSpec) -> ParamCount:
-    with on_meta():
-        module = build_module(spec)
-    return count_module(module)
-
-
-def count_module(module: nn.Module) -> ParamCount:
-    params = list(module.parameters())  # a tied weight once
-    tables = [m.weight for m in module.modules() if isinstance(m, nn.Embedding)]
-    head = getattr(module, "get_output_embeddings", lambda: None)()
-    tied = head is not None and any(head.weight is t for t in tables)
-    return ParamCount(total=sum(p.numel() for p in params), embedding=sum(t.numel() for t in tables),
-                      tied_head=head.weight.numel() if head is not None and tied else 0,
-                      inactive=_inactive_experts(module))
-
-
-def _inactive_experts(module: nn.Module) -> int:
-    """The routed experts' parameters a token does not pass through: of each module named
-    ``experts`` (transformers' experts of Mixtral, Qwen-MoE, OLMoE, DeepSeek, GLM-4.5, gpt-oss,
-    their weights stacked over ``num_experts``; or an nn.ModuleList of one module an expert),
-    all but the share ``num_experts_per_tok / num_experts`` of the model's config. A shared
-    expert and a dense block are not named so and count whole. 0 where the model has no
-    config saying how many experts a token goes to (a factory's own module)."""
-    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
-    if not isinstance(top_k, int):
-        return 0
-    inactive = 0
-    for name, experts in module.named_modules():
-        if name.rpartition(".")[2] != "experts":
-            continue
-        n_experts = len(experts) if isinstance(experts, nn.ModuleList) else experts.num_experts
-        numel = sum(p.numel() for p in experts.parameters())
-        inactive += numel * (n_experts - top_k) // n_experts
-    return inactive
+    return counted_on_meta(build_module, spec)
 
 
 def _hf(spec: ModelSpec) -> TransformersConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -95,6 +95,19 @@ _HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 
 def hf_attention(attention: str) -> str:
     return _HF_ATTENTION[attention]
+
+
+def llama_style_config(spec: ModelSpec, attention: str) -> dict[str, Any]:
+    """The keyword arguments a transformers config of a LLaMA-style decoder (Llama's, and
+    Mixtral's around its experts) takes from ``spec``."""
+    return dict(
+        vocab_size=spec.required("vocab_size"), hidden_size=spec.hidden, intermediate_size=spec.ffn,
+        num_hidden_layers=spec.n_layers, num_attention_heads=spec.required("n_heads"),
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.required("seq_len"),
+        use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
+        bos_token_id=None, eos_token_id=None,  # the defaults lie outside tiny vocabularies
+        attn_implementation=hf_attention(attention),
+    )
 
 
 def linear(n_in: int, n_out: int, bias: bool = True) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_attention, hf_loss, linear
+from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_loss, linear, llama_style_config
 from .spec import ModelSpec
 
 make_batch = causal_lm_batch
@@ -13,16 +13,7 @@ loss = hf_loss
 
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
-    # attn_implementation goes through the config's **kwargs, which its dataclass signature does not declare.
-    config = LlamaConfig(  # type: ignore[call-arg]
-        vocab_size=spec.required("vocab_size"), hidden_size=spec.hidden, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.n_layers, num_attention_heads=spec.required("n_heads"),
-        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.required("seq_len"),
-        tie_word_embeddings=spec.tie_embeddings,
-        use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
-        bos_token_id=None, eos_token_id=None,  # the defaults lie outside tiny vocabularies
-        attn_implementation=hf_attention(attention),
-    )
+    config = LlamaConfig(**llama_style_config(spec, attention), tie_word_embeddings=spec.tie_embeddings)
     return LlamaForCausalLM(config)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_attention, hf_loss, linear
+from .common import ParamCount, causal_lm_batch, grouped_query_attention_params, hf_loss, linear, llama_style_config
 from .spec import ModelSpec
 
 make_batch = causal_lm_batch
@@ -15,12 +15,10 @@ loss = hf_loss
 
 
 def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
-    # attn_implementation and experts_implementation go through the config's **kwargs, which its dataclass
-    # signature does not declare.
+    # experts_implementation goes through the config's **kwargs, which its dataclass signature
+    # does not declare.
     config = MixtralConfig(  # type: ignore[call-arg]
-        vocab_size=spec.required("vocab_size"), hidden_size=spec.hidden, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.n_layers, num_attention_heads=spec.required("n_heads"),
-        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.required("seq_len"),
+        **llama_style_config(spec, attention),
         num_local_experts=spec.required("n_experts"), num_experts_per_tok=spec.required("top_k"),
         # The loss is the plain LM loss, without the load-balancing auxiliary loss unless a
         # cell asks for it (with_router_aux_loss, below; not gated where ranks split the batch): that loss
@@ -33,9 +31,6 @@ def build_module(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:
         # HF's default, named so that a change of default cannot change the benchmark:
         # all experts' 3-D weights in one grouped matmul rather than a loop over experts.
         experts_implementation="grouped_mm",
-        use_cache=False,  # a KV cache is for generation and clashes with activation checkpointing
-        bos_token_id=None, eos_token_id=None,  # the defaults lie outside tiny vocabularies
-        attn_implementation=hf_attention(attention),
     )
     return MixtralForCausalLM(config)
 

@@ -89,6 +89,19 @@ def test_the_cpus_flash_attention_is_counted_as_attention_by_sdpas_formulas():
     assert work["matmul_flops"] == heads * 14 * per_head and work["matmul_flops_by_size"] == []
 
 
+def test_views_and_allocations_move_no_bytes_but_count_as_ops():
+    """A batched matmul's output reshape (``_unsafe_view``) and an uninitialised allocation
+    dispatch, but read and write nothing."""
+    a, b = torch.randn(2, 8, 16), torch.randn(16, 4)
+    with dispatched_work.Counting() as counter:
+        torch.empty(1000)
+        a.transpose(0, 1)
+        a @ b  # a view to 2-D, an mm, then _unsafe_view back to 3-D
+    work = counter.work.to_dict()
+    assert work["memory_bytes"] == [] and work["matmul_flops"] == 2 * 16 * 16 * 4
+    assert work["ops"] == 5
+
+
 def test_a_topk_selection_is_counted_by_its_elements_and_priced_at_its_own_rate():
     """Gradient sparsification's top-k: a partial sort, no elementwise op's bytes."""
     gradient = torch.randn(5000)

@@ -32,7 +32,9 @@ collectives. Per op the counter adds:
 - otherwise the bytes of its tensor inputs and outputs to ``memory_bytes``, by the op's
   size rounded up to a power of two (an elementwise op reads and writes memory at the
   bandwidth of the level of cache or memory its tensors fit in, so each size is priced at the
-  rate measured for it), except for views, which move nothing;
+  rate measured for it), except for views and the ops that only allocate or relabel
+  (``MOVES_NOTHING``: ``_unsafe_view``, the reshape of every batched matmul's output, was a
+  tenth of a llama-tiny step's counted bytes), which move nothing;
 - a collective (measure/comm.py's kinds and byte convention) to ``collectives``: per kind,
   how many calls of each size, so each call can be priced at the bandwidth the run's own
   sweep measured for that collective and size.
@@ -60,6 +62,13 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from harness.features import optimizers
 from harness.measure import comm
+
+
+# Not views by their schemas, but they write no element: an allocation whose contents are
+# undefined, and ``_unsafe_view``, a view autograd does not track as one.
+MOVES_NOTHING = frozenset({torch.ops.aten._unsafe_view, torch.ops.aten.empty, torch.ops.aten.empty_like,
+                           torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
+                           torch.ops.aten.new_empty_strided})
 
 
 def dispatches_a_kernel(func: torch._ops.OpOverload) -> bool:
@@ -159,7 +168,7 @@ class DispatchedWork:
                 self.family_flops_by_size[name][_direction(func)][_power_of_two_above(flops / units)] += int(flops)
             elif flops:
                 self.matmul_flops_by_size[_power_of_two_above(flops)] += int(flops)
-        elif not func.is_view:
+        elif not func.is_view and func.overloadpacket not in MOVES_NOTHING:
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             nbytes = sum(t.nbytes for t in tensors)
             if nbytes:

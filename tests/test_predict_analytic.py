@@ -940,7 +940,7 @@ def test_interleaved_order_is_megatrons_on_the_first_rank():
     order = [(a.stage, a.direction == "forward") for a in pipeline_schedule.interleaved_1f1b_order(0, 4, 8, 2)]
     assert {stage for stage, _ in order} == {0, 4}
     assert sum(forward for _, forward in order) == 2 * 8  # every micro-batch through both chunks
-    assert formulas.pipeline_peak_in_flight(order, {0: 1, 4: 1}) == 11
+    assert formulas.pipeline_peak(order, {0: 1, 4: 1}).activations == 11
     assert formulas.pipeline_first_stage_layer_activations("interleaved_1f1b", 8, 4, 8, 2) == 11
 
 
@@ -953,7 +953,40 @@ def test_interleaved_order_is_megatrons_on_the_first_rank():
     (1, {1: 1, 3: 0}, 3), (1, {1: 2, 3: 3}, 7),
 ])
 def test_interleaved_in_flight_by_hand(rank, stage_bytes, peak):
-    assert analytic_parallel.pipeline_rank_activations("interleaved_1f1b", rank, 2, 4, stage_bytes) == peak
+    assert analytic_parallel.pipeline_rank_peak("interleaved_1f1b", rank, 2, 4, stage_bytes).activations == peak
+
+
+@pytest.mark.parametrize("schedule, grads, peak", [
+    # GPipe on the last of 2 ranks, 4 micro-batches of 10 bytes, a loss of 3: F0-F3 then B0-B3.
+    # B0 starts with all 4 in flight and the loss, before any gradient exists; B1 with 3 and
+    # the gradients, once those outweigh a micro-batch.
+    ("gpipe", 5, formulas.PipelinePeak(40, 3, False)),
+    ("gpipe", 15, formulas.PipelinePeak(30, 3, True)),
+    # 1F1B: one micro-batch in flight on the last rank (F0 B0 F1 B1 ...); from B0 on, with the
+    # gradients. F1 (10 + grads) and B1's start (10 + loss + grads): the latter.
+    ("1f1b", 5, formulas.PipelinePeak(10, 3, True)),
+])
+def test_a_pipelines_peak_moment_holds_the_loss_and_gradients_only_once_they_exist(schedule, grads, peak):
+    assert analytic_parallel.pipeline_rank_peak(schedule, 1, 2, 4, {1: 10}, grads=grads, loss_stage=1,
+                                                loss=3) == peak
+    # The first rank runs no loss.
+    assert analytic_parallel.pipeline_rank_peak(schedule, 0, 2, 4, {0: 10}, grads=grads, loss_stage=1,
+                                                loss=3).loss == 0
+
+
+def test_a_pipelines_last_stage_keeps_its_output_logits_and_peaks_at_a_backward_with_the_loss():
+    """GPipe's last rank (llama-tiny, fp32, 4 micro-batches of 2 × 32 tokens): every micro-batch
+    in flight, each with its block, what its loss keeps and its output logits (fp32 2·32·512),
+    the loss's two gradients of them, and no gradients yet (traced: 4,305,808 B)."""
+    cell = CellSpec(model="llama-tiny", world_size=2, micro_batch=2,
+                    strategy=StrategySpec(name="pp_gpipe", pp_microbatches=4))
+    acts = activation_bytes(cell, cell.model_spec)
+    logits = 4 * 2 * 32 * 512
+    p = analytic.predict(cell, device_type="cpu")
+    assert p["peak_breakdown_bytes"]["grads"] == 0
+    assert p["peak_breakdown_bytes"]["activations"] == 4 * (acts["per_layer"] + acts["logits"] + logits)
+    assert p["peak_breakdown_bytes"]["other"] == 4 * 2 * 32 * 64 * 4 + 2 * logits  # receive buffers, the loss's
+    assert p["peak_bytes"] / 4_305_808 == pytest.approx(1, abs=0.02)
 
 
 def test_interleaved_cell_by_hand():
@@ -966,8 +999,14 @@ def test_interleaved_cell_by_hand():
                                        "buffers": 3 * 4 * 2 * 32 * 64 * 4}
     # Stage 1 receives inputs and output gradients, stage 3 inputs: 3 transfers of 4 micro-batches.
     assert p["comm_bytes_by_op"] == {"send": 3 * 4 * 2 * 32 * 64 * 4, "recv": 3 * 4 * 2 * 32 * 64 * 4}
-    per_layer = activation_bytes(cell, models.get_preset("llama-tiny"))["per_layer"]
-    assert p["activation_bytes"]["layers"] == 3 * per_layer  # 3 micro-batches on stage 1 (see above)
+    acts = activation_bytes(cell, models.get_preset("llama-tiny"))
+    # Rank 1 runs 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 ... (above): its highest moment is 3B1
+    # starting, two micro-batches on stage 1 and one on stage 3 (what its loss keeps and its
+    # fp32 output logits) with the loss's gradients and the rank's own, above 1F2's three on
+    # stage 1.
+    logits = 4 * 2 * 32 * 512
+    assert p["activation_bytes"]["layers"] == 2 * acts["per_layer"] + acts["logits"] + logits
+    assert p["transient_bytes"]["loss"] == 2 * logits and p["peak_breakdown_bytes"]["grads"] == 4 * n
     assert p["bubble_fraction"] == pytest.approx(1 / 9)  # (p−1)/(v·m + p−1)
 
 

@@ -106,6 +106,9 @@ def test_the_ranks_traced_follow_the_engines_partition():
     assert traced.traced_ranks(_cell("fairscale_oss", 8)) == [0]
     assert traced.traced_ranks(_cell("fairscale_oss", 2)) == [0, 1]
     assert traced.traced_ranks(_cell("pp_gpipe", 2, model="llama-tiny")) == [0, 1]
+    # llama-tiny's 2 blocks over 4 stages: [0, 1, 1, 0]. Under 1F1B rank 1's block holds 3
+    # micro-batches in flight, twice what rank 0's embedding and rank 3's head hold.
+    assert traced.traced_ranks(_cell("pp_1f1b", 4, model="llama-tiny", pp_microbatches=8)) == [0, 1, 3]
 
 
 @pytest.mark.parametrize("cell, reason", [

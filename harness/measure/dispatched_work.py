@@ -63,7 +63,6 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from harness.features import optimizers
 from harness.measure import comm
 
-
 # Not views by their schemas, but they write no element: an allocation whose contents are
 # undefined, and ``_unsafe_view``, a view autograd does not track as one.
 MOVES_NOTHING = frozenset({torch.ops.aten._unsafe_view, torch.ops.aten.empty, torch.ops.aten.empty_like,

@@ -129,7 +129,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
     if why:
         return {"unavailable": why}
     layout = models.param_layout(spec)
-    extra = {}
+    extra, schedule_moment = {}, None
     if strategies.get(cell.strategy.name).engine_model.analytic == "data_parallel":
         states = model_states_at_step(cell, layout, nodes)
         acts = activation_bytes(cell, spec, device_type)
@@ -139,6 +139,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
         parts = model_parallel_parts(cell, spec, layout)
         keys = ("states", "activations", "comm", "transient", "extra")
         states, acts, comm, transient, extra = (parts[k] for k in keys)
+        schedule_moment = parts.get("schedule_moment")
     offloaded = offloaded_bytes(cell, states, layout)
     if cell.strategy.checkpointing == "offload":  # what the blocks save goes to host memory
         offloaded["activations"] = acts["layers"]
@@ -146,7 +147,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
     step_temporaries = optimizer_step_bytes(cell, layout, device_type) if not offloaded["optimizer"] else 0.0
     # On a CPU the host is the device: what offload moves stays in the memory the trackers count.
     peak = peak_breakdown(cell, layout, states, offloaded if device_type != "cpu" else {}, acts, transient,
-                          step_temporaries)
+                          step_temporaries, schedule_moment)
     return {
         "model_states_bytes": states,
         "model_state_bytes": model_state_bytes,
@@ -166,7 +167,7 @@ def predict(cell: CellSpec, spec: ModelSpec | None = None, nodes: int = 1, devic
 
 def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str, float],
                    offloaded: dict[str, float], acts: dict[str, float], transient: dict[str, float],
-                   step_temporaries: float) -> dict[str, float]:
+                   step_temporaries: float, schedule_moment: dict[str, float] | None = None) -> dict[str, float]:
     """The peak per rank in the measured categories (harness/measure/memory.py
     BREAKDOWN_KEYS): the largest of the step's high points.
 
@@ -181,6 +182,9 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
       head's backward is done), plus what the block recomputes and the blocks prefetched
       beside it; where attention makes its scores, further into it, its softmax's backward:
       the loss's gradients gone, the scores' gradients held (``transient["score_grads"]``).
+    - A pipeline's rank: in place of those two, its schedule's highest moment
+      (``schedule_moment``, analytic_parallel.pipeline_rank_peak), played out micro-batch by
+      micro-batch.
     - The optimizer step: the states and every gradient, no activations, and the
       optimizer's own temporaries; where the engine frees the 16-bit gradients before it
       (DeepSpeed ZeRO-1/2 under bf16 or fp16), without them, and the end of backward with
@@ -248,7 +252,9 @@ def peak_breakdown(cell: CellSpec, layout: models.ParamLayout, states: dict[str,
     freed = engine.frees_16bit_grads_before_step and cell.strategy.precision != "fp32"
     step = {**on_device, "grads": 0.0 if freed else on_device["grads"],
             "optimizer": on_device["optimizer"] + step_temporaries, "activations": 0.0, "other": buffers}
-    moments = [backward, recomputing, step]
+    # A pipeline's schedule, played out, gives its own highest moment in backward (the
+    # micro-batches in flight, the loss's gradients, a recompute; analytic_parallel).
+    moments = [backward, recomputing, step] if schedule_moment is None else [schedule_moment, step]
     if transient.get("head_grad"):
         # The head's backward, next: the logits and the loss's gradients gone with the loss's
         # backward but the logits' own, the head's weight gradient made beside every other

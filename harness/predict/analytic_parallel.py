@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness import models, strategies
 from harness.config import CellSpec
@@ -28,6 +28,7 @@ from harness.predict.analytic_data_parallel import (
     vocabulary_slices,
 )
 from harness.predict.formulas import (
+    PipelinePeak,
     context_parallel_kv_bytes,
     expert_parallel_all_to_all_bytes,
     expert_parallel_local_params,
@@ -37,7 +38,7 @@ from harness.predict.formulas import (
     megatron_tp_all_reduce_bytes,
     pipeline_bubble_fraction,
     pipeline_p2p_bytes,
-    pipeline_peak_in_flight,
+    pipeline_peak,
     tp_model_states,
 )
 from harness.strategies import pipeline  # its stage split; the schedules come from torch
@@ -60,6 +61,11 @@ def _low_precision_copies(cell: CellSpec, local_params: float) -> float:
 
 
 def _rank_peak(rank: dict) -> float:
+    """A rank's highest: its schedule's highest ``moment`` where its schedule is played out
+    (a pipeline's ranks), or its states beside them, else its states, activations and
+    transients at once."""
+    if "moment" in rank:
+        return max(sum(rank["moment"].values()), sum(rank["states"].values()))
     return sum(rank["states"].values()) + rank["activations"] + sum(rank["transient"].values())
 
 
@@ -268,21 +274,18 @@ def pipeline_stage_params(block: float, layers: int, stages: int, *, first: floa
     return params
 
 
-def pipeline_rank_activations(schedule: str, rank: int, ranks: int, microbatches: int,
-                              bytes_per_microbatch: dict[int, float]) -> float:
-    """Activation bytes ``rank`` holds at its peak, from each of its stages' bytes for one
-    micro-batch: GPipe every micro-batch (Huang et al. 2019); 1F1B p − rank of them
-    (Narayanan et al. 2021 §2.2.1); interleaved 1F1B as torch's schedule orders them
-    (predict/pipeline_schedule.py; ``pipeline_first_stage_layer_activations`` is Megatron's
-    closed form for rank 0)."""
-    if schedule == "gpipe":
-        return microbatches * sum(bytes_per_microbatch.values())
-    if schedule == "1f1b":
-        (stage_bytes,) = bytes_per_microbatch.values()
-        return min(ranks - rank, microbatches) * stage_bytes
-    virtual_stages = len(bytes_per_microbatch)
-    order = pipeline_schedule.interleaved_1f1b_order(rank, ranks, microbatches, virtual_stages)
-    return pipeline_peak_in_flight([(a.stage, a.direction == "forward") for a in order], bytes_per_microbatch)
+def pipeline_rank_peak(schedule: str, rank: int, ranks: int, microbatches: int,
+                       bytes_per_microbatch: dict[int, float], **held: Any) -> PipelinePeak:
+    """``rank``'s highest moment (formulas.pipeline_peak) along its schedule's order
+    (predict/pipeline_schedule.py, torch's orders), from each of its stages' bytes for one
+    micro-batch: GPipe holds every micro-batch (Huang et al. 2019) before its first backward;
+    1F1B p − rank of them (Narayanan et al. 2021 §2.2.1), again once its gradients exist;
+    interleaved 1F1B as torch's schedule orders them (``pipeline_first_stage_layer_activations``
+    is Megatron's closed form for rank 0). ``held``: what else formulas.pipeline_peak weighs
+    (the rank's gradients, the loss's, the head's activations, a recompute)."""
+    virtual_stages = max(1, len(bytes_per_microbatch)) if schedule == "interleaved_1f1b" else 1
+    order = pipeline_schedule.rank_order(schedule, rank, ranks, microbatches, virtual_stages)
+    return pipeline_peak([(a.stage, a.direction == "forward") for a in order], bytes_per_microbatch, **held)
 
 
 def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
@@ -291,9 +294,15 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
     A rank holds v stages (stage i on rank i mod p: v = 1, or 2 for the interleaved
     schedule, harness/strategies/pipeline.py). The embeddings sit on the first stage, the
     final norm and a V×h LM head on the last (a tied head is a copy there: the last stage
-    computes the logits); the last stage also keeps its micro-batches' logits. In flight at a
-    rank's peak: ``pipeline_rank_activations``. Every boundary carries each micro-batch's
-    b·s·h hidden states forward and their gradient back (``pipeline_p2p_bytes``); torch's
+    computes the logits); the last stage also keeps, for each micro-batch in flight, what
+    its loss keeps (the activations' ``logits``) and its output, the logits in the compute
+    dtype, which torch's PipelineStage holds for the backward (llama-tiny's last stage, 4
+    micro-batches in flight: 131,072 B each in fp32, traced). The rank's highest moment is
+    ``pipeline_rank_peak``'s (its ``moment``, in the measured categories): at a backward of
+    the last stage starting, beside the loss's gradients (``loss_bytes``), or recomputing a
+    checkpointed block once the head's backward is done; its gradients only from its first
+    backward on. Every boundary
+    carries each micro-batch's b·s·h hidden states forward and their gradient back (``pipeline_p2p_bytes``); torch's
     PipelineStage keeps one receive buffer per micro-batch for each (a non-first stage's
     inputs, a non-last stage's output gradients) from step to step: the ``buffers``, as
     many bytes as the rank receives. A tied table's two copies (first and last stage) send
@@ -309,8 +318,12 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
     last = layout.root_numel - first + (vocab * spec.hidden if tied else 0)
     params = pipeline_stage_params(layout.block_numel, spec.n_layers, n_stages, first=first, last=last)
     acts = activation_bytes(cell, spec)
-    per_microbatch = [layers * acts["per_layer"] for layers in pipeline_stage_layers(spec.n_layers, n_stages)]
-    per_microbatch[-1] += acts["logits"]
+    layers_of = pipeline_stage_layers(spec.n_layers, n_stages)
+    per_microbatch = [layers * acts["per_layer"] for layers in layers_of]
+    output = PRECISION_BYTES[s.precision] * cell.micro_batch * spec.tokens_per_sample * vocab
+    head = acts["logits"] + output
+    per_microbatch[-1] += head
+    recomputed = recompute_bytes(cell, spec)
     ranks = []
     for rank in range(p):
         mine = range(rank, n_stages, p)
@@ -319,12 +332,19 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
                                       neighbours=sum((i > 0) + (i < n_stages - 1) for i in mine),
                                       value_bytes=_BOUNDARY_BYTES)
         swapped = 4.0 * vocab * spec.hidden if tied and rank in (0, p - 1) else 0.0
+        peak = pipeline_rank_peak(schedule, rank, p, m, {i: per_microbatch[i] for i in mine},
+                                  grads=4.0 * n_params, loss_stage=n_stages - 1, loss=loss_bytes(cell, spec),
+                                  head=head, recompute={i: recomputed for i in mine if layers_of[i]})
+        autocast_copies = _low_precision_copies(cell, n_params)
         ranks.append({
             "states": {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params,
                        "buffers": received},
-            "activations": pipeline_rank_activations(schedule, rank, p, m, {i: per_microbatch[i] for i in mine}),
-            "transient": {"gathered": 0.0, "autocast_copies": _low_precision_copies(cell, n_params),
-                          "recompute": recompute_bytes(cell, spec)},
+            "activations": peak.activations,
+            "transient": {"gathered": 0.0, "autocast_copies": autocast_copies, "recompute": recomputed,
+                          "loss": peak.loss},
+            "moment": {"params": 4.0 * n_params, "grads": 4.0 * n_params if peak.grads else 0.0,
+                       "optimizer": 8.0 * n_params, "activations": peak.activations + autocast_copies,
+                       "other": received + peak.loss},
             "comm": {"send": received + swapped, "recv": received + swapped}})
     return ranks
 
@@ -339,7 +359,7 @@ def _pipeline_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dic
             # The last stage's logits are inside its held total.
             "activations": {"per_layer": activation_bytes(cell, spec)["per_layer"], "layers": peak["activations"],
                             "logits": 0.0},
-            "transient": peak["transient"], "comm": peak["comm"],
+            "transient": peak["transient"], "comm": peak["comm"], "schedule_moment": peak["moment"],
             "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.layout("pp_microbatches"),
                                                                   virtual_stages),
                       "per_rank_peak_bytes": [_rank_peak(r) for r in ranks]}}
@@ -379,7 +399,7 @@ def _megatron_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> li
 
     With pp > 1 a step is Megatron's 1F1B (forward_backward_pipelining_without_interleaving)
     over pp_microbatches micro-batches: stage i holds min(pp − i, m) of them
-    (``pipeline_rank_activations``), sends and receives each one's fp32 b·s·h hidden states
+    (``pipeline_rank_peak``), sends and receives each one's fp32 b·s·h hidden states
     (pipeline_dtype) and their gradients over its boundaries, and a tied table's first- and
     last-stage copies all-reduce their fp32 gradients once a step (finalize_model_grads)."""
     s = cell.strategy
@@ -407,7 +427,7 @@ def _megatron_stages(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> li
         stages.append({
             "states": {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
                        "buffers": 0.0},
-            "activations": pipeline_rank_activations("1f1b", i, pp, forwards, {i: per_microbatch}),
+            "activations": pipeline_rank_peak("1f1b", i, pp, forwards, {i: per_microbatch}).activations,
             "transient": {"gathered": 0.0, "autocast_copies": 0.0, "recompute": recompute_bytes(cell, spec)},
             "comm": comm})
     return stages

@@ -42,15 +42,16 @@ class Action(NamedTuple):
 
 def rank_orders(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
     """Each rank's actions in the order its schedule runs them (module docstring)."""
+    return [rank_order(schedule, rank, ranks, microbatches, virtual_stages) for rank in range(ranks)]
+
+
+def rank_order(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
+    """Rank ``rank`` of ``p``'s actions in one step, in order (module docstring)."""
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
-    if (schedule == "interleaved_1f1b") != (virtual_stages > 1):
-        raise ValueError(f"schedule={schedule!r} with virtual_stages={virtual_stages}: only the interleaved"
+    if (schedule == "interleaved_1f1b") != (v > 1):
+        raise ValueError(f"schedule={schedule!r} with virtual_stages={v}: only the interleaved"
                          " schedule runs more than one stage a rank")
-    return [_order(schedule, rank, ranks, microbatches, virtual_stages) for rank in range(ranks)]
-
-
-def _order(schedule: str, rank: int, p: int, m: int, v: int) -> list[Action]:
     if schedule == "gpipe":
         return ([Action("forward", rank, k) for k in range(m)]
                 + [Action("backward", rank, k) for k in range(m)])

@@ -70,7 +70,8 @@ real peers:
   run's does (no stage is given its shapes).
 
 Known differences from the measurement (default suite, CPU, 2 ranks):
-- Two ranks at most (``traced_ranks``). A pipeline's first and last: llama-tiny on 2 ranks,
+- Two ranks at most (``traced_ranks``), three in a pipeline. A pipeline's first and last (and
+  a middle rank whose stage its schedule makes heaviest): llama-tiny on 2 ranks,
   GPipe's rank 1 (1.40× rank 0's: the last stage keeps every micro-batch's logits) and
   1F1B's to the byte, interleaved 1F1B 0.964 (its rank 1 holds stages 1 and 3, traced from
   rank 0's forward metadata). DeepSpeed ZeRO-2's last rank (gpt2-tiny fp32: 9.9 % above
@@ -152,7 +153,7 @@ from harness.config import CellSpec
 from harness.distributed import DistEnv
 from harness.measure import memory
 from harness.measure.dispatched_work import DispatchedWork
-from harness.predict import analytic_data_parallel
+from harness.predict import analytic, analytic_data_parallel
 from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
 
 # A trace subprocess that traces no cell for this long is killed (a cell traces in well under a
@@ -614,16 +615,27 @@ def traced_ranks(cell: CellSpec) -> list[int]:
     """The ranks whose steps are traced, the heaviest's peak being the prediction, as the
     record's is the max over ranks: rank 0, and where another rank can hold more, that one.
     A pipeline's last (it keeps the logits: GPipe's of every micro-batch; the step-time
-    predictor plays the schedule out with the first and last ranks' work, ``last_rank_work``);
-    the last where the engine's last rank is heavier (EngineModel.last_rank_heavier); the
-    fullest of a whole-tensor optimizer partition (analytic_data_parallel.fullest_optimizer_rank).
-    The work is rank 0's."""
+    predictor plays the schedule out with the first and last ranks' work, ``last_rank_work``),
+    traced last, and before it the rank its schedule, played out, says holds most
+    (analytic_parallel.pipeline_rank_peak: a middle stage's blocks where the first holds
+    fewer, llama-tiny's on 4 ranks twice rank 0's); the last where the engine's last rank is
+    heavier (EngineModel.last_rank_heavier); the fullest of a whole-tensor optimizer
+    partition (analytic_data_parallel.fullest_optimizer_rank). The work is rank 0's."""
     last = cell.world_size - 1
-    if cell.strategy.pipelined or strategies.get(cell.strategy.name).engine_model.last_rank_heavier:
+    if cell.strategy.pipelined:
+        return list(dict.fromkeys([0, _heaviest_pipeline_rank(cell), last]))
+    if strategies.get(cell.strategy.name).engine_model.last_rank_heavier:
         other = last
     else:
         other = analytic_data_parallel.fullest_optimizer_rank(cell)
     return list(dict.fromkeys([0, other]))
+
+
+def _heaviest_pipeline_rank(cell: CellSpec) -> int:
+    """The pipeline rank the analytic model's schedule puts highest (rank 0 where the model
+    has no figure for the cell)."""
+    per_rank = analytic.predict(cell, device_type="cpu").get("per_rank_peak_bytes") or [0.0]
+    return max(range(len(per_rank)), key=per_rank.__getitem__)
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,

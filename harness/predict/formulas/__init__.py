@@ -27,10 +27,11 @@ from .optimizers import (
 )
 from .pipeline import (
     PIPELINE_SCHEDULES,
+    PipelinePeak,
     pipeline_bubble_fraction,
     pipeline_first_stage_layer_activations,
     pipeline_p2p_bytes,
-    pipeline_peak_in_flight,
+    pipeline_peak,
 )
 from .tensor_parallel import tp_all_reduce_bytes, tp_model_states
 from .zero import FP32_ADAM, ModelStates, comm_volume, zero_comm_elements, zero_model_states
@@ -40,6 +41,7 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "POWERSGD_MIN_COMPRESSION_RATE",
     "ModelStates",
+    "PipelinePeak",
     "activation_bytes_per_layer",
     "adafactor_state_bytes",
     "adamw_state_bytes",
@@ -58,7 +60,7 @@ __all__ = [
     "pipeline_bubble_fraction",
     "pipeline_first_stage_layer_activations",
     "pipeline_p2p_bytes",
-    "pipeline_peak_in_flight",
+    "pipeline_peak",
     "powersgd_elements",
     "sgd_momentum_state_bytes",
     "tp_all_reduce_bytes",

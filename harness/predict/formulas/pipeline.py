@@ -3,6 +3,8 @@ Huang et al. 2019; 1F1B and interleaved 1F1B, Narayanan et al. 2021)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -50,13 +52,44 @@ def pipeline_p2p_bytes(batch: int, seq: int, hidden: int, microbatches: int, *, 
     return microbatches * batch * seq * hidden * value_bytes * neighbours
 
 
-def pipeline_peak_in_flight(order: list[tuple[int, bool]], bytes_per_microbatch: dict[int, float]) -> float:
-    """The most a rank holds while running ``order``: a forward on a stage keeps that
-    micro-batch's activations (``bytes_per_microbatch[stage]``) until its backward frees them
-    (the micro-batches in flight of Narayanan et al. 2021, §2.2, counted along any order)."""
+class PipelinePeak(NamedTuple):
+    """A rank's highest moment along its schedule (``pipeline_peak``)."""
+
+    activations: float  # the micro-batches in flight (each stage's bytes for one), or a recompute beside them
+    loss: float  # the loss's gradients, where the moment is a backward of the last stage starting
+    grads: bool  # whether the rank's gradients exist then: from its first backward on
+
+
+def pipeline_peak(order: list[tuple[int, bool]], bytes_per_microbatch: dict[int, float], *, grads: float = 0.0,
+                  loss_stage: int | None = None, loss: float = 0.0, head: float = 0.0,
+                  recompute: dict[int, float] | None = None) -> PipelinePeak:
+    """The moment a rank holds most while running ``order`` ((stage, forward) actions): a
+    forward on a stage keeps that micro-batch's activations (``bytes_per_microbatch[stage]``)
+    until its backward frees them (the micro-batches in flight of Narayanan et al. 2021, §2.2,
+    counted along any order); the rank's gradients (``grads`` bytes) exist from its first
+    backward on, since zero_grad leaves none between steps (so GPipe's peak, every
+    micro-batch in flight, comes before any). A backward of ``loss_stage`` starts by holding
+    the loss's gradients (``loss``) beside its micro-batch's activations; once its head's
+    backward is done (the ``head`` bytes of that micro-batch's activations freed, and the
+    loss's gradients), a stage with checkpointed blocks recomputes them one at a time
+    (``recompute[stage]`` bytes beside the rest)."""
     in_flight = dict.fromkeys(bytes_per_microbatch, 0)
-    peak = 0.0
+    recomputed = recompute or {}
+
+    def held(moment: PipelinePeak) -> float:
+        return moment.activations + moment.loss + (grads if moment.grads else 0.0)
+
+    peak, backward_run = PipelinePeak(0.0, 0.0, False), False
     for stage, forward in order:
-        in_flight[stage] += 1 if forward else -1
-        peak = max(peak, sum(count * bytes_per_microbatch[held] for held, count in in_flight.items()))
+        in_flight[stage] += 1 if forward else 0
+        kept = sum(count * bytes_per_microbatch[s] for s, count in in_flight.items())
+        if forward:
+            moments = [PipelinePeak(kept, 0.0, backward_run)]
+        else:
+            last = stage == loss_stage
+            moments = [PipelinePeak(kept, loss if last else 0.0, backward_run),
+                       PipelinePeak(kept - (head if last else 0.0) + recomputed.get(stage, 0.0), 0.0, backward_run)]
+            in_flight[stage] -= 1
+            backward_run = True
+        peak = max(peak, *moments, key=held)
     return peak

@@ -960,18 +960,32 @@ def test_interleaved_in_flight_by_hand(rank, stage_bytes, peak):
     # GPipe on the last of 2 ranks, 4 micro-batches of 10 bytes, a loss of 3: F0-F3 then B0-B3.
     # B0 starts with all 4 in flight and the loss, before any gradient exists; B1 with 3 and
     # the gradients, once those outweigh a micro-batch.
-    ("gpipe", 5, formulas.PipelinePeak(40, 3, False)),
-    ("gpipe", 15, formulas.PipelinePeak(30, 3, True)),
+    ("gpipe", 5, formulas.PipelinePeak(40, 0, 3, 0)),
+    ("gpipe", 15, formulas.PipelinePeak(30, 0, 3, 15)),
     # 1F1B: one micro-batch in flight on the last rank (F0 B0 F1 B1 ...); from B0 on, with the
     # gradients. F1 (10 + grads) and B1's start (10 + loss + grads): the latter.
-    ("1f1b", 5, formulas.PipelinePeak(10, 3, True)),
+    ("1f1b", 5, formulas.PipelinePeak(10, 0, 3, 5)),
 ])
 def test_a_pipelines_peak_moment_holds_the_loss_and_gradients_only_once_they_exist(schedule, grads, peak):
-    assert analytic_parallel.pipeline_rank_peak(schedule, 1, 2, 4, {1: 10}, grads=grads, loss_stage=1,
+    assert analytic_parallel.pipeline_rank_peak(schedule, 1, 2, 4, {1: 10}, grads={1: grads}, loss_stage=1,
                                                 loss=3) == peak
     # The first rank runs no loss.
-    assert analytic_parallel.pipeline_rank_peak(schedule, 0, 2, 4, {0: 10}, grads=grads, loss_stage=1,
+    assert analytic_parallel.pipeline_rank_peak(schedule, 0, 2, 4, {0: 10}, grads={0: grads}, loss_stage=1,
                                                 loss=3).loss == 0
+
+
+def test_a_checkpointed_stage_recomputes_once_its_heads_backward_is_done():
+    """GPipe's last rank, 2 micro-batches of 10 bytes of which the head keeps 4, a recompute of
+    9: at B0, once the head's backward has freed its 4 bytes and the loss's 3 and made the
+    head's gradients (2 of the stage's 7), the block recomputes beside the rest: 16 + 9 + 2
+    above B0's start (20 + 3)."""
+    assert analytic_parallel.pipeline_rank_peak("gpipe", 1, 2, 2, {1: 10}, grads={1: 7}, loss_stage=1, loss=3,
+                                                head=4, head_grads=2, recompute={1: 9}) == \
+        formulas.PipelinePeak(16, 9, 0, 2)
+    # A first stage recomputes beside every gradient it has once its first backward is over.
+    assert analytic_parallel.pipeline_rank_peak("1f1b", 0, 2, 4, {0: 10}, grads={0: 7}, loss_stage=1, loss=3,
+                                                head=4, head_grads=2, recompute={0: 9}) == \
+        formulas.PipelinePeak(20, 9, 0, 7)
 
 
 def test_a_pipelines_last_stage_keeps_its_output_logits_and_peaks_at_a_backward_with_the_loss():
@@ -1000,10 +1014,10 @@ def test_interleaved_cell_by_hand():
     # Stage 1 receives inputs and output gradients, stage 3 inputs: 3 transfers of 4 micro-batches.
     assert p["comm_bytes_by_op"] == {"send": 3 * 4 * 2 * 32 * 64 * 4, "recv": 3 * 4 * 2 * 32 * 64 * 4}
     acts = activation_bytes(cell, models.get_preset("llama-tiny"))
-    # Rank 1 runs 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 ... (above): its highest moment is 3B1
-    # starting, two micro-batches on stage 1 and one on stage 3 (what its loss keeps and its
-    # fp32 output logits) with the loss's gradients and the rank's own, above 1F2's three on
-    # stage 1.
+    # Rank 1 runs 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 ...: its highest moment is 3B2
+    # starting, two micro-batches on stage 1 and one on stage 3 (what its loss and head keep
+    # and its fp32 output logits) with the loss's gradients and both stages' own, above 1F3's
+    # three on stage 1.
     logits = 4 * 2 * 32 * 512
     assert p["activation_bytes"]["layers"] == 2 * acts["per_layer"] + acts["logits"] + logits
     assert p["transient_bytes"]["loss"] == 2 * logits and p["peak_breakdown_bytes"]["grads"] == 4 * n

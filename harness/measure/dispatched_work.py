@@ -66,7 +66,7 @@ from harness.measure import comm
 # Not views by their schemas, but they write no element: an allocation whose contents are
 # undefined, and ``_unsafe_view``, a view autograd does not track as one.
 MOVES_NOTHING = frozenset({torch.ops.aten._unsafe_view, torch.ops.aten.empty, torch.ops.aten.empty_like,
-                           torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
+                           torch.ops.aten.empty_strided, torch.ops.aten.empty_permuted, torch.ops.aten.new_empty,
                            torch.ops.aten.new_empty_strided})
 
 

@@ -88,7 +88,6 @@ def _inactive_experts(module: nn.Module) -> int:
     return inactive
 
 
-
 # CellSpec.attention -> transformers' attn_implementation.
 _HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 

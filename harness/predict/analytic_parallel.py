@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from harness import models, strategies
 from harness.config import CellSpec
@@ -61,9 +61,9 @@ def _low_precision_copies(cell: CellSpec, local_params: float) -> float:
 
 
 def _rank_peak(rank: dict) -> float:
-    """A rank's highest: its schedule's highest ``moment`` where its schedule is played out
-    (a pipeline's ranks), or its states beside them, else its states, activations and
-    transients at once."""
+    """A rank's highest: where its schedule is played out (a pipeline's ranks), its
+    schedule's highest ``moment`` or its states alone (the optimizer step), whichever is
+    higher; else its states, activations and transients at once."""
     if "moment" in rank:
         return max(sum(rank["moment"].values()), sum(rank["states"].values()))
     return sum(rank["states"].values()) + rank["activations"] + sum(rank["transient"].values())
@@ -275,17 +275,19 @@ def pipeline_stage_params(block: float, layers: int, stages: int, *, first: floa
 
 
 def pipeline_rank_peak(schedule: str, rank: int, ranks: int, microbatches: int,
-                       bytes_per_microbatch: dict[int, float], **held: Any) -> PipelinePeak:
-    """``rank``'s highest moment (formulas.pipeline_peak) along its schedule's order
-    (predict/pipeline_schedule.py, torch's orders), from each of its stages' bytes for one
-    micro-batch: GPipe holds every micro-batch (Huang et al. 2019) before its first backward;
-    1F1B p − rank of them (Narayanan et al. 2021 §2.2.1), again once its gradients exist;
-    interleaved 1F1B as torch's schedule orders them (``pipeline_first_stage_layer_activations``
-    is Megatron's closed form for rank 0). ``held``: what else formulas.pipeline_peak weighs
-    (the rank's gradients, the loss's, the head's activations, a recompute)."""
-    virtual_stages = max(1, len(bytes_per_microbatch)) if schedule == "interleaved_1f1b" else 1
-    order = pipeline_schedule.rank_order(schedule, rank, ranks, microbatches, virtual_stages)
-    return pipeline_peak([(a.stage, a.direction == "forward") for a in order], bytes_per_microbatch, **held)
+                       bytes_per_microbatch: dict[int, float], *, grads: dict[int, float] | None = None,
+                       loss_stage: int | None = None, loss: float = 0.0, head: float = 0.0, head_grads: float = 0.0,
+                       recompute: dict[int, float] | None = None) -> PipelinePeak:
+    """``rank``'s highest moment (formulas.pipeline_peak, which says what the keywords weigh)
+    along its schedule's order (predict/pipeline_schedule.py, torch's orders), from each of its
+    stages' bytes for one micro-batch (one stage a rank, two interleaved): GPipe holds every
+    micro-batch (Huang et al. 2019) before its first backward; 1F1B p − rank of them (Narayanan
+    et al. 2021 §2.2.1), again once its gradients exist; interleaved 1F1B as torch's schedule
+    orders them (``pipeline_first_stage_layer_activations`` is Megatron's closed form for
+    rank 0)."""
+    order = pipeline_schedule.rank_order(schedule, rank, ranks, microbatches, len(bytes_per_microbatch))
+    return pipeline_peak([(a.stage, a.direction == "forward") for a in order], bytes_per_microbatch, grads=grads,
+                         loss_stage=loss_stage, loss=loss, head=head, head_grads=head_grads, recompute=recompute)
 
 
 def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
@@ -295,18 +297,18 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
     schedule, harness/strategies/pipeline.py). The embeddings sit on the first stage, the
     final norm and a V×h LM head on the last (a tied head is a copy there: the last stage
     computes the logits); the last stage also keeps, for each micro-batch in flight, what
-    its loss keeps (the activations' ``logits``) and its output, the logits in the compute
-    dtype, which torch's PipelineStage holds for the backward (llama-tiny's last stage, 4
-    micro-batches in flight: 131,072 B each in fp32, traced). The rank's highest moment is
-    ``pipeline_rank_peak``'s (its ``moment``, in the measured categories): at a backward of
-    the last stage starting, beside the loss's gradients (``loss_bytes``), or recomputing a
-    checkpointed block once the head's backward is done; its gradients only from its first
-    backward on. Every boundary
-    carries each micro-batch's b·s·h hidden states forward and their gradient back (``pipeline_p2p_bytes``); torch's
-    PipelineStage keeps one receive buffer per micro-batch for each (a non-first stage's
-    inputs, a non-last stage's output gradients) from step to step: the ``buffers``, as
-    many bytes as the rank receives. A tied table's two copies (first and last stage) send
-    each other their gradients once a step."""
+    its loss and head keep (the activations' ``logits``) and its output, the logits in the
+    compute dtype, which torch's PipelineStage holds until that micro-batch's backward is
+    over (llama-tiny's last stage, 4 micro-batches in flight: 131,072 B each in fp32,
+    traced). The rank's highest moment is ``pipeline_rank_peak``'s (its ``moment``, in the
+    measured categories): a backward of the last stage starting, beside the loss's
+    gradients (``loss_bytes``), or a checkpointed block recomputed once the head's backward
+    is done; each stage's gradients only from its first backward on. Every boundary carries
+    each micro-batch's b·s·h hidden states forward and their gradient back
+    (``pipeline_p2p_bytes``); torch's PipelineStage keeps one receive buffer per micro-batch
+    for each (a non-first stage's inputs, a non-last stage's output gradients) from step to
+    step: the ``buffers``, as many bytes as the rank receives. A tied table's two copies
+    (first and last stage) send each other their gradients once a step."""
     s, p = cell.strategy, cell.world_size
     m, schedule = s.layout("pp_microbatches"), strategies.get(s.name).engine_model.pipeline_schedule
     if schedule is None:
@@ -321,8 +323,7 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
     layers_of = pipeline_stage_layers(spec.n_layers, n_stages)
     per_microbatch = [layers * acts["per_layer"] for layers in layers_of]
     output = PRECISION_BYTES[s.precision] * cell.micro_batch * spec.tokens_per_sample * vocab
-    head = acts["logits"] + output
-    per_microbatch[-1] += head
+    per_microbatch[-1] += acts["logits"] + output
     recomputed = recompute_bytes(cell, spec)
     ranks = []
     for rank in range(p):
@@ -333,8 +334,9 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
                                       value_bytes=_BOUNDARY_BYTES)
         swapped = 4.0 * vocab * spec.hidden if tied and rank in (0, p - 1) else 0.0
         peak = pipeline_rank_peak(schedule, rank, p, m, {i: per_microbatch[i] for i in mine},
-                                  grads=4.0 * n_params, loss_stage=n_stages - 1, loss=loss_bytes(cell, spec),
-                                  head=head, recompute={i: recomputed for i in mine if layers_of[i]})
+                                  grads={i: 4.0 * params[i] for i in mine}, loss_stage=n_stages - 1,
+                                  loss=loss_bytes(cell, spec), head=acts["logits"], head_grads=4.0 * last,
+                                  recompute={i: recomputed for i in mine if layers_of[i]})
         autocast_copies = _low_precision_copies(cell, n_params)
         ranks.append({
             "states": {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params,
@@ -342,8 +344,8 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
             "activations": peak.activations,
             "transient": {"gathered": 0.0, "autocast_copies": autocast_copies, "recompute": recomputed,
                           "loss": peak.loss},
-            "moment": {"params": 4.0 * n_params, "grads": 4.0 * n_params if peak.grads else 0.0,
-                       "optimizer": 8.0 * n_params, "activations": peak.activations + autocast_copies,
+            "moment": {"params": 4.0 * n_params, "grads": peak.grads, "optimizer": 8.0 * n_params,
+                       "activations": peak.activations + peak.recompute + autocast_copies,
                        "other": received + peak.loss},
             "comm": {"send": received + swapped, "recv": received + swapped}})
     return ranks

@@ -3,8 +3,9 @@
 What is predicted: the heaviest rank's peak tensor bytes in the memory-tracked step of a
 cell, by category (memory.BREAKDOWN_KEYS, summing to the peak), i.e. what the record's
 ``metrics`` (the max over ranks) report for the cell run on the CPU with gloo: rank 0's, and
-where another rank can hold more, that rank's too (``traced_ranks``: a pipeline's last stage,
-DeepSpeed ZeRO-2's last rank, the fullest rank of a whole-tensor optimizer partition).
+where another rank can hold more, that rank's too (``traced_ranks``: a pipeline's last stage
+and the rank its schedule puts highest, DeepSpeed ZeRO-2's last rank, the fullest rank of a
+whole-tensor optimizer partition).
 
 How: the harness's own code runs the cell under ``FakeTensorMode`` (tensors carry shapes,
 dtypes and storages but no data) in a fake process group of the cell's world size
@@ -596,7 +597,11 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
                                                                               trace(nearest, kernels=kernels))
     stage_metas: list[object] = []
     traced: list[tuple[memory.StepMemory, DispatchedWork]] = []
-    for rank in traced_ranks(cell):
+    try:
+        ranks = traced_ranks(cell)
+    except Exception as error:  # choosing a pipeline's ranks runs the analytic model on the cell
+        return _failure(error, 0)
+    for rank in ranks:
         with _fake_group(cell.world_size, rank) as env:
             try:
                 mode = _fake_world_mode()

@@ -53,43 +53,49 @@ def pipeline_p2p_bytes(batch: int, seq: int, hidden: int, microbatches: int, *, 
 
 
 class PipelinePeak(NamedTuple):
-    """A rank's highest moment along its schedule (``pipeline_peak``)."""
+    """A rank's highest moment along its schedule (``pipeline_peak``), in bytes."""
 
-    activations: float  # the micro-batches in flight (each stage's bytes for one), or a recompute beside them
-    loss: float  # the loss's gradients, where the moment is a backward of the last stage starting
-    grads: bool  # whether the rank's gradients exist then: from its first backward on
+    activations: float  # the micro-batches in flight then, each stage's bytes for one
+    recompute: float  # a checkpointed block made again beside them
+    loss: float  # the loss's gradients
+    grads: float  # the gradients that exist then
 
 
-def pipeline_peak(order: list[tuple[int, bool]], bytes_per_microbatch: dict[int, float], *, grads: float = 0.0,
-                  loss_stage: int | None = None, loss: float = 0.0, head: float = 0.0,
+def pipeline_peak(order: list[tuple[int, bool]], bytes_per_microbatch: dict[int, float], *,
+                  grads: dict[int, float] | None = None, loss_stage: int | None = None, loss: float = 0.0,
+                  head: float = 0.0, head_grads: float = 0.0,
                   recompute: dict[int, float] | None = None) -> PipelinePeak:
-    """The moment a rank holds most while running ``order`` ((stage, forward) actions): a
-    forward on a stage keeps that micro-batch's activations (``bytes_per_microbatch[stage]``)
-    until its backward frees them (the micro-batches in flight of Narayanan et al. 2021, §2.2,
-    counted along any order); the rank's gradients (``grads`` bytes) exist from its first
-    backward on, since zero_grad leaves none between steps (so GPipe's peak, every
-    micro-batch in flight, comes before any). A backward of ``loss_stage`` starts by holding
-    the loss's gradients (``loss``) beside its micro-batch's activations; once its head's
-    backward is done (the ``head`` bytes of that micro-batch's activations freed, and the
-    loss's gradients), a stage with checkpointed blocks recomputes them one at a time
-    (``recompute[stage]`` bytes beside the rest)."""
+    """The moment a rank holds most while running ``order`` ((stage, forward) actions), the
+    largest sum of its fields:
+
+    - a forward on a stage keeps that micro-batch's activations (``bytes_per_microbatch``)
+      until its backward frees them: the micro-batches in flight of Narayanan et al. 2021,
+      §2.2, counted along any order;
+    - a stage's gradients (``grads[stage]``) exist from its first backward on, since zero_grad
+      leaves none between steps: GPipe's peak, every micro-batch in flight, comes before any;
+    - a backward of ``loss_stage`` starts by holding the loss's gradients (``loss``) beside its
+      micro-batch's activations; once its head's backward is done, that micro-batch's ``head``
+      bytes and the loss's gradients are freed and the head's own gradients (``head_grads``)
+      made, and a stage with checkpointed blocks recomputes its last block
+      (``recompute[stage]`` bytes) beside what is left."""
     in_flight = dict.fromkeys(bytes_per_microbatch, 0)
-    recomputed = recompute or {}
+    stage_grads, recomputed = grads or {}, recompute or {}
+    backward_run: set[int] = set()
 
-    def held(moment: PipelinePeak) -> float:
-        return moment.activations + moment.loss + (grads if moment.grads else 0.0)
+    def existing(*, head_made: bool = False) -> float:
+        return sum(stage_grads.get(s, 0.0) for s in backward_run) + (head_grads if head_made else 0.0)
 
-    peak, backward_run = PipelinePeak(0.0, 0.0, False), False
+    peak = PipelinePeak(0.0, 0.0, 0.0, 0.0)
     for stage, forward in order:
         in_flight[stage] += 1 if forward else 0
         kept = sum(count * bytes_per_microbatch[s] for s, count in in_flight.items())
-        if forward:
-            moments = [PipelinePeak(kept, 0.0, backward_run)]
-        else:
+        moments = [PipelinePeak(kept, 0.0, 0.0, existing())]
+        if not forward:
             last = stage == loss_stage
-            moments = [PipelinePeak(kept, loss if last else 0.0, backward_run),
-                       PipelinePeak(kept - (head if last else 0.0) + recomputed.get(stage, 0.0), 0.0, backward_run)]
+            moments = [PipelinePeak(kept, 0.0, loss if last else 0.0, existing()),
+                       PipelinePeak(kept - (head if last else 0.0), recomputed.get(stage, 0.0), 0.0,
+                                    existing(head_made=last and stage not in backward_run))]
             in_flight[stage] -= 1
-            backward_run = True
-        peak = max(peak, *moments, key=held)
+            backward_run.add(stage)
+        peak = max(peak, *moments, key=sum)
     return peak

@@ -338,13 +338,13 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
                                   loss=loss_bytes(cell, spec), head=acts["logits"], head_grads=4.0 * last,
                                   recompute={i: recomputed for i in mine if layers_of[i]})
         autocast_copies = _low_precision_copies(cell, n_params)
+        states = {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params, "buffers": received}
         ranks.append({
-            "states": {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params,
-                       "buffers": received},
+            "states": states,
             "activations": peak.activations,
             "transient": {"gathered": 0.0, "autocast_copies": autocast_copies, "recompute": recomputed,
                           "loss": peak.loss},
-            "moment": {"params": 4.0 * n_params, "grads": peak.grads, "optimizer": 8.0 * n_params,
+            "moment": {"params": states["params"], "grads": peak.grads, "optimizer": states["optimizer"],
                        "activations": peak.activations + peak.recompute + autocast_copies,
                        "other": received + peak.loss},
             "comm": {"send": received + swapped, "recv": received + swapped}})

@@ -87,10 +87,12 @@ def pipeline_peak(order: list[tuple[int, bool]], bytes_per_microbatch: dict[int,
 
     peak = PipelinePeak(0.0, 0.0, 0.0, 0.0)
     for stage, forward in order:
-        in_flight[stage] += 1 if forward else 0
+        if forward:
+            in_flight[stage] += 1
         kept = sum(count * bytes_per_microbatch[s] for s, count in in_flight.items())
-        moments = [PipelinePeak(kept, 0.0, 0.0, existing())]
-        if not forward:
+        if forward:
+            moments = [PipelinePeak(kept, 0.0, 0.0, existing())]
+        else:  # its start, then its head done and its last block recomputed; then it frees its micro-batch
             last = stage == loss_stage
             moments = [PipelinePeak(kept, 0.0, loss if last else 0.0, existing()),
                        PipelinePeak(kept - (head if last else 0.0), recomputed.get(stage, 0.0), 0.0,

@@ -10,7 +10,7 @@
   worker's own code, training.prepare_cell and PreparedCell.step), timed as the compute
   rates are (every rank at once; the median of compute_rate.REPEATS timings, the slowest
   rank's) after the strategy's own warm-up steps, with what one step dispatched counted
-  (a pipeline's on its last rank too, whose stage differs).
+  (a pipeline's on its last rank and its busiest middle rank too, whose stages differ).
   What an engine does around its ops is no op the trace sees: DTensor's dispatch, FSDP's
   and DeepSpeed's hooks and bookkeeping, gloo's threads taking the cores from the step's ops
   while a collective is in flight. The predictor prices that as the part of this step's time
@@ -40,6 +40,7 @@ from harness.config import CellSpec, StrategySpec
 from harness.distributed import DistEnv, init_from_torchrun
 from harness.measure import bandwidth, compute_rate
 from harness.measure.dispatched_work import Counting
+from harness.strategies import pipeline
 
 ENGINE_STEP_SAMPLES = 2  # per rank: the default suite's micro-batch
 ONE_RANK_NO_SWEEP = "a bandwidth sweep needs at least 2 ranks; this run has 1"
@@ -64,9 +65,10 @@ def engine_step_cell(name: str, world_size: int) -> CellSpec:
 
 
 def engine_steps(env: DistEnv, names: list[str]) -> dict[str, dict[str, Any]]:
-    """{strategy: {"cell_id", "step_s", "work"[, "last_rank_work"]} or {["cell_id",] "unavailable": why}} for each
-    of ``names`` (module docstring). A strategy this launch cannot run (its world size, the
-    device, a combination it refuses) is recorded with the reason and skipped on every rank."""
+    """{strategy: {"cell_id", "step_s", "work"[, "last_rank_work", "middle_rank_work"]} or
+    {["cell_id",] "unavailable": why}} for each of ``names`` (module docstring). A strategy
+    this launch cannot run (its world size, the device, a combination it refuses) is recorded
+    with the reason and skipped on every rank."""
     steps: dict[str, dict[str, Any]] = {}
     for name in names:
         try:
@@ -86,7 +88,7 @@ def engine_steps(env: DistEnv, names: list[str]) -> dict[str, dict[str, Any]]:
 def _timed_step(session: training.PreparedCell, env: DistEnv) -> dict[str, Any]:
     """{"step_s", "work"} of a prepared cell's step, after its own warm-up steps (DDP's
     rebuilt buckets, DeepSpeed ZeRO-3's recorded fetch order), rank 0's work, and a
-    pipeline's last rank's ("last_rank_work")."""
+    pipeline's other ranks' (``_pipeline_rank_work``)."""
     done = 0
 
     def step() -> None:
@@ -99,14 +101,18 @@ def _timed_step(session: training.PreparedCell, env: DistEnv) -> dict[str, Any]:
     with Counting() as counter:
         step()
     work = counter.work.to_dict()
-    if session.cell.strategy.pipelined:
-        # The last stage runs the LM head and the loss: its rank's work prices that stage.
-        every_rank: list[dict[str, Any] | None] = [None] * env.world_size
-        dist.all_gather_object(every_rank, work)
-        last_rank = {"last_rank_work": every_rank[-1]}
-    else:
-        last_rank = {}
-    return {"step_s": compute_rate.seconds_per_call(step, env.device, env, alone=False), "work": work, **last_rank}
+    other_ranks = _pipeline_rank_work(session.cell, work) if session.cell.strategy.pipelined else {}
+    return {"step_s": compute_rate.seconds_per_call(step, env.device, env, alone=False), "work": work, **other_ranks}
+
+
+def _pipeline_rank_work(cell: CellSpec, work: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline ranks' work step_time prices besides rank 0's (pipeline.other_ranks_work):
+    the last rank's and, on more than two ranks, the busiest middle rank's."""
+    every_rank: list[dict[str, Any]] = [{}] * cell.world_size
+    dist.all_gather_object(every_rank, work)
+    middle = pipeline.busiest_middle_rank(cell.strategy.name, cell.model_spec.n_layers, cell.world_size)
+    kept = [cell.world_size - 1, *([] if middle is None else [middle])]
+    return pipeline.other_ranks_work(cell.world_size, {rank: every_rank[rank] for rank in kept})
 
 
 def main() -> None:

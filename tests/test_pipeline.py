@@ -24,6 +24,20 @@ def test_blocks_are_split_evenly_and_the_middle_stages_take_the_extra_ones():
                                             range(11, 14), range(14, 16)]
 
 
+def test_a_ranks_blocks_are_its_stages_and_the_busiest_middle_rank_prices_the_others():
+    assert pipeline.rank_blocks("pp_1f1b", 2, 4) == [0, 1, 1, 0]
+    assert pipeline.rank_blocks("pp_gpipe", 5, 4) == [1, 2, 1, 1]
+    # Interleaved: rank r holds stages r and r + 4 of stage_blocks(12, 8) = [1, 2, 2, 2, 2, 1, 1, 1].
+    assert pipeline.rank_blocks("pp_interleaved_1f1b", 12, 4) == [3, 3, 3, 3]
+    assert pipeline.busiest_middle_rank("pp_gpipe", 12, 8) == 1
+    assert pipeline.busiest_middle_rank("pp_gpipe", 5, 4) == 1
+    assert pipeline.busiest_middle_rank("pp_gpipe", 12, 2) is None  # no rank between the first and the last
+    work = {rank: {"ops": rank} for rank in (0, 2, 5, 7)}
+    assert pipeline.other_ranks_work(8, work) == {"last_rank_work": {"ops": 7},
+                                                  "middle_rank_work": {"rank": 2, "work": {"ops": 2}}}
+    assert pipeline.other_ranks_work(2, {0: {"ops": 0}, 1: {"ops": 1}}) == {"last_rank_work": {"ops": 1}}
+
+
 def _param_names(model) -> dict[int, str]:
     """Each parameter under its first name (a tied weight: the token table's)."""
     return {id(p): name for name, p in model.named_parameters()}

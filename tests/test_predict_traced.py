@@ -109,6 +109,13 @@ def test_the_ranks_traced_follow_the_engines_partition():
     # llama-tiny's 2 blocks over 4 stages: [0, 1, 1, 0]. Under 1F1B rank 1's block holds 3
     # micro-batches in flight, twice what rank 0's embedding and rank 3's head hold.
     assert traced.traced_ranks(_cell("pp_1f1b", 4, model="llama-tiny", pp_microbatches=8)) == [0, 1, 3]
+    # gpt2-124m's last rank holds a copy of the tied token table (38.6M of its 124.4M
+    # parameters) with its AdamW state and is the heaviest; a middle rank is traced besides,
+    # whose work prices the middle ranks' steps (step_time).
+    gpipe = dataclasses.replace(_cell("pp_gpipe", 4, model="gpt2-124m", pp_microbatches=4), seq_len=64)
+    per_rank = analytic.predict(gpipe, device_type="cpu")["per_rank_peak_bytes"]
+    assert max(range(4), key=per_rank.__getitem__) == 3
+    assert traced.traced_ranks(gpipe) == [0, 1, 3]
 
 
 @pytest.mark.parametrize("cell, reason", [

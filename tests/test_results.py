@@ -1,3 +1,4 @@
+import dataclasses
 import errno
 import json
 import os
@@ -9,6 +10,8 @@ import pytest
 
 from harness import markers
 from harness.config import CellSpec, StrategySpec
+from harness.measure.memory import BREAKDOWN_KEYS
+from harness.measure.summary import summarize
 from harness.results import schema
 from harness.results import store as store_module
 from harness.results.store import (
@@ -252,3 +255,41 @@ def test_a_vanished_folder_and_an_unwritable_run_json_name_their_path(tmp_path, 
     store.path.mkdir()  # even where something made the folder again: its records are gone
     with pytest.raises(ResultsNotWritable, match=r"cells\.jsonl: No such file or directory"):
         store.append(_record("b"))
+
+
+PIPELINE = CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_1f1b", pp_microbatches=8), world_size=4)
+
+
+def _rank(rank: int, peak: int, held: int, sent: int) -> dict:
+    """One rank's raw numbers (training.run_cell's), as far as summarize reads them."""
+    return {"rank": rank, "peak_mem_bytes": peak, "mem_breakdown_bytes": dict.fromkeys(BREAKDOWN_KEYS, 0),
+            "rss_peak_bytes": None, "step_times_s": [0.1] * 3, "flops_per_sample": 1e6, "tokens_per_sample": 32,
+            "at_optimizer_step_bytes": {"params": held, "grads": 0, "optimizer": 2 * held, "activations": 0,
+                                        "other": 0},
+            "comm_by_op": {"send": {"count": 8, "bytes": sent, "time_s": 0.01}}}
+
+
+def test_a_pipelines_states_and_sends_are_its_peak_ranks_and_every_other_cells_rank_0s():
+    # llama-tiny's 2 blocks on ranks 1 and 2 of 4: rank 1 peaks, holds a block and sends both ways.
+    ranks = [_rank(0, peak=100, held=10, sent=1000), _rank(1, peak=300, held=40, sent=2000),
+             _rank(2, peak=200, held=40, sent=2000), _rank(3, peak=150, held=5, sent=1000)]
+    pipelined = summarize(PIPELINE, ranks, peak_flops_per_rank=None)
+    assert pipelined["at_optimizer_step_bytes"] == ranks[1]["at_optimizer_step_bytes"]
+    assert (pipelined["comm_bytes_per_step"], pipelined["comm_counted_rank"]) == (2000, 1)
+    ddp = summarize(dataclasses.replace(PIPELINE, strategy=StrategySpec(name="ddp")), ranks, peak_flops_per_rank=None)
+    assert ddp["at_optimizer_step_bytes"] == ranks[3]["at_optimizer_step_bytes"]  # the least held
+    assert (ddp["comm_bytes_per_step"], ddp["comm_counted_rank"]) == (1000, 0)
+
+
+def test_a_version_4_pipeline_record_takes_its_peak_ranks_states_and_says_whose_sends_it_counted():
+    ranks = [_rank(0, peak=100, held=10, sent=1000), _rank(1, peak=300, held=40, sent=2000)]
+    current = schema.make_record(PIPELINE, markers=[], status="ok", metrics=summarize(PIPELINE, ranks, None),
+                                 per_rank=ranks)
+    version_4 = {**current, "schema_version": 4,
+                 "metrics": {k: v for k, v in current["metrics"].items() if k != "comm_counted_rank"}}
+    version_4["metrics"]["at_optimizer_step_bytes"] = ranks[0]["at_optimizer_step_bytes"]  # the least held
+    migrated = schema.migrate(version_4)
+    assert migrated["metrics"]["at_optimizer_step_bytes"] == ranks[1]["at_optimizer_step_bytes"]
+    assert migrated["metrics"]["comm_counted_rank"] == 0  # rank 0's sends, as they were counted
+    unrun = schema.make_record(PIPELINE, markers=[], status="unsupported", reason="why")
+    assert schema.migrate({**unrun, "schema_version": 4}) == unrun

@@ -240,6 +240,23 @@ def test_a_pipelines_last_stage_is_priced_from_its_own_trace():
     assert p["step_time_s"] == pytest.approx(first / 4 + last)
 
 
+def test_a_pipelines_middle_ranks_are_priced_from_a_middle_ranks_trace_by_their_blocks():
+    # gpt2-124m's 12 blocks over 8 ranks: [1, 2, 2, 2, 2, 1, 1, 1]. The traced middle rank 5
+    # holds one block at 3000 ops, so ranks 1-4, two blocks each, take 6000: the slowest,
+    # where rank 0's work alone (1000 ops) would have priced every middle rank.
+    cell = CellSpec(model="gpt2-124m", strategy=StrategySpec(name="pp_gpipe", pp_microbatches=8), world_size=8,
+                    seq_len=64)
+    first, middle, last = (_work(ops=ops, flops=0, memory=()) for ops in (1000, 3000, 2000))
+    predicted = analytic.predict(cell, device_type="cpu")
+    without = step_time.predict(cell, predicted, {"work": first, "last_rank_work": last}, _calibration(), "cpu")
+    with_middle = step_time.predict(cell, predicted, {"work": first, "last_rank_work": last,
+                                                      "middle_rank_work": {"rank": 5, "work": middle}},
+                                    _calibration(), "cpu")
+    share = 2 / 8  # the calibration's 2 ranks' rates shared by 8
+    assert without["compute_s"] == pytest.approx(2000 * 10e-6 / share)
+    assert with_middle["compute_s"] == pytest.approx(6000 * 10e-6 / share)
+
+
 def test_a_pipelines_engine_overhead_makes_its_timeline_take_the_calibration_steps_time():
     # The calibration timed the pipeline's own step at 50 ms where its ops, priced plainly
     # and played out on the schedule, take 1000 × 10 µs × 5/4 and 3000 × 10 µs on the last

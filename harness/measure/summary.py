@@ -7,7 +7,9 @@
   (gradients reduced, activations freed): the measured counterpart of the ZeRO model-state
   formulas. Every rank holds the same states, but a rank can still hold a communication
   buffer in flight (FSDP2 with gloo: the root unit's reduce-scatter input, on one rank in
-  some runs and not others), so this is the rank holding the least; per_rank has each.
+  some runs and not others), so this is the rank holding the least; per_rank has each. A
+  pipeline's ranks hold different stages by design: there it is the rank with the peak's,
+  as the analytic model's states are its heaviest rank's.
 - async_freed_bytes: the most any rank freed on another thread during its memory step
   (measure/memory.py): how far peak_mem_bytes can move from run to run; 0: it cannot.
 - step_time_s: the median over timed steps of the slowest rank's time in each step (the job
@@ -21,7 +23,10 @@
   the last (harness/training.py, measure/memory.py ``live_bytes``); more than 0 is a leak: both
   measures (CUDA's allocator count, the CPU tensor bytes Python holds) stay put from step to
   step unless something is kept.
-- comm_*: counted on rank 0's comm step; every rank runs the same collectives. busbw_gbps
+- comm_*: counted on rank 0's comm step; every rank runs the same collectives but in a
+  pipeline, whose ranks send what their stages hand on (a middle rank both ways, twice
+  the first's): there on the comm step of the rank with the peak (comm_counted_rank says
+  which). busbw_gbps
   per op by the nccl-tests factors (on gloo, time includes waiting for the peer).
   comm_exposed_s_per_step: the part of that step's collective time during which it computed
   nothing, and comm_overlap_fraction the rest's share (measure/overlap.py); None in records
@@ -67,14 +72,17 @@ def summarize(cell: CellSpec, per_rank: list[dict[str, Any]], peak_flops_per_ran
     step_time, step_iqr = median_iqr(slowest_per_step)
     samples_per_s = cell.global_batch / step_time
     rank0 = per_rank[0]
+    # A pipeline's ranks hold and send their own stages' (module docstring): its peak rank's.
+    own_part = peak_rank if cell.strategy.pipelined else None
+    counted = own_part or rank0
     flops_per_s_per_rank = rank0["flops_per_sample"] * samples_per_s / cell.world_size
-    comm_by_op = _with_busbw(rank0["comm_by_op"], cell.world_size)
+    comm_by_op = _with_busbw(counted["comm_by_op"], cell.world_size)
     mfu = flops_per_s_per_rank / peak_flops_per_rank if peak_flops_per_rank else None
     return {
         "peak_mem_bytes": peak_rank["peak_mem_bytes"],
         "mem_breakdown_bytes": {k: peak_rank["mem_breakdown_bytes"][k] for k in BREAKDOWN_KEYS},
         "rss_peak_bytes": max((r["rss_peak_bytes"] or 0) for r in per_rank) or None,
-        "at_optimizer_step_bytes": _at_optimizer_step(per_rank),
+        "at_optimizer_step_bytes": _at_optimizer_step([own_part] if own_part else per_rank),
         "async_freed_bytes": max(r.get("async_freed_bytes", 0) for r in per_rank),
         "memory_growth_bytes": memory_growth(per_rank),
         "step_time_s": step_time,
@@ -87,8 +95,9 @@ def summarize(cell: CellSpec, per_rank: list[dict[str, Any]], peak_flops_per_ran
         "comm_time_s_per_step": sum(op["time_s"] for op in comm_by_op.values()),
         "comm_bytes_per_step": sum(op["bytes"] for op in comm_by_op.values()),
         "comm_by_op": comm_by_op,
-        "comm_exposed_s_per_step": (rank0.get("comm_exposure") or {}).get("exposed_s"),
-        "comm_overlap_fraction": (rank0.get("comm_exposure") or {}).get("overlap_fraction"),
+        "comm_counted_rank": counted["rank"],
+        "comm_exposed_s_per_step": (counted.get("comm_exposure") or {}).get("exposed_s"),
+        "comm_overlap_fraction": (counted.get("comm_exposure") or {}).get("overlap_fraction"),
     }
 
 

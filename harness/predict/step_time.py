@@ -65,7 +65,8 @@ run's own calibration launch; the record names which was used):
   reduce-scatters overlap as FSDP2's do.
 - a pipeline: its schedule played out (predict/pipeline_schedule.py), each rank's compute
   spread over its stages' micro-batches (the last rank's from its own trace, which holds the
-  LM head and the loss; the ranks before it at rank 0's) and each hand-over between ranks a
+  LM head and the loss; the middle ranks' from a middle rank's trace in proportion to their
+  blocks; rank 0's own) and each hand-over between ranks a
   hop at the sweep's send/recv time for its size. ``compute_s`` is the slowest rank's,
   ``bubble`` the timeline without hops over it (with equal stages the papers' 1 + (p − 1)/m
   for m micro-batches over p ranks, 1 + (p − 1)/(v·m) with v stages a rank: Huang et al.
@@ -140,8 +141,8 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     in_group_by_op = {kind: in_group / share / sent_every for kind, (_, in_group) in priced.items()}
     comm = sum(comm_by_op.values())
     if cell.strategy.pipelined:
-        last_rank_work = traced.get("last_rank_work", work) if source == "traced" else work
-        compute, bubble, exposed = _pipeline_step(cell, work, last_rank_work, rates, overhead, share, calibration)
+        other_ranks = traced if source == "traced" else {}
+        compute, bubble, exposed = _pipeline_step(cell, work, other_ranks, rates, overhead, share, calibration)
     else:
         bubble = 1.0
         exposed = (comm if device_type != "cuda"
@@ -169,10 +170,8 @@ def engine_overhead_per_op(name: str, calibration: dict) -> float:
     rates = calibration["compute_rates"]["concurrent"]
     cell = engine_step_cell(name, world_size)
     if strategies.get(name).engine_model.analytic == "pipeline":
-        last_rank_work = engine.get("last_rank_work", work)
-
         def priced(overhead: float) -> float:
-            compute, bubble, exposed = _pipeline_step(cell, work, last_rank_work, rates, overhead, 1.0, calibration)
+            compute, bubble, exposed = _pipeline_step(cell, work, engine, rates, overhead, 1.0, calibration)
             return compute * bubble + exposed
 
         return _solved(priced, engine["step_s"], most=engine["step_s"] / work["ops"])
@@ -446,13 +445,14 @@ def _exposed_sharded(cell: CellSpec, engine: EngineModel, compute: float, work: 
     return unhidden + exposed_reductions + max(0.0, hidden - compute)
 
 
-def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict, overhead: float, share: float,
+def _pipeline_step(cell: CellSpec, work: dict, other_ranks: dict, rates: dict, overhead: float, share: float,
                    calibration: dict) -> tuple[float, float, float]:
     """(compute, bubble, exposed communication) of a pipeline, from its schedule played out
-    (predict/pipeline_schedule.py): each rank's compute (the last rank's from its own work,
-    the ranks before it at rank 0's) spread evenly over its stages' micro-batches, a backward
-    twice a forward (three times under full checkpointing, which recomputes it); compute is
-    the slowest rank's and the bubble the timeline without hand-overs over it. The
+    (predict/pipeline_schedule.py): each rank's compute (``_pipeline_rank_seconds``, from
+    rank 0's ``work`` and the ``other_ranks``' a trace or the calibration holds) spread evenly
+    over its stages' micro-batches, a backward twice a forward (three times under full
+    checkpointing, which recomputes it); compute is the slowest rank's and the bubble the
+    timeline without hand-overs over it. The
     hand-overs are rank 0's send and recv calls of the size it sends most often (a
     micro-batch's hidden states or their gradient), each a hop at the sweep's send/recv time
     for that size; only those on the critical path are exposed. Every other call (the tied
@@ -463,8 +463,8 @@ def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict
         raise ValueError(f"strategy={s.name}: its engine model declares no pipeline_schedule")
     microbatches = s.layout("pp_microbatches")
     virtual = pipeline.n_stages(s.name, cell.world_size) // cell.world_size
-    first, last = (_compute_seconds(w, rates, s.precision, overhead) / share for w in (work, last_rank_work))
-    compute_by_rank = [first] * (cell.world_size - 1) + [last]
+    compute_by_rank = _pipeline_rank_seconds(
+        cell, work, other_ranks, lambda w: _compute_seconds(w, rates, s.precision, overhead) / share)
     sends = work["collectives"].get("send", [])
     hop_bytes = max(sends, key=lambda size_calls: size_calls[1])[0] if sends else 0
     hop = _call_seconds("send", hop_bytes, cell.world_size, calibration["rows"], calibration["world_size"]) / share \
@@ -479,6 +479,25 @@ def _pipeline_step(cell: CellSpec, work: dict, last_rank_work: dict, rates: dict
     timed = pipeline_schedule.step_seconds(schedule, microbatches, virtual, action_s, hop)
     slowest = max(compute_by_rank)
     return slowest, (idle / slowest if slowest else 1.0), timed - idle + max(0.0, comm - hops * hop)
+
+
+def _pipeline_rank_seconds(cell: CellSpec, work: dict, other_ranks: dict,
+                           price: Callable[[dict], float]) -> list[float]:
+    """Each pipeline rank's compute seconds by ``price``: rank 0's from its ``work``, the
+    last rank's from its own ("last_rank_work": the LM head and the loss are its), each
+    middle rank's from the middle rank traced ("middle_rank_work": {"rank", "work"}) in
+    proportion to the blocks each holds (pipeline.rank_blocks; the embedding and the head
+    are the first's and the last's), and where a rank's work is missing (a calibration
+    from before middle ranks were kept, a plan's analytic work) rank 0's."""
+    p = cell.world_size
+    first = price(work)
+    last = price(other_ranks["last_rank_work"]) if "last_rank_work" in other_ranks else first
+    middle = other_ranks.get("middle_rank_work")
+    if middle is None:
+        return [first] * (p - 1) + [last]
+    blocks = pipeline.rank_blocks(cell.strategy.name, cell.model_spec.n_layers, p)
+    per_block = price(middle["work"]) / blocks[middle["rank"]]
+    return [first, *(per_block * blocks[rank] for rank in range(1, p - 1)), last]
 
 
 def _offload_seconds(cell: CellSpec, analytic: dict) -> float:

@@ -72,7 +72,8 @@ real peers:
 
 Known differences from the measurement (default suite, CPU, 2 ranks):
 - Two ranks at most (``traced_ranks``), three in a pipeline. A pipeline's first and last (and
-  a middle rank whose stage its schedule makes heaviest): llama-tiny on 2 ranks,
+  on more than two ranks a middle one: the one whose stage its schedule makes heaviest, or
+  the one with the most blocks, whose work prices the middle ranks' steps): llama-tiny on 2 ranks,
   GPipe's rank 1 (1.40× rank 0's: the last stage keeps every micro-batch's logits) and
   1F1B's to the byte, interleaved 1F1B 0.964 (its rank 1 holds stages 1 and 3, traced from
   rank 0's forward metadata). DeepSpeed ZeRO-2's last rank (gpt2-tiny fp32: 9.9 % above
@@ -155,7 +156,10 @@ from harness.distributed import DistEnv
 from harness.measure import memory
 from harness.measure.dispatched_work import DispatchedWork
 from harness.predict import analytic, analytic_data_parallel
-from harness.strategies import deepspeed_zero  # import_deepspeed: its accelerator set before the import
+from harness.strategies import (  # deepspeed_zero.import_deepspeed: its accelerator set before the import
+    deepspeed_zero,
+    pipeline,
+)
 
 # A trace subprocess that traces no cell for this long is killed (a cell traces in well under a
 # minute at real size; a share of thousands of cells takes longer in all, and goes on).
@@ -580,7 +584,7 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
     """The predicted step peak, the heaviest of ``traced_ranks``: {"peak_bytes",
     "breakdown_bytes" {memory.BREAKDOWN_KEYS, summing to peak_bytes}, "tracker", "work" (what
     rank 0's tracked step dispatched: dispatched_work.DispatchedWork.to_dict, for the step-time
-    predictor), and for a pipeline "last_rank_work", its last rank's}, or
+    predictor), and for a pipeline its other ranks' (pipeline.other_ranks_work)}, or
     {"unavailable": "<one-line reason>"} when the cell
     cannot be traced (never raises for such a cell: what the attempt raised, condensed, is
     the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
@@ -611,24 +615,30 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
             except Exception as error:  # an untraceable cell is a result, like an unsupported one
                 return _failure(error, rank)
     mem = max((m for m, _ in traced), key=lambda m: m.peak_bytes)
-    last_rank = {"last_rank_work": traced[-1][1].to_dict()} if cell.strategy.pipelined and len(traced) > 1 else {}
+    work_by_rank = {rank: work.to_dict() for rank, (_, work) in zip(ranks, traced)}
     return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
-            "work": traced[0][1].to_dict(), **last_rank}
+            "work": work_by_rank[0],
+            **(pipeline.other_ranks_work(cell.world_size, work_by_rank) if cell.strategy.pipelined else {})}
 
 
 def traced_ranks(cell: CellSpec) -> list[int]:
     """The ranks whose steps are traced, the heaviest's peak being the prediction, as the
     record's is the max over ranks: rank 0, and where another rank can hold more, that one.
-    A pipeline's last (it keeps the logits: GPipe's of every micro-batch; the step-time
-    predictor plays the schedule out with the first and last ranks' work, ``last_rank_work``),
-    traced last, and before it the rank its schedule, played out, says holds most
+    A pipeline's last (it keeps the logits: GPipe's of every micro-batch), traced last, and
+    before it the rank its schedule, played out, says holds most
     (analytic_parallel.pipeline_rank_peak: a middle stage's blocks where the first holds
-    fewer, llama-tiny's on 4 ranks twice rank 0's); the last where the engine's last rank is
+    fewer, llama-tiny's on 4 ranks twice rank 0's), or where that is the first or the last
+    and there are ranks between them, the one of those with the most blocks
+    (pipeline.busiest_middle_rank): the step-time predictor plays the schedule out with
+    the first, a middle and the last ranks' work (pipeline.other_ranks_work); the last where the engine's last rank is
     heavier (EngineModel.last_rank_heavier); the fullest of a whole-tensor optimizer
     partition (analytic_data_parallel.fullest_optimizer_rank). The work is rank 0's."""
     last = cell.world_size - 1
     if cell.strategy.pipelined:
-        return list(dict.fromkeys([0, _heaviest_pipeline_rank(cell), last]))
+        heaviest = _heaviest_pipeline_rank(cell)
+        middle = heaviest if 0 < heaviest < last else pipeline.busiest_middle_rank(
+            cell.strategy.name, cell.model_spec.n_layers, cell.world_size)
+        return list(dict.fromkeys([0, *([] if middle is None else [middle]), last]))
     if strategies.get(cell.strategy.name).engine_model.last_rank_heavier:
         other = last
     else:

@@ -89,6 +89,30 @@ def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
     return [range(start, start + count) for start, count in zip(starts, counts)]
 
 
+def rank_blocks(strategy: str, n_blocks: int, world_size: int) -> list[int]:
+    """The blocks each rank holds: those of its stages (stage s on rank s mod world_size)."""
+    stages = stage_blocks(n_blocks, n_stages(strategy, world_size))
+    return [sum(len(stages[s]) for s in range(rank, len(stages), world_size)) for rank in range(world_size)]
+
+
+def busiest_middle_rank(strategy: str, n_blocks: int, world_size: int) -> int | None:
+    """The rank between the first and the last with the most blocks (the lowest of equals),
+    whose work prices the other middle ranks' (predict/step_time.py); None on two ranks."""
+    blocks = rank_blocks(strategy, n_blocks, world_size)
+    return max(range(1, world_size - 1), key=blocks.__getitem__, default=None)
+
+
+def other_ranks_work(world_size: int, work_by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What prices a pipeline's ranks besides rank 0's work in the step-time predictor
+    (predict/step_time.py), from the ranks' dispatched work where counted: "last_rank_work"
+    (the LM head and the loss are its stage's) and "middle_rank_work" ({"rank", "work"}, the
+    first rank between the first and the last in ``work_by_rank``)."""
+    last = world_size - 1
+    middle = [rank for rank in sorted(work_by_rank) if 0 < rank < last]
+    return {**({"last_rank_work": work_by_rank[last]} if last in work_by_rank else {}),
+            **({"middle_rank_work": {"rank": middle[0], "work": work_by_rank[middle[0]]}} if middle else {})}
+
+
 def combination_problem(cell: CellSpec) -> str | None:
     spec = cell.model_spec
     name, world = cell.strategy.name, cell.world_size

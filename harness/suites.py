@@ -210,6 +210,10 @@ def model_parallel(world_size: int) -> list[CellSpec]:
     candidates += [
         _cell("gpt2-tiny", "pp_1f1b", world_size),  # the tied head across the first and last stage
         _cell("llama-tiny", "pp_1f1b", world_size, precision="bf16"),
+        # Clipping by the norm summed over the stages (the tied table counted once), against the
+        # default suite's clipped reference: the same global batch as its data-parallel cells.
+        suite_cell("gpt2-tiny", StrategySpec(name="pp_1f1b", optimizer="sgd", clip_grad_norm=CLIP_GRAD_NORM,
+                                             pp_microbatches=world_size), world_size, lr=CLIP_LR),
         *_megatron(world_size),
         # bf16: with grouped-query attention in fp32, only the memory-efficient kernel is left
         # to ring attention on CUDA, and whether it takes GQA is not known here.

@@ -182,8 +182,8 @@ class PreparedCell:
              before_optimizer_step: Callable[[], None] = _no_op, measure_grad_norm: bool = False) -> torch.Tensor:
         """Step ``i``. Its gradient norm is kept where the cell clips (computed anyway) or
         ``measure_grad_norm`` asks for it (measure/numerics.py says which steps do) and the
-        strategy can take the global norm: those that cannot clip (a pipeline's stages,
-        Megatron's splits) would give each rank's own part of it."""
+        strategy can take the global norm: those that cannot clip (Megatron's splits) would
+        give each rank's own part of it."""
         # (In backward, no moment holds every gradient to take the norm of.)
         can_norm = (strategies.get(self.cell.strategy.name).capabilities.clipping
                     and not self.cell.strategy.optimizer_in_backward)

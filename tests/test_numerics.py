@@ -85,7 +85,9 @@ def test_clip_option_is_checked_named_and_carried_by_the_reference():
     for bad in (0, -1.0, math.inf, math.nan, True, "1"):
         with pytest.raises(ValueError, match="clip_grad_norm"):
             StrategySpec(name="ddp", clip_grad_norm=bad)
-    assert "not wired" in strategies.incompatibility(gpt2("pp_gpipe", clip_grad_norm=1.0))
+    megatron = CellSpec(model="gpt2-tiny", world_size=2, attention="eager",
+                        strategy=StrategySpec(name="megatron", tp_degree=2, clip_grad_norm=1.0))
+    assert "not wired" in strategies.incompatibility(megatron)
 
 
 def test_fp16_is_refused_only_with_a_measured_reason():
@@ -105,6 +107,9 @@ FSDP2 = gpt2("fsdp_full", precision="fp16", clip_grad_norm=CLIP, **SGD)
 # The same global batch and reference as DDP's, so a cell id of its own for the fault.
 CLIPPED_BEFORE_UNSCALE = gpt2("ddp", precision="fp16", clip_grad_norm=CLIP, micro_batch=1, accumulation=2, **SGD)
 SDP_FP16 = gpt2("fairscale_sdp", precision="fp16")
+# A pipeline's norm summed over its stages, the tied table once (fp32: its own reference).
+PIPELINE = gpt2("pp_1f1b", clip_grad_norm=CLIP, pp_microbatches=2, **SGD)
+PIPELINE_REFERENCE = gpt2("single", clip_grad_norm=CLIP, micro_batch=4, **SGD)
 # Real data: the standard library's bytes, the held-out loss before, halfway and after.
 BYTES_REFERENCE, BYTES_DDP = (CellSpec(model="gpt2-bytes", strategy=StrategySpec(name=name), world_size=world,
                                        micro_batch=16 // world, steps=12, data="stdlib_bytes", eval_every=6)
@@ -112,7 +117,8 @@ BYTES_REFERENCE, BYTES_DDP = (CellSpec(model="gpt2-bytes", strategy=StrategySpec
 
 
 # Run in tests/conftest.py's shared_matrix.
-MATRIX_CELLS = [REFERENCE, UNCLIPPED, DDP, FSDP2, CLIPPED_BEFORE_UNSCALE, SDP_FP16, BYTES_REFERENCE, BYTES_DDP]
+MATRIX_CELLS = [REFERENCE, UNCLIPPED, DDP, FSDP2, CLIPPED_BEFORE_UNSCALE, SDP_FP16, PIPELINE_REFERENCE, PIPELINE,
+                BYTES_REFERENCE, BYTES_DDP]
 MATRIX_FAULTS = {CLIPPED_BEFORE_UNSCALE: faults.CLIP_BEFORE_UNSCALE}
 
 
@@ -127,6 +133,20 @@ def test_fp16_with_clipping_trains_the_references_model(records, cell):
     record = records[cell.cell_id]
     assert record["status"] == "ok", record["reason"]
     assert record["equivalence"]["passed"], record["equivalence"]
+
+
+def test_a_pipeline_clips_by_the_norm_over_its_stages_as_the_reference_does(records):
+    """Each stage's rank holds part of the gradients (the tied table on the first and the last):
+    the norm every step is the reference's, and the clipped steps train its model. Each rank
+    clipping by its own part's norm, or the table counted twice, failed the gate (relative
+    loss differences 2.3e-3 and 3.9e-4 against its 1e-5)."""
+    assert PIPELINE.reference() == PIPELINE_REFERENCE
+    record = records[PIPELINE.cell_id]
+    assert record["status"] == "ok", record["reason"]
+    assert record["equivalence"]["passed"], record["equivalence"]
+    norms = record["numerics"]["grad_norm"]
+    assert all(norm > CLIP for norm in norms)
+    assert norms == pytest.approx(records[PIPELINE_REFERENCE.cell_id]["numerics"]["grad_norm"], rel=1e-5)
 
 
 def test_clipping_changes_the_losses_beyond_the_gate(records):

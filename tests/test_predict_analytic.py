@@ -1304,6 +1304,17 @@ def _held_receive_buffers(rank: int, store: str, out: dict) -> None:
     dist.destroy_process_group()
 
 
+def test_a_pipeline_stages_optimizer_state_is_its_optimizers():
+    def states(optimizer: str) -> dict:
+        cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_1f1b", optimizer=optimizer), world_size=2)
+        return analytic.predict(cell, device_type="cpu")["model_states_bytes"]
+
+    adamw, sgd = states("adamw"), states("sgd")
+    assert adamw["params"] == sgd["params"] > 0
+    assert adamw["optimizer"] == 2 * adamw["params"] + 4  # two fp32 moments and a step counter
+    assert sgd["optimizer"] == sgd["params"]  # one fp32 momentum buffer
+
+
 def test_pipeline_buffers_are_the_stages_receive_buffers(tmp_path):
     # The memory tracker misses some of these on rank 0 (it sees a storage only when an op it
     # dispatches makes or aliases it): counted here from the stages themselves. Both

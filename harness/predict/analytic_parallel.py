@@ -291,7 +291,8 @@ def pipeline_rank_peak(schedule: str, rank: int, ranks: int, microbatches: int,
 
 
 def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
-    """Each rank's model states (fp32 AdamW), activations at its peak and transfers.
+    """Each rank's model states (fp32, the cell's per-element optimizer: AdamW or SGD's
+    momentum), activations at its peak and transfers.
 
     A rank holds v stages (stage i on rank i mod p: v = 1, or 2 for the interleaved
     schedule, harness/strategies/pipeline.py). The embeddings sit on the first stage, the
@@ -338,7 +339,9 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
                                   loss=loss_bytes(cell, spec), head=acts["logits"], head_grads=4.0 * last,
                                   recompute={i: recomputed for i in mine if layers_of[i]})
         autocast_copies = _low_precision_copies(cell, n_params)
-        states = {"params": 4.0 * n_params, "grads": 4.0 * n_params, "optimizer": 8.0 * n_params, "buffers": received}
+        states = {"params": 4.0 * n_params, "grads": 4.0 * n_params,
+                  # As one flat tensor's: its moments exact, one step counter for the stage's tensors.
+                  "optimizer": optimizer_state_bytes(((round(n_params),),), s.optimizer), "buffers": received}
         ranks.append({
             "states": states,
             "activations": peak.activations,

@@ -30,11 +30,17 @@ weight gets and take the same AdamW update: the copies stay equal and the run tr
 reference's model (Megatron-LM's embedding group does the same). The cost is one V × h
 gradient sent each way per step and a second copy of the table (with its AdamW state) on
 the last rank.
+
+Clipping (``clip_grad_norm``): the global norm spans every stage's gradients, each on its own
+rank, so each rank sums its own stages' squares and one all-reduce of that scalar adds them
+over the pipeline (the tied table once: ``_clip``); every rank then scales its gradients by the
+same factor, as Megatron-LM's get_grad_norm_fp32 and torch's clip_grad_norm_ do.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -58,11 +64,10 @@ CAPABILITIES = Capabilities(
     precisions=frozenset({"fp32", "bf16"}),
     checkpointing=RECOMPUTE_CHECKPOINTING,
     min_world_size=2,
-    clipping=False,
+    # Optimizers whose state is per element (the analytic model's stages hold n × their bytes).
+    optimizers=frozenset({"adamw", "sgd"}),
     evaluation=False,
     notes={"evaluation": "a pipeline's forward runs through its schedule, stage by stage: no held-out evaluation wired",
-           "clip_grad_norm": ("the global norm spans every stage's parameters, each on its own rank: a clip"
-                              " needs the stages' squared norms summed over the pipeline first; not wired"),
            "fp16": "fp16 needs a GradScaler whose scale and overflow checks span every stage (all"
                    " ranks must skip the same steps); not wired for pipelines: use bf16"},
 )
@@ -284,6 +289,27 @@ def _add_peer_gradient(weight: nn.Parameter, peer: int) -> None:
     weight.grad += received
 
 
+def _clip(stages: nn.Module, tied_copy: nn.Parameter | None) -> Callable[[float], torch.Tensor]:
+    """Clipping by the global norm of every stage's gradients, each on its own rank: the root
+    of the ranks' sums of squares over their own stages' gradients, summed over the pipeline;
+    the tied table counted once (``tied_copy``: the last stage's rank's copy, whose gradient
+    the exchange made the first's, is left out of the sum). Every gradient is then scaled as
+    torch's clip_grad_norm_ scales them (clip_grads_with_norm_), by the same factor on every
+    rank, so the step is the reference's clipped step."""
+    params = [p for p in stages.parameters() if p.requires_grad]
+
+    def clip(max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in params if p.grad is not None and p is not tied_copy]
+        squared = torch.nn.utils.get_total_norm(grads).square()
+        dist.all_reduce(squared)
+        norm = squared.sqrt()
+        if not math.isinf(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    return clip
+
+
 def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: DistEnv) -> Prepared:
     from transformers import PreTrainedModel  # loaded with the model already; a registry lookup need not
 
@@ -310,6 +336,7 @@ def prepare(model: nn.Module, block_type: type[nn.Module], cell: CellSpec, env: 
         data_rank=0,  # every rank takes the whole batch: the model is split, not the batch
         forward_backward=step,
         holds_loss=step.holds_last,
+        clip_grad_norm=_clip(held, step.tied_weight if step.holds_last and not step.holds_first else None),
     )
 
 

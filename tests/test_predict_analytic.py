@@ -626,13 +626,19 @@ def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fi
     """gpt2-124m on 8 × 24 GiB at 512 samples a step: each configuration at the largest
     power-of-two micro-batch whose analytic peak fits, accumulating the rest; --micro-batch
     fixes it instead. A tensor-parallel group takes its GPUs' samples: tp_fsdp at degree t
-    trains t × 64 samples in a group's micro-steps."""
+    trains t × 64 samples in a group's micro-steps. A pipeline takes them all as its
+    micro-batches, of one sample each (plan.PLANNED_PIPELINES)."""
     req = plan.PlanRequest(model="gpt2-124m", gpus=8, gpu_mem_bytes=24 * 2**30, global_batch=512)
     result = plan.plan(req)
     usable = fit.USABLE_FRACTION * req.gpu_mem_bytes
     micro_batches = set()
+    pipelines = [row["cell"] for row in result["rows"] if row["cell"].strategy.pipelined]
+    assert {c.strategy.name for c in pipelines} == {"pp_1f1b"}  # 12 blocks do not fill interleaved's 16 stages
+    assert all((c.micro_batch, c.strategy.pp_microbatches, c.strategy.accumulation) == (1, 512, 1) for c in pipelines)
     for row in result["rows"]:
         cell = row["cell"]
+        if cell.strategy.pipelined:
+            continue
         share = 64 * (cell.strategy.tp_degree or 1)
         assert cell.global_batch == 512 and cell.micro_batch * cell.strategy.accumulation == share
         micro_batches.add(cell.micro_batch)
@@ -649,7 +655,9 @@ def test_plan_global_batch_takes_each_configurations_largest_micro_batch_that_fi
     assert f" {best.micro_batch}×{best.strategy.accumulation} " in table
     fixed = plan.plan(dataclasses.replace(req, micro_batch=4))
     assert {(r["cell"].micro_batch, r["cell"].strategy.accumulation * 4 // (r["cell"].strategy.tp_degree or 1))
-            for r in fixed["rows"]} == {(4, 64)}
+            for r in fixed["rows"] if not r["cell"].strategy.pipelined} == {(4, 64)}
+    assert {(r["cell"].micro_batch, r["cell"].strategy.pp_microbatches)
+            for r in fixed["rows"] if r["cell"].strategy.pipelined} == {(4, 128)}
     assert ("global batch 512 a step (micro-batch 4 × 16 accumulation steps a GPU, more for a tensor-parallel group"
             in plan.as_table(fixed, markdown=False))
     # --traced traces each leading configuration's peak over two micro-steps, not sixteen.
@@ -1009,7 +1017,8 @@ def test_interleaved_cell_by_hand():
     cell = CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b"), world_size=2)
     p = analytic.predict(cell)
     n = 61_568 + 64 + 512 * 64
-    assert p["model_states_bytes"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n,
+    # AdamW's two moments, and a step counter (the stage's as one flat tensor's).
+    assert p["model_states_bytes"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4,
                                        "buffers": 3 * 4 * 2 * 32 * 64 * 4}
     # Stage 1 receives inputs and output gradients, stage 3 inputs: 3 transfers of 4 micro-batches.
     assert p["comm_bytes_by_op"] == {"send": 3 * 4 * 2 * 32 * 64 * 4, "recv": 3 * 4 * 2 * 32 * 64 * 4}
@@ -1315,6 +1324,40 @@ def test_a_pipeline_stages_optimizer_state_is_its_optimizers():
     assert sgd["optimizer"] == sgd["params"]  # one fp32 momentum buffer
 
 
+def test_an_untraced_pipelines_hand_overs_are_one_micro_batch_each():
+    # Interleaved on 2 ranks: rank 0 holds stages 0 (one boundary) and 2 (two), 4 micro-batches
+    # over each; it holds the first stage, so the tied table's gradient is exchanged once.
+    cell = CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="pp_interleaved_1f1b", pp_microbatches=4),
+                    world_size=2, micro_batch=2)
+    calls = analytic_parallel.pipeline_rank_calls(cell)
+    hidden = 2 * 32 * 64 * 4  # b·s·h, the residual stream in fp32
+    assert calls == {"send": [[hidden, 12], [4 * 512 * 64, 1]], "recv": [[hidden, 12], [4 * 512 * 64, 1]]}
+    assert analytic_parallel.pipeline_rank_calls(dataclasses.replace(cell, model="llama-tiny"))["send"] == [
+        [hidden, 12]]  # untied
+    assert step_time.analytic_work(cell, analytic.predict(cell), "cuda")["collectives"] == calls
+
+
+def test_plan_lists_the_pipelines_and_recommends_one_where_its_few_bytes_cross_a_slow_network():
+    """llama3-8b on 2 nodes of 8 GPUs, 256 samples a step: FSDP gathers and reduce-scatters the
+    model over both nodes every micro-step where 1F1B hands one micro-batch's hidden states
+    over each boundary (one of them between the nodes). On the assumed 8 × 400 Gb/s network
+    FSDP is faster; on 100 Gb/s the pipeline, its bubble (p − 1)/m = 15/256 of the ideal step
+    notwithstanding."""
+    req = plan.PlanRequest(model="llama3-8b", gpus=16, nodes=2, gpu_mem_bytes=parse_bytes("80GiB"), global_batch=256,
+                           seq=4096)
+    fast = plan.plan(req)
+    pipelines = [r for r in fast["rows"] if r["cell"].strategy.pipelined]
+    assert {r["cell"].strategy.name for r in pipelines} == set(plan.PLANNED_PIPELINES)
+    assert all(r["cell"].strategy.pp_microbatches == 256 and r["cell"].micro_batch == 1 for r in pipelines)
+    assert not fast["recommended"]["cell"].strategy.pipelined
+    slow = plan.plan(dataclasses.replace(req, inter_node_bytes_per_s=100e9 / 8))
+    best = slow["recommended"]
+    assert best["cell"].strategy.name == "pp_1f1b"
+    assert best["step_time"]["bubble"] == pytest.approx(1 + 15 / 256)
+    assert "at micro-batch 1 × 256 pipelined micro-batches: fits" in plan.recommendation_text(slow)
+    assert " 1×256 " in plan.as_table(slow, markdown=False)
+
+
 def test_pipeline_buffers_are_the_stages_receive_buffers(tmp_path):
     # The memory tracker misses some of these on rank 0 (it sees a storage only when an op it
     # dispatches makes or aliases it): counted here from the stages themselves. Both
@@ -1386,7 +1429,8 @@ def test_selective_recompute_keeps_nothing_of_the_grouped_experts(precision):
 # keeps all of gpt2-124m gathered (within its reuse distance): its release rules are held
 # against DeepSpeed's coordinator in test_zero3_residency_replays_deepspeeds_coordinator.
 REAL_SIZE_SAMPLE = ("ddp/bf16/ckpt_none", "zero1/bf16/ckpt_selective", "fsdp_full/bf16/ckpt_none",
-                    "deepspeed_zero2/bf16/ckpt_full", "tp_fsdp/tp4/sp/lossp/bf16/ckpt_selective")
+                    "deepspeed_zero2/bf16/ckpt_full", "tp_fsdp/tp4/sp/lossp/bf16/ckpt_selective",
+                    "pp_1f1b/bf16/ckpt_none")
 
 
 def test_plan_configurations_at_real_size_match_their_trace():

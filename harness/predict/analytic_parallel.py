@@ -290,6 +290,23 @@ def pipeline_rank_peak(schedule: str, rank: int, ranks: int, microbatches: int,
                          loss_stage=loss_stage, loss=loss, head=head, head_grads=head_grads, recompute=recompute)
 
 
+def pipeline_rank_calls(cell: CellSpec, rank: int = 0) -> dict[str, list[list[float]]]:
+    """``rank``'s sends in one step (and as many receives), as [bytes a call, calls]: each
+    micro-batch's hidden states or their gradient over each boundary of its stages (the
+    hand-overs ``pipeline_p2p_bytes`` sums), and the tied table's gradient exchanged once
+    where the rank holds the first or the last stage. The step-time predictor prices an
+    untraced pipeline's hand-overs with rank 0's (predict/step_time.py)."""
+    s, p, spec = cell.strategy, cell.world_size, cell.model_spec
+    n_stages = pipeline.n_stages(s.name, p)
+    hand_overs = s.layout("pp_microbatches") * sum((i > 0) + (i < n_stages - 1) for i in range(rank, n_stages, p))
+    one = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, 1, neighbours=1,
+                             value_bytes=_BOUNDARY_BYTES)
+    calls = [[one, float(hand_overs)]]
+    if spec.head_tied and rank in (0, p - 1):
+        calls.append([4.0 * spec.required("vocab_size") * spec.hidden, 1.0])
+    return {"send": calls, "recv": calls}
+
+
 def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> list[dict]:
     """Each rank's model states (fp32, the cell's per-element optimizer: AdamW or SGD's
     momentum), activations at its peak and transfers.

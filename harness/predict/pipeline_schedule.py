@@ -28,7 +28,7 @@ until its receiver is ready, and hand-overs that share a link.
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, cast
 
 from harness.predict.formulas.pipeline import PIPELINE_SCHEDULES
@@ -85,10 +85,12 @@ def interleaved_1f1b_order(rank: int, ranks: int, microbatches: int, virtual_sta
 
 
 def step_seconds(schedule: str, microbatches: int, virtual_stages: int,
-                 action_s: Sequence[tuple[float, float]], hop_s: float) -> float:
+                 action_s: Sequence[tuple[float, float]], hop_s: float | Callable[[int, int], float]) -> float:
     """When the last rank finishes its last action. ``action_s``: per rank, what one forward
     and one backward of one of its stages on one micro-batch take; a hand-over between ranks
-    takes ``hop_s``."""
+    takes ``hop_s``, or ``hop_s(sender, receiver)`` where the links differ (a boundary
+    between nodes)."""
+    hop = hop_s if callable(hop_s) else lambda sender, receiver: hop_s
     ranks = len(action_s)
     orders = rank_orders(schedule, ranks, microbatches, virtual_stages)
     last_stage = ranks * virtual_stages - 1
@@ -104,7 +106,8 @@ def step_seconds(schedule: str, microbatches: int, virtual_stages: int,
                 inputs = _inputs(action, last_stage)
                 if any(needed not in finished for needed in inputs):
                     break  # waits for another rank's action
-                ready = [finished[needed] + (hop_s if needed.stage % ranks != rank else 0.0) for needed in inputs]
+                ready = [finished[needed] + (hop(needed.stage % ranks, rank) if needed.stage % ranks != rank else 0.0)
+                         for needed in inputs]
                 start = max([free[rank], *ready])
                 free[rank] = finished[action] = start + (forward_s if action.direction == "forward" else backward_s)
                 position[rank] += 1

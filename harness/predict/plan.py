@@ -71,6 +71,13 @@ PLANNED_STRATEGIES = tuple(s.name for s in strategies.declarations()
 # vocabulary split (the same bytes moved as without them, and the residual stream, norms,
 # embedding, head and logits divided by the degree).
 PLANNED_TENSOR_PARALLEL = "tp_fsdp"
+# Pipelines over every GPU (torch.distributed.pipelining, one stage a GPU or two interleaved),
+# for the causal LMs the split is written for: 1F1B, which holds at most p micro-batches in
+# flight where GPipe, at the same bubble, holds them all (Narayanan et al. 2021), and
+# interleaved 1F1B, whose bubble is v times smaller. The step's samples are the schedule's
+# micro-batches, of --micro-batch or 1 sample: the most micro-batches, so the smallest bubble,
+# and 1F1B holds no more in flight for them.
+PLANNED_PIPELINES = ("pp_1f1b", "pp_interleaved_1f1b")
 # Activation offload last: its copies cross PCIe every micro-step (the step time prices them).
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
 OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "params", "optimizer", "optimizer_params")
@@ -211,13 +218,17 @@ def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
     # One GPU runs the model whole: the single-process step with each checkpointing, and the
     # engines that offload at one rank (ZeRO-Offload's one-GPU case: DeepSpeed ZeRO-3, FSDP2);
     # an engine at one rank without offload is the single-process step with its overhead.
-    names = PLANNED_STRATEGIES if req.gpus >= 2 else ("single", *PLANNED_STRATEGIES)
+    names = (*PLANNED_STRATEGIES, *PLANNED_PIPELINES) if req.gpus >= 2 else ("single", *PLANNED_STRATEGIES)
     layouts: list[tuple[str, int | None]] = [(name, None) for name in names]
     layouts += [(PLANNED_TENSOR_PARALLEL, degree) for degree in tp_degrees(req)]
+    micro = req.micro_batch or 1
     cells = []
     for name, degree in layouts:
         if name == "fsdp_hybrid" and req.nodes < 2:
             continue  # on one node HSDP is full sharding with a trivial replicate dimension
+        pipelined = name in PLANNED_PIPELINES
+        if pipelined and batch % micro:
+            continue
         for ckpt in CHECKPOINTING_ORDER:
             for offload in OFFLOAD_ORDER:
                 if req.gpus == 1 and name != "single" and offload == "none":
@@ -225,14 +236,17 @@ def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
                 try:
                     strategy = StrategySpec(name=name, precision=req.precision, checkpointing=ckpt,
                                             offload=offload, optimizer=req.optimizer, tp_degree=degree,
-                                            sequence_parallel=bool(degree), loss_parallel=bool(degree))
-                    cell = CellSpec(model=req.model, strategy=strategy, micro_batch=req.micro_batch or 1,
+                                            sequence_parallel=bool(degree), loss_parallel=bool(degree),
+                                            pp_microbatches=batch // micro if pipelined else None)
+                    cell = CellSpec(model=req.model, strategy=strategy, micro_batch=micro,
                                     world_size=req.gpus, seq_len=req.seq, attention=req.model_attention)
                 except ValueError:
                     continue
                 if strategies.incompatibility(cell) is not None:
                     continue
-                if req.micro_batch is None:
+                if pipelined:  # the batch is its micro-batches already (PLANNED_PIPELINES)
+                    cells.append(cell)
+                elif req.micro_batch is None:
                     sized = fit.sized(cell, batch,
                                       lambda c: _analytic(c, req, device_type).get("peak_bytes", 0) <= usable)
                     cells += [sized] if sized else []
@@ -363,7 +377,7 @@ def recommendation_text(result: dict) -> str:
                 " shorten the sequence, or lower the micro-batch.")
     s = best["cell"].strategy
     peak = (best["traced"] or {}).get("peak_bytes", best["predicted"]["peak_bytes"])
-    at = f" at {_micro_steps_text(best['cell'].micro_batch, s.accumulation)}" if _batch_column(result) else ""
+    at = f" at {_cell_steps_text(best['cell'])}" if _batch_column(result) else ""
     text = (f"Recommended: {config_label(best['cell'])}{at}: fits with {_gib(usable - peak)} to spare"
             f" (peak {_gib(peak)}{' traced' if best['traced'] and 'peak_bytes' in best['traced'] else ''} of"
             f" {_gib(usable)} usable) and is fastest by the prediction: {_step_text(best)}.")
@@ -513,6 +527,15 @@ def _micro_steps_text(micro_batch: int, accumulation: int) -> str:
     return f"micro-batch {micro_batch} × {accumulation} accumulation steps"
 
 
+def _cell_steps_text(cell: CellSpec) -> str:
+    """A configuration's ``_micro_steps_text``, or a pipeline's ``micro-batch 1 × 16
+    pipelined micro-batches``."""
+    s = cell.strategy
+    if s.pipelined:
+        return f"micro-batch {cell.micro_batch} × {s.layout('pp_microbatches')} pipelined micro-batches"
+    return _micro_steps_text(cell.micro_batch, s.accumulation)
+
+
 def _batch_column(result: dict) -> bool:
     """Whether the configurations train their batch in different micro-steps (each sized to
     fit, or a tensor-parallel group sharing its GPUs' samples): then the table has a batch
@@ -523,8 +546,10 @@ def _batch_column(result: dict) -> bool:
 
 
 def _batch_text(cell: CellSpec) -> str:
-    """``4×8``: a configuration's micro-batch and accumulation steps."""
-    return f"{cell.micro_batch}×{cell.strategy.accumulation}"
+    """``4×8``: a configuration's micro-batch and micro-steps (accumulation steps, or a
+    pipeline's micro-batches)."""
+    s = cell.strategy
+    return f"{cell.micro_batch}×{s.layout('pp_microbatches') if s.pipelined else s.accumulation}"
 
 
 def _gib(n: float) -> str:

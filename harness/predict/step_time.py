@@ -66,8 +66,9 @@ run's own calibration launch; the record names which was used):
 - a pipeline: its schedule played out (predict/pipeline_schedule.py), each rank's compute
   spread over its stages' micro-batches (the last rank's from its own trace, which holds the
   LM head and the loss; the middle ranks' from a middle rank's trace in proportion to their
-  blocks; rank 0's own) and each hand-over between ranks a
-  hop at the sweep's send/recv time for its size. ``compute_s`` is the slowest rank's,
+  blocks; rank 0's own) and each hand-over between ranks a hop at the sweep's send/recv
+  time for its size (between nodes, the sweep across them, where a run or plan spans several;
+  an untraced pipeline's hand-overs are analytic_parallel.pipeline_rank_calls'). ``compute_s`` is the slowest rank's,
   ``bubble`` the timeline without hops over it (with equal stages the papers' 1 + (p − 1)/m
   for m micro-batches over p ranks, 1 + (p − 1)/(v·m) with v stages a rank: Huang et al.
   2019, Narayanan et al. 2021); the exposed communication is what the hops on its critical
@@ -142,7 +143,7 @@ def predict(cell: CellSpec, analytic: dict, traced: dict, calibration: dict | No
     comm = sum(comm_by_op.values())
     if cell.strategy.pipelined:
         other_ranks = traced if source == "traced" else {}
-        compute, bubble, exposed = _pipeline_step(cell, work, other_ranks, rates, overhead, share, calibration)
+        compute, bubble, exposed = _pipeline_step(cell, work, other_ranks, rates, overhead, share, calibration, nodes)
     else:
         bubble = 1.0
         exposed = (comm if device_type != "cuda"
@@ -288,11 +289,14 @@ def analytic_work(cell: CellSpec, analytic: dict, device_type: str) -> dict:
     recomputed = cell.model_spec.n_layers * analytic.get("transient_bytes", {}).get("recompute", 0.0)
     activation_traffic = 3 * (acts["layers"] + recomputed + acts["logits"]) + recomputed
     optimizer_traffic = optimizer_elements(cell, analytic) * _optimizer_bytes_per_element(s.optimizer, device_type)
+    # A pipeline's work is rank 0's (``_pipeline_step``): its hand-overs, one micro-batch's each.
+    pipelined = strategies.get(s.name).engine_model.analytic == "pipeline"
     # Each stream at the working set of all of it: a first-order figure for want of op sizes.
     return {"ops": 0, "matmul_flops": flops,
             "memory_bytes": [[b, b] for b in sorted((optimizer_traffic, activation_traffic)) if b],
-            "collectives": {kind: _analytic_collectives(cell, kind, nbytes)
-                            for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes}}
+            "collectives": (analytic_parallel.pipeline_rank_calls(cell) if pipelined else
+                            {kind: _analytic_collectives(cell, kind, nbytes)
+                             for kind, nbytes in analytic["comm_bytes_by_op"].items() if nbytes})}
 
 
 def _analytic_collectives(cell: CellSpec, kind: str, nbytes: float) -> list[list[float]]:
@@ -357,10 +361,10 @@ def _with_analytic_collectives(work: dict, analytic: dict) -> dict:
 
 
 def _model_split(cell: CellSpec) -> int:
-    """How many ranks share one sample's FLOPs and the model's parameters: the pipeline's
-    stages, or the tensor- or context-parallel degree."""
+    """How many ranks share one sample's FLOPs and the model's parameters: a pipeline's ranks
+    (an interleaved one's two stages a rank), or the tensor- or context-parallel degree."""
     if cell.strategy.pipelined:
-        return pipeline.n_stages(cell.strategy.name, cell.world_size)
+        return cell.world_size
     kind = strategies.get(cell.strategy.name).engine_model.analytic
     if kind in ("tensor_parallel", "context_parallel"):
         return cell.world_size // max(1, cell.strategy.data_parallel_size(cell.world_size))
@@ -378,15 +382,17 @@ def _rates(cell: CellSpec, calibration: dict, device_type: str) -> tuple[dict, f
     return rates[scope], share
 
 
-def _call_seconds(kind: str, nbytes: float, world_size: int, rows: list[dict], swept_world_size: int) -> float:
-    """One call's time by the sweep (module docstring)."""
+def _call_seconds(kind: str, nbytes: float, world_size: int, rows: list[dict], swept_world_size: int,
+                  scope: str = "intra_node") -> float:
+    """One call's time by the sweep (module docstring); a send or recv between the ranks of
+    one node, or with ``scope="inter_node"`` between nodes (the sweep's rows of that scope,
+    and any that name none)."""
     if world_size < 2:
         return 0.0
     swept = _SWEPT_AS.get(kind, kind)
     if not any(r["op"] == swept for r in rows):
         swept = "all_gather"
-    points = sorted((r["bytes"], r["time_s"]) for r in rows
-                    if r["op"] == swept and r.get("scope", "intra_node") == "intra_node")
+    points = sorted((r["bytes"], r["time_s"]) for r in rows if r["op"] == swept and r.get("scope", scope) == scope)
     if not points:
         raise ValueError(f"the bandwidth sweep has no {swept} rows")
     sizes = [b for b, _ in points]
@@ -446,7 +452,7 @@ def _exposed_sharded(cell: CellSpec, engine: EngineModel, compute: float, work: 
 
 
 def _pipeline_step(cell: CellSpec, work: dict, other_ranks: dict, rates: dict, overhead: float, share: float,
-                   calibration: dict) -> tuple[float, float, float]:
+                   calibration: dict, nodes: int = 1) -> tuple[float, float, float]:
     """(compute, bubble, exposed communication) of a pipeline, from its schedule played out
     (predict/pipeline_schedule.py): each rank's compute (``_pipeline_rank_seconds``, from
     rank 0's ``work`` and the ``other_ranks``' a trace or the calibration holds) spread evenly
@@ -455,8 +461,9 @@ def _pipeline_step(cell: CellSpec, work: dict, other_ranks: dict, rates: dict, o
     timeline without hand-overs over it. The
     hand-overs are rank 0's send and recv calls of the size it sends most often (a
     micro-batch's hidden states or their gradient), each a hop at the sweep's send/recv time
-    for that size; only those on the critical path are exposed. Every other call (the tied
-    embeddings' gradient exchange after the schedule) is exposed whole."""
+    for that size (``_hop_seconds``: across nodes where the ranks are on different ``nodes``);
+    only those on the critical path are exposed. Every other call (the tied embeddings'
+    gradient exchange after the schedule) is exposed whole."""
     s = cell.strategy
     schedule = strategies.get(s.name).engine_model.pipeline_schedule
     if schedule is None:
@@ -467,18 +474,36 @@ def _pipeline_step(cell: CellSpec, work: dict, other_ranks: dict, rates: dict, o
         cell, work, other_ranks, lambda w: _compute_seconds(w, rates, s.precision, overhead) / share)
     sends = work["collectives"].get("send", [])
     hop_bytes = max(sends, key=lambda size_calls: size_calls[1])[0] if sends else 0
-    hop = _call_seconds("send", hop_bytes, cell.world_size, calibration["rows"], calibration["world_size"]) / share \
-        if hop_bytes else 0.0
+    hop = _hop_seconds(hop_bytes, cell, calibration, nodes, share)
     hops = sum(calls for kind in ("send", "recv") for nbytes, calls in work["collectives"].get(kind, [])
                if nbytes == hop_bytes)
     comm = _comm_seconds(work, cell, calibration) / share
+    within = hop(0, 0)
     forward_share = 1 / 4 if s.checkpointing == "full" else 1 / 3
     action_s = [(per_action * forward_share, per_action * (1 - forward_share))
                 for compute in compute_by_rank for per_action in [compute / (microbatches * virtual)]]
     idle = pipeline_schedule.step_seconds(schedule, microbatches, virtual, action_s, 0.0)
     timed = pipeline_schedule.step_seconds(schedule, microbatches, virtual, action_s, hop)
     slowest = max(compute_by_rank)
-    return slowest, (idle / slowest if slowest else 1.0), timed - idle + max(0.0, comm - hops * hop)
+    return slowest, (idle / slowest if slowest else 1.0), timed - idle + max(0.0, comm - hops * within)
+
+
+def _hop_seconds(nbytes: float, cell: CellSpec, calibration: dict, nodes: int,
+                 share: float) -> Callable[[int, int], float]:
+    """A pipeline hand-over of ``nbytes`` from one rank to another: the sweep's send/recv
+    within a node, or, where the two ranks are on different ones of ``nodes`` (consecutive
+    ranks a node), across them (``calibration["across_nodes"]``'s sweep, a run's or plan's
+    assumed fabric; the node's own where there is none)."""
+    if not nbytes:
+        return lambda sender, receiver: 0.0
+    p = cell.world_size
+    within = _call_seconds("send", nbytes, p, calibration["rows"], calibration["world_size"]) / share
+    if nodes < 2:
+        return lambda sender, receiver: within
+    across = calibration.get("across_nodes") or calibration
+    between = _call_seconds("send", nbytes, p, across["rows"], across["world_size"], scope="inter_node") / share
+    per_node = p // nodes
+    return lambda sender, receiver: between if sender // per_node != receiver // per_node else within
 
 
 def _pipeline_rank_seconds(cell: CellSpec, work: dict, other_ranks: dict,

@@ -2,7 +2,8 @@
 
 For one model, GPU count and memory budget, every strategy and sensible option combination
 (activation checkpointing or offload, parameter and optimizer offload; tp_fsdp's 2-D layout at
-each tensor-parallel degree within a node) at the chosen precision and optimizer, each
+each tensor-parallel degree within a node; the pipelines over every GPU, PLANNED_PIPELINES) at
+the chosen precision and optimizer, each
 training the same global batch, with the analytic predictor's peak per GPU and its breakdown,
 whether it fits, the communication per step, and the predicted step time, tokens/s and MFU
 (harness/predict/rough_time.py: the step-time predictor at datasheet rates, each assumption

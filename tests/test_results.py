@@ -269,15 +269,16 @@ def _rank(rank: int, peak: int, held: int, sent: int) -> dict:
             "comm_by_op": {"send": {"count": 8, "bytes": sent, "time_s": 0.01}}}
 
 
-def test_a_pipelines_states_and_sends_are_its_peak_ranks_and_every_other_cells_rank_0s():
-    # llama-tiny's 2 blocks on ranks 1 and 2 of 4: rank 1 peaks, holds a block and sends both ways.
-    ranks = [_rank(0, peak=100, held=10, sent=1000), _rank(1, peak=300, held=40, sent=2000),
-             _rank(2, peak=200, held=40, sent=2000), _rank(3, peak=150, held=5, sent=1000)]
+def test_a_pipelines_states_are_its_peak_ranks_its_sends_its_busiest_and_every_other_cells_rank_0s():
+    # llama-tiny's 2 blocks on ranks 1 and 2 of 4, sending both ways: the busiest (the lower of
+    # two equals); rank 3 peaks (as GPipe's last rank does, every micro-batch's logits held).
+    ranks = [_rank(0, peak=100, held=3, sent=1000), _rank(1, peak=200, held=40, sent=2000),
+             _rank(2, peak=200, held=40, sent=2000), _rank(3, peak=300, held=5, sent=1000)]
     pipelined = summarize(PIPELINE, ranks, peak_flops_per_rank=None)
-    assert pipelined["at_optimizer_step_bytes"] == ranks[1]["at_optimizer_step_bytes"]
+    assert pipelined["at_optimizer_step_bytes"] == ranks[3]["at_optimizer_step_bytes"]
     assert (pipelined["comm_bytes_per_step"], pipelined["comm_counted_rank"]) == (2000, 1)
     ddp = summarize(dataclasses.replace(PIPELINE, strategy=StrategySpec(name="ddp")), ranks, peak_flops_per_rank=None)
-    assert ddp["at_optimizer_step_bytes"] == ranks[3]["at_optimizer_step_bytes"]  # the least held
+    assert ddp["at_optimizer_step_bytes"] == ranks[0]["at_optimizer_step_bytes"]  # the least held
     assert (ddp["comm_bytes_per_step"], ddp["comm_counted_rank"]) == (1000, 0)
 
 

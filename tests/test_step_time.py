@@ -277,20 +277,26 @@ def test_a_pipelines_engine_overhead_makes_its_timeline_take_the_calibration_ste
 def test_a_pipelines_hand_over_between_nodes_is_priced_at_the_sweep_across_them():
     # GPipe, 4 ranks on 2 nodes, one micro-batch: its hand-overs run 0-1-2-3 forward and back,
     # each on the critical path; the two across the nodes' boundary (1 <-> 2) at the slower
-    # sweep across nodes, the four within a node at the node's own.
+    # sweep across nodes, the four within a node at the node's own. The tied table's exchange
+    # (rank 0 with rank 3, twice a hand-over's bytes) crosses the nodes whole.
     cell = CellSpec(model="llama-tiny", strategy=StrategySpec(name="pp_gpipe", pp_microbatches=1), world_size=4)
     hidden, within, between = 2**12, 0.1 * MS, 3 * MS
     calibration = _calibration(world_size=4)
     calibration["rows"] += [{"op": "send_recv", "scope": "intra_node", "bytes": hidden, "time_s": within}]
-    calibration["across_nodes"] = {"world_size": 4, "rows": [
-        {"op": "send_recv", "scope": scope, "bytes": hidden, "time_s": t}
-        for scope, t in (("intra_node", within), ("inter_node", between))]}
-    work = _work(ops=1000, flops=0, memory=(), collectives={"send": [[hidden, 1]], "recv": [[hidden, 1]]})
+    across = {"world_size": 4, "rows": [{"op": "send_recv", "scope": scope, "bytes": hidden, "time_s": t}
+                                        for scope, t in (("intra_node", within), ("inter_node", between))]}
+    exchanged = [[hidden, 1], [2 * hidden, 1]]
+    work = _work(ops=1000, flops=0, memory=(), collectives={"send": exchanged, "recv": exchanged})
     predicted = analytic.predict(cell, device_type="cpu")
-    one_node, two_nodes = (step_time.predict(cell, predicted, {"work": work}, calibration, "cpu", nodes)
-                           for nodes in (1, 2))
-    assert one_node["exposed_comm_s"] == pytest.approx(6 * within)
-    assert two_nodes["exposed_comm_s"] == pytest.approx(4 * within + 2 * between)
+
+    def exposed(nodes: int, swept_across: dict | None) -> float:
+        rates = {**calibration, **({"across_nodes": swept_across} if swept_across else {})}
+        return step_time.predict(cell, predicted, {"work": work}, rates, "cpu", nodes)["exposed_comm_s"]
+
+    assert exposed(1, across) == pytest.approx(6 * within + 2 * 2 * within)
+    assert exposed(2, across) == pytest.approx(4 * within + 2 * between + 2 * 2 * between)
+    # A run that swept one node only: what crosses is priced as within it (plan says so).
+    assert exposed(2, None) == pytest.approx(exposed(1, across))
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])

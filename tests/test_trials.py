@@ -55,6 +55,12 @@ def test_an_even_number_of_trials_averages_the_middle_two_and_shows_the_earliest
     assert folded["metrics"]["peak_mem_bytes"] == PEAK + 2048
     assert folded["trial"] == 0  # both 0.125 s from the median: the earlier one
     assert folded["trials"]["peak_mem_range_bytes"] == 4096  # peak memory moved: said, not hidden
+    # A rank's number names a rank: the shown trial's, never a median (1.0 or 1.5).
+    counted = [ok(t, step) for t, step in ((0, 0.5), (1, 0.25))]
+    for record in counted:
+        record["metrics"]["comm_counted_rank"] = 1
+    assert trials.combine(counted)["metrics"]["comm_counted_rank"] == 1
+    assert isinstance(trials.combine(counted)["metrics"]["comm_counted_rank"], int)
 
 
 def test_a_cell_is_ok_only_when_every_trial_is():

@@ -12,9 +12,9 @@ precision's range. The record's ``numerics`` (README "Results format").
   gradients and, where they are sharded, a collective: a cell that clips computes it every
   step anyway; one that does not has it measured only in its warm-up steps, so that no timed,
   memory-tracked or comm-counted step pays for it (null for those steps). DeepSpeed computes
-  it inside every step itself. Null throughout for the strategies that cannot clip
-  (Megatron: each rank holds a part of the model, and no global norm is wired; a pipeline
-  sums its stages' squares over the ranks, strategies/pipeline.py).
+  it inside every step itself; a pipeline's ranks sum their stages' squares over the
+  pipeline (strategies/pipeline.py). Null throughout for the strategies that cannot clip
+  (Megatron: each rank holds a part of the model, and no global norm is wired).
 - gradient_range (fp16 and bf16 cells): the last warm-up step's gradients, as the backward
   left them for the optimizer (multiplied by the loss scale), cast to the compute precision:
   how many are zero or subnormal there, and how many would be without the loss scale — the

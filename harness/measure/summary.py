@@ -25,8 +25,9 @@
   step unless something is kept.
 - comm_*: counted on rank 0's comm step; every rank runs the same collectives but in a
   pipeline, whose ranks send what their stages hand on (a middle rank both ways, twice
-  the first's): there on the comm step of the rank with the peak (comm_counted_rank says
-  which). busbw_gbps
+  the first's): there on the comm step of the rank that sent the most (the lowest of
+  equals; comm_counted_rank says which), as the analytic model's are its busiest rank's.
+  busbw_gbps
   per op by the nccl-tests factors (on gloo, time includes waiting for the peer).
   comm_exposed_s_per_step: the part of that step's collective time during which it computed
   nothing, and comm_overlap_fraction the rest's share (measure/overlap.py); None in records
@@ -72,9 +73,11 @@ def summarize(cell: CellSpec, per_rank: list[dict[str, Any]], peak_flops_per_ran
     step_time, step_iqr = median_iqr(slowest_per_step)
     samples_per_s = cell.global_batch / step_time
     rank0 = per_rank[0]
-    # A pipeline's ranks hold and send their own stages' (module docstring): its peak rank's.
+    # A pipeline's ranks hold and send their own stages' (module docstring): the states its
+    # peak rank's, the communication its busiest rank's.
     own_part = peak_rank if cell.strategy.pipelined else None
-    counted = own_part or rank0
+    counted = (max(per_rank, key=lambda r: sum(op["bytes"] for op in r["comm_by_op"].values()))
+               if cell.strategy.pipelined else rank0)
     flops_per_s_per_rank = rank0["flops_per_sample"] * samples_per_s / cell.world_size
     comm_by_op = _with_busbw(counted["comm_by_op"], cell.world_size)
     mfu = flops_per_s_per_rank / peak_flops_per_rank if peak_flops_per_rank else None

@@ -290,6 +290,11 @@ def pipeline_rank_peak(schedule: str, rank: int, ranks: int, microbatches: int,
                          loss_stage=loss_stage, loss=loss, head=head, head_grads=head_grads, recompute=recompute)
 
 
+def _boundaries(stages: range, n_stages: int) -> int:
+    """The stage boundaries ``stages`` sit on: one for the first and the last, two between."""
+    return sum((i > 0) + (i < n_stages - 1) for i in stages)
+
+
 def pipeline_rank_calls(cell: CellSpec, rank: int = 0) -> dict[str, list[list[float]]]:
     """``rank``'s sends in one step (and as many receives), as [bytes a call, calls]: each
     micro-batch's hidden states or their gradient over each boundary of its stages (the
@@ -298,7 +303,7 @@ def pipeline_rank_calls(cell: CellSpec, rank: int = 0) -> dict[str, list[list[fl
     untraced pipeline's hand-overs with rank 0's (predict/step_time.py)."""
     s, p, spec = cell.strategy, cell.world_size, cell.model_spec
     n_stages = pipeline.n_stages(s.name, p)
-    hand_overs = s.layout("pp_microbatches") * sum((i > 0) + (i < n_stages - 1) for i in range(rank, n_stages, p))
+    hand_overs = s.layout("pp_microbatches") * _boundaries(range(rank, n_stages, p), n_stages)
     one = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, 1, neighbours=1,
                              value_bytes=_BOUNDARY_BYTES)
     calls = [[one, float(hand_overs)]]
@@ -348,7 +353,7 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
         mine = range(rank, n_stages, p)
         n_params = sum(params[i] for i in mine)
         received = pipeline_p2p_bytes(cell.micro_batch, spec.tokens_per_sample, spec.hidden, m,
-                                      neighbours=sum((i > 0) + (i < n_stages - 1) for i in mine),
+                                      neighbours=_boundaries(mine, n_stages),
                                       value_bytes=_BOUNDARY_BYTES)
         swapped = 4.0 * vocab * spec.hidden if tied and rank in (0, p - 1) else 0.0
         peak = pipeline_rank_peak(schedule, rank, p, m, {i: per_microbatch[i] for i in mine},
@@ -357,7 +362,8 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
                                   recompute={i: recomputed for i in mine if layers_of[i]})
         autocast_copies = _low_precision_copies(cell, n_params)
         states = {"params": 4.0 * n_params, "grads": 4.0 * n_params,
-                  # As one flat tensor's: its moments exact, one step counter for the stage's tensors.
+                  # As one flat tensor's: its moments exact, its step counters (torch's AdamW
+                  # keeps one a tensor) approximated by one.
                   "optimizer": optimizer_state_bytes(((round(n_params),),), s.optimizer), "buffers": received}
         ranks.append({
             "states": states,
@@ -371,8 +377,14 @@ def _pipeline_ranks(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> lis
     return ranks
 
 
+def _busiest(ranks: list[dict]) -> dict:
+    """The rank that sends the most a step (the first of equals): whose communication a
+    pipeline's record counts (measure/summary.py)."""
+    return max(ranks, key=lambda rank: sum(rank["comm"].values()))
+
+
 def _pipeline_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dict:
-    """The rank whose peak is highest."""
+    """The rank whose peak is highest, and the busiest's communication."""
     ranks = _pipeline_ranks(cell, spec, layout)
     peak = max(ranks, key=_rank_peak)
     s = cell.strategy
@@ -381,7 +393,7 @@ def _pipeline_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dic
             # The last stage's logits are inside its held total.
             "activations": {"per_layer": activation_bytes(cell, spec)["per_layer"], "layers": peak["activations"],
                             "logits": 0.0},
-            "transient": peak["transient"], "comm": peak["comm"], "schedule_moment": peak["moment"],
+            "transient": peak["transient"], "comm": _busiest(ranks)["comm"], "schedule_moment": peak["moment"],
             "extra": {"bubble_fraction": pipeline_bubble_fraction(cell.world_size, s.layout("pp_microbatches"),
                                                                   virtual_stages),
                       "per_rank_peak_bytes": [_rank_peak(r) for r in ranks]}}
@@ -473,7 +485,7 @@ def _megatron_parts(cell: CellSpec, spec: ModelSpec, layout: ParamLayout) -> dic
                  "per_stage_peak_bytes": [_rank_peak(st) for st in stages]}
     return {"states": peak["states"],
             "activations": {"per_layer": acts["per_layer"], "layers": peak["activations"], "logits": 0.0},
-            "transient": peak["transient"], "comm": peak["comm"], "extra": extra}
+            "transient": peak["transient"], "comm": _busiest(stages)["comm"], "extra": extra}
 
 
 # --- context parallelism --------------------------------------------------------------------------

@@ -227,9 +227,7 @@ def candidates(req: PlanRequest, device_type: str = "cuda") -> list[CellSpec]:
     for name, degree in layouts:
         if name == "fsdp_hybrid" and req.nodes < 2:
             continue  # on one node HSDP is full sharding with a trivial replicate dimension
-        pipelined = name in PLANNED_PIPELINES
-        if pipelined and batch % micro:
-            continue
+        pipelined = name in PLANNED_PIPELINES  # the batch divides by micro: PlanRequest checked it
         for ckpt in CHECKPOINTING_ORDER:
             for offload in OFFLOAD_ORDER:
                 if req.gpus == 1 and name != "single" and offload == "none":

@@ -211,8 +211,8 @@ def _comm_seconds_by_op(work: dict, cell: CellSpec, calibration: dict,
             for kind, calls in by_kind.items()}
 
 
-def _comm_seconds(work: dict, cell: CellSpec, calibration: dict) -> float:
-    return sum(total for total, _ in _comm_seconds_by_op(work, cell, calibration).values())
+def _comm_seconds(work: dict, cell: CellSpec, calibration: dict, nodes: int = 1) -> float:
+    return sum(total for total, _ in _comm_seconds_by_op(work, cell, calibration, nodes).values())
 
 
 def _calls_by_group(cell: CellSpec, kind: str, sizes: list,
@@ -256,8 +256,10 @@ def _job_call_seconds(kind: str, nbytes: float, cell: CellSpec, calibration: dic
     if nodes < 2 or ranks * stride <= per_node:
         return _call_seconds(kind, nbytes, ranks, calibration["rows"], calibration["world_size"])
     across = calibration.get("across_nodes")
-    between = (across["rows"], across["world_size"]) if across else (calibration["rows"], calibration["world_size"])
-    return _call_seconds(kind, nbytes * min(stride, per_node), ranks, *between)
+    shared = nbytes * min(stride, per_node)
+    if not across:
+        return _call_seconds(kind, shared, ranks, calibration["rows"], calibration["world_size"])
+    return _call_seconds(kind, shared, ranks, across["rows"], across["world_size"], scope="inter_node")
 
 
 def call_group(cell: CellSpec, kind: str, nodes: int = 1) -> tuple[int, int]:
@@ -363,9 +365,9 @@ def _with_analytic_collectives(work: dict, analytic: dict) -> dict:
 def _model_split(cell: CellSpec) -> int:
     """How many ranks share one sample's FLOPs and the model's parameters: a pipeline's ranks
     (an interleaved one's two stages a rank), or the tensor- or context-parallel degree."""
-    if cell.strategy.pipelined:
-        return cell.world_size
     kind = strategies.get(cell.strategy.name).engine_model.analytic
+    if kind == "pipeline":
+        return cell.world_size
     if kind in ("tensor_parallel", "context_parallel"):
         return cell.world_size // max(1, cell.strategy.data_parallel_size(cell.world_size))
     if kind == "megatron":
@@ -475,17 +477,18 @@ def _pipeline_step(cell: CellSpec, work: dict, other_ranks: dict, rates: dict, o
     sends = work["collectives"].get("send", [])
     hop_bytes = max(sends, key=lambda size_calls: size_calls[1])[0] if sends else 0
     hop = _hop_seconds(hop_bytes, cell, calibration, nodes, share)
-    hops = sum(calls for kind in ("send", "recv") for nbytes, calls in work["collectives"].get(kind, [])
-               if nbytes == hop_bytes)
-    comm = _comm_seconds(work, cell, calibration) / share
-    within = hop(0, 0)
+    # Every call but the hand-overs (the tied table's exchange, rank 0 with the last, across
+    # nodes where there are several), priced in full on the job's nodes.
+    others = {kind: [[nbytes, calls] for nbytes, calls in sizes if kind not in ("send", "recv") or nbytes != hop_bytes]
+              for kind, sizes in work["collectives"].items()}
+    other_comm = _comm_seconds({**work, "collectives": others}, cell, calibration, nodes) / share
     forward_share = 1 / 4 if s.checkpointing == "full" else 1 / 3
     action_s = [(per_action * forward_share, per_action * (1 - forward_share))
                 for compute in compute_by_rank for per_action in [compute / (microbatches * virtual)]]
     idle = pipeline_schedule.step_seconds(schedule, microbatches, virtual, action_s, 0.0)
     timed = pipeline_schedule.step_seconds(schedule, microbatches, virtual, action_s, hop)
     slowest = max(compute_by_rank)
-    return slowest, (idle / slowest if slowest else 1.0), timed - idle + max(0.0, comm - hops * within)
+    return slowest, (idle / slowest if slowest else 1.0), timed - idle + other_comm
 
 
 def _hop_seconds(nbytes: float, cell: CellSpec, calibration: dict, nodes: int,
@@ -498,9 +501,9 @@ def _hop_seconds(nbytes: float, cell: CellSpec, calibration: dict, nodes: int,
         return lambda sender, receiver: 0.0
     p = cell.world_size
     within = _call_seconds("send", nbytes, p, calibration["rows"], calibration["world_size"]) / share
-    if nodes < 2:
+    across = calibration.get("across_nodes")
+    if nodes < 2 or not across:
         return lambda sender, receiver: within
-    across = calibration.get("across_nodes") or calibration
     between = _call_seconds("send", nbytes, p, across["rows"], across["world_size"], scope="inter_node") / share
     per_node = p // nodes
     return lambda sender, receiver: between if sender // per_node != receiver // per_node else within

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harness import strategies
-from harness.config import CellSpec, StrategySpec
+from harness.config import CellSpec
 from harness.results import provenance
 
 SCHEMA_VERSION = 5
@@ -151,16 +151,17 @@ def _fit(record: Record) -> Record:
 @migration(4)
 def _pipeline_ranks_own_parts(record: Record) -> Record:
     """5 took a pipeline's ``metrics.at_optimizer_step_bytes`` from its rank with the peak,
-    whose stages it holds (it had been the least any rank held), and its ``comm_*`` from that
-    rank's comm step (they had been rank 0's), and added ``metrics.comm_counted_rank``, the
-    rank whose comm step ``comm_*`` counted: a record before it takes its peak rank's states
-    from ``per_rank`` and keeps rank 0's communication, as counted."""
+    whose stages it holds (it had been the least any rank held), and its ``comm_*`` from its
+    busiest rank's comm step (they had been rank 0's), and added ``metrics.comm_counted_rank``,
+    the rank whose comm step ``comm_*`` counted: a record before it takes its peak rank's
+    states from ``per_rank`` and keeps rank 0's communication, as counted. A pipelined cell
+    is one whose options resolved ``pp_microbatches`` (config.StrategySpec sets it then only)."""
     metrics = record.get("metrics") or {}
     if "comm_by_op" not in metrics:  # a cell that did not run, or ran out of memory
         return record
     migrated = {**metrics, "comm_counted_rank": 0}
     per_rank = record.get("per_rank") or []
-    if StrategySpec(**record["cell"]["strategy"]).pipelined and per_rank:
+    if record["cell"]["strategy"].get("pp_microbatches") is not None and per_rank:
         migrated["at_optimizer_step_bytes"] = max(per_rank, key=lambda r: r["peak_mem_bytes"]).get(
             "at_optimizer_step_bytes")
     return {**record, "metrics": migrated}

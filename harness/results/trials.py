@@ -12,7 +12,8 @@ The folded record is the record of one trial, the *shown* trial, with these chan
   and in their own records.
 - ``metrics``: every number in it (step_time_s, step_time_iqr_s, samples_per_s, tokens_per_s,
   tflops_per_rank, mfu, peak_mem_bytes, rss_peak_bytes, comm bytes and time per step) is the
-  median over the trials. Nested entries (mem_breakdown_bytes, comm_by_op,
+  median over the trials (comm_counted_rank, a rank's number, is the shown trial's, the
+  same in every trial). Nested entries (mem_breakdown_bytes, comm_by_op,
   at_optimizer_step_bytes), mfu_suspect and the rest of the record (per_rank, losses,
   predicted) are the shown trial's: the trial whose step time is nearest the median, the
   earliest on a tie. With an odd number of trials that is the median trial itself, so its
@@ -80,9 +81,13 @@ def _shown(ok: list[Record]) -> Record:
     return min(timed, key=lambda rt: abs(rt[1] - median))[0]
 
 
+# Numbers that name something, not measure it: the shown trial's.
+_IDENTIFIERS = ("comm_counted_rank",)
+
+
 def _median_metrics(ok: list[Record], shown: Record) -> dict[str, Any]:
     metrics = dict(shown.get("metrics") or {})
-    for key in metrics:
+    for key in (k for k in metrics if k not in _IDENTIFIERS):
         values = [v for v in (_metric(r, key) for r in ok) if v is not None]
         if len(values) == len(ok):
             metrics[key] = statistics.median(values)

@@ -75,9 +75,11 @@ def summarize(cell: CellSpec, per_rank: list[dict[str, Any]], peak_flops_per_ran
     rank0 = per_rank[0]
     # A pipeline's ranks hold and send their own stages' (module docstring): the states its
     # peak rank's, the communication its busiest rank's.
-    own_part = peak_rank if cell.strategy.pipelined else None
-    counted = (max(per_rank, key=lambda r: sum(op["bytes"] for op in r["comm_by_op"].values()))
-               if cell.strategy.pipelined else rank0)
+    if cell.strategy.pipelined:
+        holding = [peak_rank]
+        counted = max(per_rank, key=lambda r: sum(op["bytes"] for op in r["comm_by_op"].values()))
+    else:
+        holding, counted = per_rank, rank0
     flops_per_s_per_rank = rank0["flops_per_sample"] * samples_per_s / cell.world_size
     comm_by_op = _with_busbw(counted["comm_by_op"], cell.world_size)
     mfu = flops_per_s_per_rank / peak_flops_per_rank if peak_flops_per_rank else None
@@ -85,7 +87,7 @@ def summarize(cell: CellSpec, per_rank: list[dict[str, Any]], peak_flops_per_ran
         "peak_mem_bytes": peak_rank["peak_mem_bytes"],
         "mem_breakdown_bytes": {k: peak_rank["mem_breakdown_bytes"][k] for k in BREAKDOWN_KEYS},
         "rss_peak_bytes": max((r["rss_peak_bytes"] or 0) for r in per_rank) or None,
-        "at_optimizer_step_bytes": _at_optimizer_step([own_part] if own_part else per_rank),
+        "at_optimizer_step_bytes": _at_optimizer_step(holding),
         "async_freed_bytes": max(r.get("async_freed_bytes", 0) for r in per_rank),
         "memory_growth_bytes": memory_growth(per_rank),
         "step_time_s": step_time,

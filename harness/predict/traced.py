@@ -629,11 +629,11 @@ def traced_ranks(cell: CellSpec) -> list[int]:
     (analytic_parallel.pipeline_rank_peak: a middle stage's blocks where the first holds
     fewer, llama-tiny's on 4 ranks twice rank 0's), or where that is the first or the last
     and there are ranks between them, the one of those with the most blocks
-    (pipeline.busiest_middle_rank): the step-time predictor plays the schedule out with
-    the first, a middle and the last ranks' work (pipeline.other_ranks_work); the last where the engine's last rank is
-    heavier (EngineModel.last_rank_heavier); the fullest of a whole-tensor optimizer
-    partition (analytic_data_parallel.fullest_optimizer_rank). The work is rank 0's (and a
-    pipeline's others' beside it)."""
+    (pipeline.busiest_middle_rank): the step-time predictor plays the schedule out with the
+    first, a middle and the last ranks' work (pipeline.other_ranks_work). The last where the
+    engine's last rank is heavier (EngineModel.last_rank_heavier); the fullest of a
+    whole-tensor optimizer partition (analytic_data_parallel.fullest_optimizer_rank). The
+    work is rank 0's (and a pipeline's others' beside it)."""
     last = cell.world_size - 1
     if cell.strategy.pipelined:
         heaviest = _heaviest_pipeline_rank(cell)

@@ -9,7 +9,7 @@ import pytest
 from harness import faults
 from harness.config import CellSpec, StrategySpec
 from harness.results.store import RunStore, load_records
-from harness.runner import timeouts
+from harness.runner import launcher, timeouts
 from harness.runner.launcher import LaunchOptions, run_batch
 from harness.runner.matrix import MatrixRun
 from launch_options import untraced
@@ -105,6 +105,24 @@ def test_cells_of_one_launch_are_isolated_and_faults_are_recorded(tmp_path, monk
     restarts = [line for line in (launches[3] / "stream.jsonl").read_text().splitlines() if '"restart"' in line]
     assert len(restarts) == 1 and f"available after {after_hang.cell_id}" in restarts[0]
     assert _worker_processes(tmp_path) == [], "a launch left worker processes behind"
+
+
+def test_a_resumed_runs_launches_go_beside_the_first_sessions(tmp_path, monkeypatch):
+    """A resume launches into the same launches/ws2: its folders continue the numbering, so
+    the first session's logs (a failed cell's reason points there) are kept; the rendezvous
+    id counts the call's own launches, as a follower node's fresh folders do."""
+    (tmp_path / "launch-001").mkdir()
+    (tmp_path / "launch-002").mkdir()
+    launched = []
+
+    def launch_once(cells, options, workdir, on_outcome, rdzv_id):
+        launched.append((workdir.name, rdzv_id))
+        return cells[1:]  # settles one cell a launch, as a crash does
+
+    monkeypatch.setattr(launcher, "_launch_once", launch_once)
+    run_batch([gpt2("ddp"), gpt2("fsdp_full")], LaunchOptions(), tmp_path, lambda outcome: None)
+    rendezvous = f"shardbench-{tmp_path.name}"
+    assert launched == [("launch-003", f"{rendezvous}-1"), ("launch-004", f"{rendezvous}-2")]
 
 
 def test_records_reach_the_store_as_cells_end(shared_matrix):

@@ -184,12 +184,16 @@ def _outcome_from_worker(cell: CellSpec, per_rank: list[dict], wall_s: float) ->
 def run_batch(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
               on_outcome: Callable[[CellOutcome], None]) -> None:
     """Run ``cells`` (all of one world size), calling ``on_outcome`` as each one ends.
-    Every launch settles at least one cell, so the loop ends."""
+    Every launch settles at least one cell, so the loop ends. Each launch gets the next
+    launch-NNN folder under ``workdir`` not yet taken: a resumed run's launches go beside the
+    first session's, whose logs hold the reasons of the cells they failed. The rendezvous id
+    counts this call's launches alone, as a follower node's does (its folders are its own)."""
     remaining = list(cells)
+    taken = max((int(p.name.removeprefix("launch-")) for p in workdir.glob("launch-[0-9][0-9][0-9]")), default=0)
     attempt = 0
     while remaining:
         attempt += 1
-        remaining = _launch_once(remaining, options, workdir / f"launch-{attempt:03d}", on_outcome,
+        remaining = _launch_once(remaining, options, workdir / f"launch-{taken + attempt:03d}", on_outcome,
                                  rdzv_id=f"shardbench-{workdir.name}-{attempt}")
 
 

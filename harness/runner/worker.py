@@ -179,7 +179,7 @@ def main() -> None:
         dist.destroy_process_group()
         os._exit(0)
     release_memory(env.device)
-    for cell in cells:
+    for n, cell in enumerate(cells, start=1):
         stream.write({"event": "start", "cell_id": cell.cell_id})
         try:
             result = {"status": "ok", "reason": "",
@@ -199,6 +199,10 @@ def main() -> None:
         stream.write({"event": "done", "cell_id": cell.cell_id, "per_rank": per_rank})
         if any(r["status"] != "ok" for r in per_rank):
             stream.write({"event": "restart"})
+            break
+        if n == len(cells):
+            # No next cell to protect; and the launcher, holding every result, ends this
+            # launch now: a collective here would race its kill ("connection reset by peer").
             break
         release_memory(env.device)
         if short := host_memory_short(cell, env):

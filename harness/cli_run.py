@@ -84,9 +84,8 @@ def _resolve_nodes(options: RunOptions) -> tuple[RunOptions, nodes.NodeSpec]:
 def _resume_selection(options: RunOptions, given: dict[str, Any], node: nodes.NodeSpec) -> RunOptions:
     """--resume: the run's own selection (suite, -m, -k, world size, device, --gpu-mem) from its run.json;
     an option ``given`` that differs from it is refused, as is a run that cannot be found."""
-    from harness.distributed import DEVICES
+    from harness.distributed import DEVICES, job_world_size
     from harness.runner import resume
-    from harness.runner.session import world_size
 
     if options.resume is None:
         raise ValueError("--resume: name the run to resume (a run id, 'latest' or a run folder)")
@@ -100,7 +99,7 @@ def _resume_selection(options: RunOptions, given: dict[str, Any], node: nodes.No
         if "mem_cap_gib" in given:
             asked["mem_cap_bytes"] = options.mem_cap_bytes
         if "gpus" in given:
-            asked["world_size"] = world_size(options.gpus, node.nnodes)
+            asked["world_size"] = job_world_size(options.gpus, node.nnodes)
         resume.check_same_selection(run_dir, original, asked)
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -34,8 +34,7 @@ def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = Fal
     which may show a GPU node's matrix on a host without GPUs (--device cuda --gpus N --gpu-mem)."""
     import torch
 
-    from harness.distributed import device_type, selected_device
-    from harness.runner.session import world_size
+    from harness.distributed import device_type, job_world_size, selected_device
 
     use_device(options)
     try:
@@ -54,7 +53,7 @@ def check_selection(options: RunOptions, nnodes: int = 1, *, listing: bool = Fal
             _check_cell_count(listed, options, f"--suite {options.suite} lists")
             progress = _building_progress(listed)
         gpu = suites_gpu.target(options.gpu_mem_bytes)
-        cells = suites.cells_of(options.suite, world_size(options.gpus, nnodes), nnodes, gpu, progress)
+        cells = suites.cells_of(options.suite, job_world_size(options.gpus, nnodes), nnodes, gpu, progress)
         _check_cell_count(len(cells), options, f"suite {options.suite} has")
         markers.check_world_sizes(cells)
         if options.marker_expression:

@@ -43,6 +43,18 @@ def selected_device() -> str:
     return chosen or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def job_world_size(gpus: int | None, nnodes: int = 1) -> int:
+    """Ranks in the job: nodes × ranks per node (``gpus``: every GPU, or 2 CPU processes)."""
+    if gpus is not None:
+        return gpus * nnodes
+    if selected_device() != "cuda":
+        return 2 * nnodes
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no GPU is visible here; give --gpus N (and --gpu-mem) to list the"
+                         " matrix of a node of N GPUs")
+    return nnodes * torch.cuda.device_count()
+
+
 def device_type() -> str:
     """Where cells run (``selected_device``), which must be on this host. Forcing "cpu" on a
     GPU host runs gloo ranks on the CPU (the harness's own tests do, so they pass on any host)."""

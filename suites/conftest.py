@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import markers, suites, suites_gpu
+from harness import distributed, markers, suites, suites_gpu
 from harness.config import add_run_options
 from harness.results.store import ResultsNotWritable
 from harness.runner import resume
@@ -51,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
             resume.check_same_selection(resume_dir, resume.original_selection(resume_dir), {
                 "suite": options.suite, "marker_expression": options.marker_expression,
                 "keyword_expression": options.keyword_expression,
-                "world_size": run_session.world_size(options.gpus, nodes.nnodes), "nnodes": nodes.nnodes,
+                "world_size": distributed.job_world_size(options.gpus, nodes.nnodes), "nnodes": nodes.nnodes,
                 **({} if options.repeat is None else {"repeat": options.repeat})})
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
@@ -62,7 +62,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     options, nnodes = run_session.run_options(metafunc.config), run_session.node_spec(metafunc.config).nnodes
     try:
-        cells = suites.cells_of(options.suite, run_session.world_size(options.gpus, nnodes), nnodes,
+        cells = suites.cells_of(options.suite, distributed.job_world_size(options.gpus, nnodes), nnodes,
                                 suites_gpu.target(options.gpu_mem_bytes))
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None

@@ -38,18 +38,6 @@ EXIT_NOT_WRITTEN = 74
 _PLAN_SERVER = pytest.StashKey[PlanServer]()
 
 
-def world_size(gpus: int | None, nnodes: int = 1) -> int:
-    """Ranks in the job: nodes × ranks per node (``gpus``: every GPU, or 2 CPU processes)."""
-    if gpus is not None:
-        return gpus * nnodes
-    if distributed.selected_device() != "cuda":
-        return 2 * nnodes
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda: no GPU is visible here; give --gpus N (and --gpu-mem) to list the"
-                         " matrix of a node of N GPUs")
-    return nnodes * torch.cuda.device_count()
-
-
 def run_options(config: pytest.Config) -> RunOptions:
     """The run's options, as given to pytest (ValueError, one line, for a bad one)."""
     return RunOptions.from_args(config.option, "pytest")
@@ -107,7 +95,7 @@ def start(config: pytest.Config) -> MatrixRun:
     else:
         store = RunStore(root / "results", new_run_id())
         suite = options.suite
-        ranks_per_node = world_size(options.gpus)
+        ranks_per_node = distributed.job_world_size(options.gpus)
         environment_info = environment.collect(REPO_ROOT)
         # This node's ranks only: the one launch that needs no other node to take part.
         environment_info["bandwidth"] = {"skipped": "--no-bandwidth"} if options.no_bandwidth else {
@@ -123,7 +111,7 @@ def start(config: pytest.Config) -> MatrixRun:
             "command": sys.argv,
             "marker_expression": options.marker_expression,
             "keyword_expression": options.keyword_expression,
-            "world_size": world_size(options.gpus, node_spec(config).nnodes),
+            "world_size": distributed.job_world_size(options.gpus, node_spec(config).nnodes),
             "repeat": options.repeat or 1,
             "mem_cap_bytes": options.mem_cap_bytes,
             "gpu_mem": options.gpu_mem,
@@ -157,7 +145,7 @@ def start(config: pytest.Config) -> MatrixRun:
     if launch.nodes.multi:
         spanning = [[c for c in cells if nodes_of(c.world_size, launch.nodes) > 1] for cells in run.launch_rounds()]
         # Every node's ranks sweep together before the cells (not on a resume: its run has one).
-        sweep_ranks = None if options.no_bandwidth or recorded is not None else world_size(options.gpus,
+        sweep_ranks = None if options.no_bandwidth or recorded is not None else distributed.job_world_size(options.gpus,
                                                                                            launch.nodes.nnodes)
         publish_plan(config, Plan(run_id=store.run_id, rounds=spanning, cell_timeout_s=options.cell_timeout_s,
                                   mem_cap_bytes=options.mem_cap_bytes, sweep_world_size=sweep_ranks))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import markers, suites
+from harness import distributed, markers, suites
 from harness.claims import catalogue, records
 from harness.runner import session as run_session
 
@@ -36,7 +36,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     options = run_session.run_options(config)
     if options.suite in suites.CLAIMS_SUITES:
-        world_size = run_session.world_size(options.gpus)
+        world_size = distributed.job_world_size(options.gpus)
         config.stash[run_session.SELECTED] = catalogue.cells(world_size, _claim_ids(session.items))
 
 
@@ -52,7 +52,7 @@ def _message(record: dict) -> str:
 @pytest.fixture
 def judge(matrix, pytestconfig: pytest.Config):
     """judge(claim_id): evaluate the claim on this run, store its record, decide the test."""
-    world_size = run_session.world_size(run_session.run_options(pytestconfig).gpus)
+    world_size = distributed.job_world_size(run_session.run_options(pytestconfig).gpus)
 
     def run(claim_id: str) -> dict:
         record = records.evaluate(claim_id, matrix.record_of, world_size)

@@ -103,7 +103,7 @@ def test_the_same_launch_measures_the_ranks_compute_rates(swept):
         # under 1 ms; bf16 and fp16 only where the CPU has the instructions for them (about
         # 1.3 GFLOP/s alone on an AVX2-only host, less with two ranks on two cores).
         assert 1e9 < measured["matmul_flops_per_s"]["fp32"] < 1e14
-        assert all(1e7 < f < 1e14 for f in measured["matmul_flops_per_s"].values())
+        assert all(1e8 < f < 1e14 for f in measured["matmul_flops_per_s"].values())
         assert set(measured["op_s"]) == {"fp32", "bf16", "fp16"}
         assert all(1e-7 < seconds < 1e-3 for seconds in measured["op_s"].values())
         # A model's elementwise ops never move bytes faster than the STREAM add.

@@ -56,18 +56,21 @@ the others wait (as the single-process reference runs; a one-rank launch times t
   forward, backward and AdamW; bf16 and fp16 under autocast, as the cells run them), each
   step's work counted once by a dispatch mode (measure/dispatched_work.py: its ops, its
   matmuls' FLOPs by torch's formulas and by call size, its other ops' bytes by size). The fp32
-  step is timed at two batch sizes (``OP_COST_SAMPLES``): what grows with the batch is the
-  work that has a size, the matmuls and attention kernels, priced at the rates above for
-  their sizes (``kernel_seconds``), and the other ops' bytes, priced at the STREAM add's
-  bandwidth (``memory_seconds``). What the larger step took beyond the smaller one and its
-  kernels' growth, over its bytes' priced growth, is ``memory_factor``: a model's
-  elementwise ops run several times slower per byte than an add into a buffer that exists
-  (each allocates its output, and GELU, softmax and the norms do math on every byte; profiled
-  op by op, of the 7.4 ms llama-tiny's fp32 step gains from 2 to 16 samples the matmuls are
-  3.1 ms and the elementwise ops most of the rest). It is fitted on fp32 alone and holds for
-  every precision. What is left of each precision's smaller step once its kernels and its
-  bytes (at that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's
-  and autograd's bookkeeping and the Python of transformers' modules around each op (a plain
+  steps at more samples (``OP_COST_SAMPLES``' second) and of the wide decoder
+  (``OP_COST_WIDE``) are each run again with every op that moves bytes (what
+  ``memory_bytes`` counts) timed inside its call (on CUDA by events around it): that time,
+  less each call's fixed cost (what the same timing reads for an add of one element), over
+  the same ops' bytes at the STREAM add's bandwidth for their sizes, is ``memory_factor`` at
+  each step's typical op size. A model's elementwise ops run several times slower per byte
+  than an add into a buffer that exists (each allocates its output, and GELU, softmax and the
+  norms do math on every byte). Timed in place, not fitted: the bytes are the smallest part
+  of the tiny step's growth with its batch (half a millisecond at the add's rate beside 5.7 ms
+  of matmuls, from 2 to 16 samples), and the fit that took what the step grew beyond its
+  kernels read 1.2 to 9.3 in five calibrations in a row on this project's CPU host, where
+  this timing reads 6.5 to 7.0. It is measured in fp32 and holds for every precision. What
+  is left of each precision's step at the fewer samples once its kernels and its bytes (at
+  that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's and
+  autograd's bookkeeping and the Python of transformers' modules around each op (a plain
   Sequential of Linear, LayerNorm and GELU modules, an op per module call, costs 5-6 µs). The
   engines' own hooks are not in it.
 
@@ -420,39 +423,92 @@ def _stream(vectors: dict[int, list[torch.Tensor]], device: torch.device, env: D
             for size in vectors if size > 1 for gross in [add(size)]]
 
 
-def _memory_factor(steps: dict[str, tuple[Callable[[], None], dict[str, Any]]], seconds: dict[str, float],
-                   rates: dict[str, Any]) -> list[list[float]]:
-    """``memory_factor``, [[op size, factor], ...], from the fp32 steps (module docstring) and
-    their ``seconds``: the decoder's growth from OP_COST_SAMPLES' fewer ("fp32") to more
-    ("large") samples, at the larger step's typical op size; then the wide decoder's step
-    ("wide") less its ops (at the op cost the smaller step leaves at that factor) and its
-    kernels (kernel_seconds), at its own."""
-    fp32_steps = ("fp32", "large", "wide")
-    kernels = {key: kernel_seconds(steps[key][1], rates, "fp32") for key in fp32_steps}
-    stream = {key: sum(t for _, t in _stream_seconds_by_size(steps[key][1], rates)) for key in fp32_steps}
-    # Never below 1: the STREAM add is the fastest the host moves bytes, and noisy timings
-    # must not price them faster still.
-    narrow = max(1.0, (seconds["large"] - seconds["fp32"] - (kernels["large"] - kernels["fp32"]))
-                 / (stream["large"] - stream["fp32"]))
-    op_s = _op_cost_at(seconds["fp32"], steps["fp32"][1], kernels["fp32"], narrow * stream["fp32"])
-    broad = max(1.0, (seconds["wide"] - steps["wide"][1]["ops"] * op_s - kernels["wide"]) / stream["wide"])
-    return sorted([[_typical_op_size(steps["large"][1]), narrow], [_typical_op_size(steps["wide"][1]), broad]])
+class _ElementwiseTiming(Counting):
+    """Counting, and each op it counts into ``memory_bytes`` timed inside its call: ``calls``
+    and ``seconds()`` summed over them. On CUDA by a pair of events around the op (its
+    kernel's time on the stream; a synchronisation around each op would time the launch's
+    latency instead), on the CPU by the clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.on_cuda = device.type == "cuda"
+        self.calls, self._seconds = 0, 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self.on_cuda:
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+            out = func(*args, **(kwargs or {}))
+            events[1].record()
+        else:
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            elapsed = time.perf_counter() - start
+        counted = self.work.memory_bytes.total()
+        self.work.add(func, args, kwargs or {}, out)
+        if self.work.memory_bytes.total() != counted:
+            self.calls += 1
+            if self.on_cuda:
+                self._events.append(events)
+            else:
+                self._seconds += elapsed
+        return out
+
+    def seconds(self) -> float:
+        if self._events:
+            torch.cuda.synchronize()
+        return self._seconds + float(sum(start.elapsed_time(end) for start, end in self._events)) / 1e3
+
+
+def _timed_call_s(device: torch.device) -> float:
+    """What timing an op in place (_ElementwiseTiming) reads for an op that moves next to
+    nothing, an add of one element: the fixed cost memory_factor takes off each timed op (op_s
+    prices it), measured the same way; the median of REPEATS timings of ITERS × 20 calls."""
+    a, b, out = (torch.ones(1, device=device) for _ in range(3))
+    timings = []
+    for _ in range(REPEATS):
+        with _ElementwiseTiming(device) as timing:
+            for _ in range(ITERS * 20):
+                torch.add(a, b, out=out)
+        timings.append(timing.seconds() / timing.calls)
+    return float(statistics.median(timings))
+
+
+def _memory_factor(steps: list[tuple[Callable[[], None], dict[str, Any]]], rates: dict[str, Any],
+                   device: torch.device, env: DistEnv, alone: bool) -> list[list[float]]:
+    """``memory_factor``, [[op size, factor], ...], one point for each fp32 step of ``steps``
+    (module docstring) at its typical op size. The median of REPEATS steps; the slowest
+    rank's, or rank 0's alone."""
+    points = []
+    for step, work in steps:
+        stream = sum(t for _, t in _stream_seconds_by_size(work, rates))
+        factors = []
+        for _ in range(REPEATS):
+            dist.barrier()
+            if env.rank == 0 or not alone:
+                call_s = _timed_call_s(device)
+                with _ElementwiseTiming(device) as timing:
+                    step()
+                factors.append((timing.seconds() - timing.calls * call_s) / stream)
+        factor = torch.tensor([statistics.median(factors) if factors else 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(factor, op=dist.ReduceOp.MAX)
+        # Never below 1: the STREAM add is the fastest the host moves bytes.
+        points.append([_typical_op_size(work), max(1.0, float(factor.item()))])
+    return sorted(points)
 
 
 def _op_cost(seconds: float, work: dict[str, Any], rates: dict[str, Any], precision: str) -> float:
     """``op_s`` of one precision from its step at the fewer samples, which took ``seconds``
     (module docstring)."""
-    return _op_cost_at(seconds, work, kernel_seconds(work, rates, precision), memory_seconds(work, rates))
-
-
-def _op_cost_at(seconds: float, work: dict[str, Any], kernels: float, memory: float) -> float:
+    kernels, memory = kernel_seconds(work, rates, precision), memory_seconds(work, rates)
     # Never below a tenth of the step, so noise cannot zero the op cost.
     return float(max(seconds - kernels - memory, seconds / 10) / work["ops"])
 
 
 def _step_seconds(step: Callable[[], None], device: torch.device, env: DistEnv, alone: bool) -> float:
     # Up to 10 steps a timing where they are quick (a GPU's milliseconds), as many as fit in
-    # SPAN_S where they are not (this CPU's ~10 ms: 5; the wide decoder's, over SLOW_CALL_S, one).
+    # SPAN_S where they are not (this CPU's ~10 ms: 5).
     return seconds_per_call(step, device, env, alone, iters=10)
 
 
@@ -482,11 +538,11 @@ def measure(env: DistEnv) -> dict[str, Any]:
     device, kind = env.device, env.device.type
     vectors = {size: [torch.ones(size, device=device) for _ in range(3)] for size in (1, *STREAM_ELEMENTS[kind])}
     decoder = models.PRESETS[OP_COST_MODEL]
-    # Each precision's step at the fewer samples (op_s; fp32's is memory_factor's smaller step
-    # too), and the two further fp32 steps memory_factor reads.
+    # Each precision's step at the fewer samples (op_s), and the two fp32 steps whose ops
+    # memory_factor times.
     steps = {name: _model_step(decoder, device, name, OP_COST_SAMPLES[0]) for name in PRECISIONS}
-    steps |= {"large": _model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
-              "wide": _model_step(OP_COST_WIDE, device, "fp32", 1)}
+    memory_steps = [_model_step(decoder, device, "fp32", OP_COST_SAMPLES[1]),
+                    _model_step(OP_COST_WIDE, device, "fp32", 1)]
     rates: dict[str, Any] = {}
     # A rank with no others is alone either way: its concurrent rates are its alone ones.
     for scope in ("concurrent", "alone") if env.world_size > 1 else ("concurrent",):
@@ -499,8 +555,8 @@ def measure(env: DistEnv) -> dict[str, Any]:
                             for name, dtype in PRECISIONS.items()} for family in KERNEL_FAMILIES},
                         "topk_elements_per_s_by_size": _topk_rates(kind, device, env, alone),
                         "memory_bytes_per_s": _stream(vectors, device, env, alone)}
+        rates[scope]["memory_factor"] = _memory_factor(memory_steps, rates[scope], device, env, alone)
         seconds = {key: _step_seconds(step, device, env, alone) for key, (step, _) in steps.items()}  # each once
-        rates[scope]["memory_factor"] = _memory_factor(steps, seconds, rates[scope])
         rates[scope]["op_s"] = {name: _op_cost(seconds[name], steps[name][1], rates[scope], name)
                                 for name in PRECISIONS}
         rates[scope]["optimizer_op_s"], unavailable = _optimizer_op_costs(rates[scope], device, env, alone)

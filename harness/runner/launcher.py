@@ -189,7 +189,8 @@ def run_batch(cells: list[CellSpec], options: LaunchOptions, workdir: Path,
     first session's, whose logs hold the reasons of the cells they failed. The rendezvous id
     counts this call's launches alone, as a follower node's does (its folders are its own)."""
     remaining = list(cells)
-    taken = max((int(p.name.removeprefix("launch-")) for p in workdir.glob("launch-[0-9][0-9][0-9]")), default=0)
+    taken = max((int(number) for p in workdir.glob("launch-*") if (number := p.name.removeprefix("launch-")).isdigit()),
+                default=0)
     attempt = 0
     while remaining:
         attempt += 1

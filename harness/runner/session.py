@@ -145,8 +145,8 @@ def start(config: pytest.Config) -> MatrixRun:
     if launch.nodes.multi:
         spanning = [[c for c in cells if nodes_of(c.world_size, launch.nodes) > 1] for cells in run.launch_rounds()]
         # Every node's ranks sweep together before the cells (not on a resume: its run has one).
-        sweep_ranks = None if options.no_bandwidth or recorded is not None else distributed.job_world_size(options.gpus,
-                                                                                           launch.nodes.nnodes)
+        sweep_ranks = (None if options.no_bandwidth or recorded is not None
+                       else distributed.job_world_size(options.gpus, launch.nodes.nnodes))
         publish_plan(config, Plan(run_id=store.run_id, rounds=spanning, cell_timeout_s=options.cell_timeout_s,
                                   mem_cap_bytes=options.mem_cap_bytes, sweep_world_size=sweep_ranks))
         if sweep_ranks is not None:

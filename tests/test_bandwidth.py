@@ -107,10 +107,13 @@ def test_the_same_launch_measures_the_ranks_compute_rates(swept):
         assert set(measured["op_s"]) == {"fp32", "bf16", "fp16"}
         assert all(1e-7 < seconds < 1e-3 for seconds in measured["op_s"].values())
         # A model's elementwise ops never move bytes faster than the STREAM add.
-        # By op size: the tiny decoder's ops, then the wide one's, each no faster than STREAM.
+        # By op size: the tiny decoder's ops, then the wide one's, each no faster than STREAM;
+        # the tiny ones, each allocating its output, well slower (timed in place: 4.0-6.7 in
+        # four calibrations on this project's host), which the floor of 1 would hide.
         sizes = [size for size, _ in measured["memory_factor"]]
         assert len(sizes) == 2 and sizes == sorted(sizes)
         assert all(1.0 <= factor < 100 for _, factor in measured["memory_factor"])
+        assert measured["memory_factor"][0][1] > 1.5
         # Matmuls by size: FLOPs a call ascending, the largest the headline rate.
         for name, curve in measured["matmul_flops_per_s_by_size"].items():
             assert [size for size, _ in curve] == sorted(size for size, _ in curve)

@@ -67,7 +67,7 @@ the others wait (as the single-process reference runs; a one-rank launch times t
   of the tiny step's growth with its batch (half a millisecond at the add's rate beside 5.7 ms
   of matmuls, from 2 to 16 samples), and the fit that took what the step grew beyond its
   kernels read 1.2 to 9.3 in five calibrations in a row on this project's CPU host, where
-  this timing reads 6.5 to 7.0. It is measured in fp32 and holds for every precision. What
+  this timing read 4.0 to 6.7 in four. It is measured in fp32 and holds for every precision. What
   is left of each precision's step at the fewer samples once its kernels and its bytes (at
   that factor) are taken off, divided by its ops, is ``op_s``: dispatch, autocast's and
   autograd's bookkeeping and the Python of transformers' modules around each op (a plain

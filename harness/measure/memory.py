@@ -11,8 +11,8 @@ torch's trackers refuse a second forward of the same module in one block; with g
 accumulation, call ``probe.micro_step_boundary()`` between micro-steps (it clears the
 per-module statistics, not the step's peak). A pipeline schedule forwards each stage once
 per micro-batch with backwards in between, inside the harness's one call: the MemTracker used
-here forgets a top-level module's statistics when it is forwarded again (the step's peak,
-which is all this module reads, is left alone).
+here (measure/mem_trackers.py) forgets a top-level module's statistics when it is forwarded
+again (the step's peak, which is all this module reads, is left alone).
 
 Measure a step at or after the third: DDP rebuilds its buckets during the first steps and
 the optimizer creates its state on the first ``step()``; choosing that step is the caller's
@@ -127,7 +127,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure import futures
+from harness.measure import futures, mem_trackers
 
 if TYPE_CHECKING:  # imported where used: torch.distributed._tools loads on the first tracked step
     from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType, _WeakRefInfo
@@ -209,42 +209,6 @@ def _rss_peak() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024  # reported in kB
     raise RuntimeError("VmHWM missing from /proc/self/status")
-
-
-def _repeated_forward_mem_tracker() -> MemTracker:
-    """A MemTracker that takes a module forwarded again at the top level within one step (a
-    pipeline stage, once per micro-batch) as a first call, forgetting its per-module
-    statistics; torch's raises "does not support memory tracking for multiple iterative
-    calls". The global peak snapshots this module reads are untouched."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class RepeatedForwardMemTracker(MemTracker):
-        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                name = self._mod_tracker.get_known_fqn(module)
-                if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                    del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-    return RepeatedForwardMemTracker()
-
-
-def _make_tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp2: bool,
-                  held: Sequence[torch.Tensor]) -> tuple[MemTracker, str]:
-    if fsdp2:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        fsdp_tracker = FSDPMemTracker(module, optimizer)
-        fsdp_tracker.track_external(*held)
-        return fsdp_tracker, "FSDPMemTracker"
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    tracker = _repeated_forward_mem_tracker()
-    # ZeroRedundancyOptimizer keeps the real (sharded) state in its local optimizer.
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer = optimizer.optim
-    tracker.track_external(module, optimizer, *held)  # type: ignore[arg-type]  # None is skipped; torch's annotation omits it
-    return tracker, "MemTracker"
 
 
 def _breakdown(snapshot: dict[str, int]) -> dict[str, int]:
@@ -590,7 +554,7 @@ def track_step_memory(
     on_cuda = device.type == "cuda"
     if on_cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    tracker, name = _make_tracker(module, optimizer, fsdp2, held)
+    tracker, name = mem_trackers.make_tracker(module, optimizer, fsdp2, held)
     async_frees = _AsyncFrees(tracker)
     events = _Timeline(tracker, device) if timeline else None
     probe = MemoryProbe(tracker, device)

@@ -12,9 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from harness import training
 from harness.config import CellSpec, StrategySpec
 from harness.features import compression, local_sgd, sparsification
-from harness.measure import overlap
+from harness.measure import comm, overlap
 from harness.measure.comm import OpStats, _Event, _Op, _profiler_kind, _summarise, busbw_factor, count_comm
 from harness.predict.formulas.compression import sparsified_bytes
 
@@ -320,3 +321,22 @@ def test_profiler_fills_in_what_dispatch_missed():
 ])
 def test_profiler_event_names_map_to_kinds(kernel, kind):
     assert _profiler_kind(kernel) == kind
+
+
+def test_the_reference_counts_no_collective_and_its_comm_step_runs_without_the_profiler(one_rank_env, monkeypatch):
+    session = training.prepare_cell(CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="single"), micro_batch=2,
+                                             world_size=1), one_rank_env)
+    with count_comm(one_rank_env.device) as counted:  # counted for real: nothing
+        session.step(0)
+    assert counted() == comm.NO_COLLECTIVES
+
+    def profiled(device):
+        raise AssertionError("the reference's comm step ran under the profiler")
+
+    monkeypatch.setattr(comm, "count_comm", profiled)
+    loss, step = session.counted_step(1)
+    assert step is comm.NO_COLLECTIVES and torch.isfinite(loss)
+    ddp = training.prepare_cell(CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), micro_batch=2,
+                                         world_size=1), one_rank_env)
+    with pytest.raises(AssertionError, match="under the profiler"):  # a strategy with peers is counted
+        ddp.counted_step(0)

@@ -311,6 +311,11 @@ class CommStep:
     exposure: overlap.Exposure
 
 
+# The step of a strategy that only ever runs alone: no peer, no collective (counted for real,
+# the reference's step counts none: tests/test_measure_comm.py).
+NO_COLLECTIVES = CommStep(by_op={}, exposure=overlap.Exposure(busy_s=0.0, exposed_s=0.0))
+
+
 @contextmanager
 def count_comm(device: torch.device) -> Iterator[Callable[[], CommStep]]:
     """Count the collectives issued inside the block (on this thread, and in future

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from harness import data, faults, models, strategies
-from harness.config import CellSpec
+from harness.config import REFERENCE, CellSpec
 from harness.distributed import DistEnv
 from harness.features import checkpointing, clipping, precision
 from harness.measure import batch_norm, comm, expert_load, memory, numerics, profiling, timing
@@ -279,10 +279,11 @@ class PreparedCell:
 
     def counted_step(self, i: int) -> tuple[torch.Tensor, comm.CommStep]:
         """Step ``i`` with its collectives counted: its loss and, per collective kind, the
-        count, bytes and time, and how much of their time compute hid. A strategy that only
-        ever runs alone (the reference) has none: its step runs without the profiler that
-        counting takes (a sixth of a second a step on this project's CPU hosts)."""
-        if strategies.get(self.cell.strategy.name).capabilities.max_world_size == 1:
+        count, bytes and time, and how much of their time compute hid. The one-process
+        reference has none: its step runs without the profiler that counting takes (a sixth
+        of a second a step on this project's CPU hosts). DataParallel, one process too,
+        broadcasts and reduces over its GPUs' NCCL, and is counted."""
+        if self.cell.strategy.name == REFERENCE:
             return self.step(i), comm.NO_COLLECTIVES
         with comm.count_comm(self.env.device) as comm_stats:
             loss = self.step(i)

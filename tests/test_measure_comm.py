@@ -336,7 +336,9 @@ def test_the_reference_counts_no_collective_and_its_comm_step_runs_without_the_p
     monkeypatch.setattr(comm, "count_comm", profiled)
     loss, step = session.counted_step(1)
     assert step is comm.NO_COLLECTIVES and torch.isfinite(loss)
-    ddp = training.prepare_cell(CellSpec(model="gpt2-tiny", strategy=StrategySpec(name="ddp"), micro_batch=2,
-                                         world_size=1), one_rank_env)
-    with pytest.raises(AssertionError, match="under the profiler"):  # a strategy with peers is counted
-        ddp.counted_step(0)
+    # Every other strategy is counted, DataParallel's one process too (NCCL over its GPUs).
+    for name in ("ddp", "dataparallel"):
+        other = training.prepare_cell(CellSpec(model="gpt2-tiny", strategy=StrategySpec(name=name), micro_batch=2,
+                                               world_size=1), one_rank_env)
+        with pytest.raises(AssertionError, match="under the profiler"):
+            other.counted_step(0)

@@ -311,8 +311,8 @@ class CommStep:
     exposure: overlap.Exposure
 
 
-# The step of a strategy that only ever runs alone: no peer, no collective (counted for real,
-# the reference's step counts none: tests/test_measure_comm.py).
+# The one-process reference's step: no peer, no collective (counted for real, it counts none:
+# tests/test_measure_comm.py).
 NO_COLLECTIVES = CommStep(by_op={}, exposure=overlap.Exposure(busy_s=0.0, exposed_s=0.0))
 
 

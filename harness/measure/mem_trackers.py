@@ -1,5 +1,5 @@
-"""torch's memory trackers (torch.distributed._tools) as measure/memory.py runs them: MemTracker,
-or FSDPMemTracker for FSDP2, each with two changes.
+"""torch's memory trackers (torch.distributed._tools) as measure/memory.py runs them: MemTracker
+with both changes below, or for FSDP2 FSDPMemTracker with the second.
 
 - A module forwarded again at the top level within one step (a pipeline stage, once per
   micro-batch) starts its per-module statistics again, where torch's MemTracker raises "does
@@ -12,7 +12,8 @@ or FSDPMemTracker for FSDP2, each with two changes.
   (a flat dict of ints) with ``deepcopy``. That was a quarter of a memory-tracked step here:
   the traced predictor's 40 tiny cells of the default suite took 55.3 s against 63.1 s, every
   result the same to the byte. The copy is used only where the installed torch's method is
-  the one it copies (``_QUICK_FOR``, its source text): a torch that changed it keeps its own.
+  the one it copies (``_QUICK_FOR``, its source text): a torch that changed it, or ships no
+  source to compare, keeps its own.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def quick_peak_stats_in_use() -> bool:
     """Whether the installed torch's ``_update_peak_stats`` is the one the quick copy reproduces."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return _source_digest(MemTracker._update_peak_stats) == _QUICK_FOR
+    try:
+        return _source_digest(MemTracker._update_peak_stats) == _QUICK_FOR
+    except OSError:  # a torch installed without its .py files: nothing to compare
+        return False
 
 
 def _source_digest(function: Any) -> str:
@@ -74,12 +78,13 @@ def _tracker_classes() -> tuple[type[MemTracker], type[FSDPMemTracker]]:
 
     class QuickPeakStats(MemTracker):
         def _update_peak_stats(self, peak_state: _State) -> None:
-            # torch's, line for line, with the modules' stats read from the dictionary's own
-            # dict (a dead module's entry leaves it as the module dies) and the snapshots
-            # copied as the flat dicts of ints they are.
+            # torch's, line for line, with the modules' stats read from a copy of the
+            # dictionary's own dict (a dead module's entry leaves it as the module dies, which
+            # a collection inside the loop could bring about) and the snapshots copied as the
+            # flat dicts of ints they are.
             curr_snap = self._curr_mem_snap
             parents = self._mod_tracker.parents
-            for mod_stats in self.memory_tracking.data.values():
+            for mod_stats in tuple(self.memory_tracking.data.values()):
                 if mod_stats.mod_fqn in parents and peak_state in mod_stats.snapshots:
                     for dev, dev_snap in curr_snap.items():
                         if mod_stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:

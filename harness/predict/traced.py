@@ -70,7 +70,7 @@ real peers:
   the same hidden state. The stages' vote on static shapes reads 0, dynamic, as the real
   run's does (no stage is given its shapes).
 
-Known differences from the measurement (default suite, CPU, 2 ranks):
+Known differences from the measurement (the default and full suites, CPU, 2 ranks):
 - Two ranks at most (``traced_ranks``), three in a pipeline. A pipeline's first and last (and
   on more than two ranks a middle one: the one whose stage its schedule makes heaviest, or
   the one with the most blocks, whose work prices the middle ranks' steps): llama-tiny on 2 ranks,

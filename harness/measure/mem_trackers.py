@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # imported where used: torch.distributed._tools loads on the 
     from torch.distributed._tools.mem_tracker import MemTracker
 
 # The sha256 of torch's MemTracker._update_peak_stats source (torch 2.13) that
-# _QuickPeakStats._update_peak_stats reproduces.
+# _tracker_classes' QuickPeakStats._update_peak_stats reproduces.
 _QUICK_FOR = "19ad36727caf6fd285848117e489f7c4fb711d938e6c93221fb2266f2c33bd93"
 
 
@@ -95,9 +95,11 @@ def _tracker_classes() -> tuple[type[MemTracker], type[FSDPMemTracker]]:
                     self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(dev_snap)
 
+    quick = quick_peak_stats_in_use()
+
     def with_quick_stats(tracker: type[MemTracker]) -> tuple[type[MemTracker], ...]:
         """The bases of ``tracker`` with the quick peak statistics, where they reproduce its own."""
-        same = tracker._update_peak_stats is MemTracker._update_peak_stats and quick_peak_stats_in_use()
+        same = quick and tracker._update_peak_stats is MemTracker._update_peak_stats
         return (QuickPeakStats, tracker) if same else (tracker,)
 
     class RepeatedForwardMemTracker(*with_quick_stats(MemTracker)):  # type: ignore[misc]
@@ -108,6 +110,7 @@ def _tracker_classes() -> tuple[type[MemTracker], type[FSDPMemTracker]]:
                     del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
-    fsdp_bases = with_quick_stats(FSDPMemTracker)
-    fsdp = type("FSDPMemTracker", fsdp_bases, {}) if len(fsdp_bases) > 1 else FSDPMemTracker
-    return RepeatedForwardMemTracker, fsdp
+    class QuickFSDPMemTracker(*with_quick_stats(FSDPMemTracker)):  # type: ignore[misc]
+        pass
+
+    return RepeatedForwardMemTracker, QuickFSDPMemTracker

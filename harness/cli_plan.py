@@ -45,7 +45,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         # Seconds a configuration: say so before the terminal goes quiet.
         print(f"plan: tracing each configuration's first blocks, to price its step at {rates.source}",
               file=sys.stderr, flush=True)
-        work_trace = functools.partial(tracer.trace_cells, progress=_progress)
+        work_trace = functools.partial(tracer.trace_cells, progress=_progress, work_only=True)
     try:
         # Traced as a GPU runs it: CUDA's attention and optimizer kernels (predict/traced.py, "Kernels").
         memory_trace = functools.partial(tracer.trace_cells, kernels="cuda") if args.traced else None

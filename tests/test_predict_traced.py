@@ -75,6 +75,18 @@ def test_fsdp2_full_shards_the_optimizer_state_by_the_world_size():
     assert single["peak_bytes"] > ws2["peak_bytes"] > ws4["peak_bytes"]
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp_full", "deepspeed_zero3"])
+def test_work_only_is_the_tracked_steps_work_without_the_tracker(strategy):
+    """plan --calibration's trace (work_only): rank 0's step without the memory tracker
+    dispatches what the tracked step did. FSDP2's AdamW steps DTensors, whose ops the fake mode
+    hands back to DTensor: counted once, not again as the local ops they become (counted twice,
+    the step read 1.2 times the ops it dispatches)."""
+    cell = _cell(strategy, 2)
+    work_only = traced.trace(cell, work_only=True)
+    assert set(work_only) == {"work"}
+    assert work_only["work"] == traced.trace(cell)["work"]
+
+
 # Cells whose ranks hold different amounts (traced.traced_ranks), run for real in
 # tests/conftest.py's shared_matrix; test_deepspeed.py and test_fairscale.py list them too.
 UNEVEN_RANKS = [_cell("deepspeed_zero2", 2, optimizer="adamw8bit"), _cell("fairscale_sdp", 2)]

@@ -215,7 +215,12 @@ def _fake_world_mode():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = self._answer(func, types, args, kwargs)
-            if self.work is not None:
+            # NotImplemented: a subclass's op (a DTensor optimizer's, under FSDP2) handed back to
+            # the subclass, whose ops on its local tensors come back here and are the work.
+            # Counted too, each such op was twice (FSDP2's AdamW step, traced without the memory
+            # tracker's mode above this one: 1,095 ops a llama-tiny step against 927 with it and
+            # 908 counted in the real step).
+            if self.work is not None and out is not NotImplemented:
                 self.work.add(func, args, kwargs or {}, out)
             return out
 
@@ -490,17 +495,22 @@ def _rebuild_ddp_buckets(model: torch.nn.Module) -> None:
             model.reducer._rebuild_buckets()
 
 
-def _run(cell: CellSpec, env: DistEnv, mode) -> tuple[memory.StepMemory, DispatchedWork]:
+def _run(cell: CellSpec, env: DistEnv, mode, tracked: bool = True) -> tuple[memory.StepMemory | None, DispatchedWork]:
     """The training step's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP
-    would make it, before the second step), and what the tracked step dispatched. A real-data
-    cell is traced on synthetic batches of its shapes: a step's memory follows the shapes, not
-    the values, and the loader's real tensors cannot enter the fake mode."""
+    would make it, before the second step), and what the tracked step dispatched; not
+    ``tracked``: that step without the memory tracker (None for its memory), which dispatches
+    the same ops. A real-data cell is traced on synthetic batches of its shapes: a step's
+    memory follows the shapes, not the values, and the loader's real tensors cannot enter the
+    fake mode."""
     session = training.prepare_cell(dataclasses.replace(cell, data="synthetic", eval_every=None), env)
     for i in range(cell.warmup_steps):
         if i == 1:
             _rebuild_ddp_buckets(session.prep.model)
         (session.last_warmup_step if i == cell.warmup_steps - 1 else session.step)(i)
     mode.work = DispatchedWork()
+    if not tracked:
+        session.step(cell.warmup_steps)
+        return None, mode.work
     return session.tracked_step(cell.warmup_steps)[1], mode.work
 
 
@@ -580,7 +590,7 @@ def _with_stand_in(result: dict, stand_in: CellSpec, traced_stand_in: dict) -> d
                                    "work": traced_stand_in["work"]}}
 
 
-def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
+def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu", work_only: bool = False) -> dict:
     """The predicted step peak, the heaviest of ``traced_ranks``: {"peak_bytes",
     "breakdown_bytes" {memory.BREAKDOWN_KEYS, summing to peak_bytes}, "tracker", "work" (what
     rank 0's tracked step dispatched: dispatched_work.DispatchedWork.to_dict, for the step-time
@@ -590,6 +600,9 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
     the reason), with {"stand_in": {"cell_id", "work"}} where ``work_stand_in`` names one
     that traced (unless ``stand_in`` is False: trace_cells traces stand-ins with the cells).
     ``kernels``: whose kernels the step runs, attention and optimizer (KERNELS; the module docstring).
+    ``work_only``: {"work"} alone, rank 0's, its step run without the memory tracker (what
+    ``plan --calibration`` prices a configuration's step from: half the traces of a
+    data-parallel cell, whose peak needs a second rank's, and none of the tracker's cost).
 
     Needs a process without a process group (raises RuntimeError otherwise): use
     trace_cells() from a process that has one.
@@ -597,12 +610,12 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
     refused = _refusal(cell)
     if refused:
         nearest = work_stand_in(cell) if stand_in else None
-        return {"unavailable": refused} if nearest is None else _with_stand_in({"unavailable": refused}, nearest,
-                                                                              trace(nearest, kernels=kernels))
+        return {"unavailable": refused} if nearest is None else _with_stand_in(
+            {"unavailable": refused}, nearest, trace(nearest, kernels=kernels, work_only=work_only))
     stage_metas: list[object] = []
-    traced: list[tuple[memory.StepMemory, DispatchedWork]] = []
+    traced: list[tuple[memory.StepMemory | None, DispatchedWork]] = []
     try:
-        ranks = traced_ranks(cell)
+        ranks = [0] if work_only else traced_ranks(cell)
     except Exception as error:  # choosing a pipeline's ranks runs the analytic model on the cell
         return _failure(error, 0)
     for rank in ranks:
@@ -611,11 +624,13 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu") -> dict:
                 mode = _fake_world_mode()
                 on_cuda = _cuda_kernels() if kernels == "cuda" else contextlib.nullcontext()
                 with mode, on_cuda, _patched_for_fake_world(cell, stage_metas):
-                    traced.append(_run(cell, env, mode))
+                    traced.append(_run(cell, env, mode, tracked=not work_only))
             except Exception as error:  # an untraceable cell is a result, like an unsupported one
                 return _failure(error, rank)
-    mem = max((m for m, _ in traced), key=lambda m: m.peak_bytes)
     work_by_rank = {rank: work.to_dict() for rank, (_, work) in zip(ranks, traced)}
+    if work_only:
+        return {"work": work_by_rank[0]}
+    mem = max((m for m, _ in traced if m is not None), key=lambda m: m.peak_bytes)
     return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
             "work": work_by_rank[0],
             **(pipeline.other_ranks_work(cell.world_size, work_by_rank) if cell.strategy.pipelined else {})}
@@ -655,7 +670,8 @@ def _heaviest_pipeline_rank(cell: CellSpec) -> int:
 
 
 def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
-                progress: Callable[[int, int], None] | None = None, kernels: str = "cpu") -> dict[str, dict]:
+                progress: Callable[[int, int], None] | None = None, kernels: str = "cpu",
+                work_only: bool = False) -> dict[str, dict]:
     """cell_id -> trace(cell), computed in fresh subprocesses (``python -m
     harness.predict.traced``), so this process (which may hold a real process group) is
     untouched: one per core up to ``MAX_TRACE_PROCESSES``, each tracing every n-th cell (a trace
@@ -665,7 +681,7 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
     saying so (the first of them is the one it was tracing). Never raises for a cell. A refused
     cell's stand-in (``work_stand_in``) is traced among the cells, once, or taken from the cells
     where it is one of them. ``progress(traced, total)`` is called every PROGRESS_EVERY_S while
-    the traces run (a large suite's take minutes). ``kernels``: as trace's.
+    the traces run (a large suite's take minutes). ``kernels``, ``work_only``: as trace's.
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}: choose {' or '.join(KERNELS)}")
@@ -678,7 +694,7 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
     shares = [to_trace[k::processes] for k in range(processes)]
     done = [0] * processes  # cells each subprocess has traced so far
     with concurrent.futures.ThreadPoolExecutor(max_workers=processes) as pool:
-        running = [pool.submit(_trace_in_subprocess, share, timeout_s, done, k, kernels)
+        running = [pool.submit(_trace_in_subprocess, share, timeout_s, done, k, kernels, work_only)
                    for k, share in enumerate(shares)]
         while concurrent.futures.wait(running, timeout=PROGRESS_EVERY_S).not_done:
             if progress is not None:
@@ -691,7 +707,7 @@ def trace_cells(cells: list[CellSpec], timeout_s: float = DEFAULT_TIMEOUT_S,
 
 
 def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float, done: list[int], slot: int,
-                         kernels: str) -> dict[str, dict]:
+                         kernels: str, work_only: bool) -> dict[str, dict]:
     """One subprocess's share; ``done[slot]`` counts its traced cells as it reports them (a
     line on stderr each), and it is killed once it reports none for ``timeout_s``."""
     results: dict[str, dict] = {}
@@ -699,7 +715,8 @@ def _trace_in_subprocess(cells: list[CellSpec], timeout_s: float, done: list[int
         cells_path, out_path = Path(tmp) / "cells.json", Path(tmp) / "out.json"
         cells_path.write_text(json.dumps([cell.to_dict() for cell in cells]))
         command = [sys.executable, "-m", "harness.entry", "harness.predict.traced",
-                   "--cells", str(cells_path), "--out", str(out_path), "--kernels", kernels]
+                   "--cells", str(cells_path), "--out", str(out_path), "--kernels", kernels,
+                   *(["--work-only"] if work_only else [])]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         assert process.stderr is not None  # PIPE
         stalled = threading.Event()
@@ -790,6 +807,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cells", type=Path, required=True, help="JSON list of CellSpec.to_dict()")
     parser.add_argument("--out", type=Path, required=True, help="JSON object cell_id -> trace result")
     parser.add_argument("--kernels", choices=KERNELS, default="cpu", help="whose attention and optimizer kernels")
+    parser.add_argument("--work-only", action="store_true", help="rank 0's dispatched work alone, no peak")
     args = parser.parse_args(argv)
     specs = json.loads(args.cells.read_text())
     cells: list[CellSpec | None] = []
@@ -810,7 +828,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         start = time.perf_counter()
         try:
-            results[cell.cell_id] = trace(cell, stand_in=False, kernels=args.kernels)
+            results[cell.cell_id] = trace(cell, stand_in=False, kernels=args.kernels, work_only=args.work_only)
         except Exception as error:
             results[cell.cell_id] = {"unavailable": f"tracing failed: {_condensed(error)}"}
         print(f"{_TRACED_PREFIX}{cell.cell_id} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)

@@ -86,7 +86,7 @@ def _check_field_types(spec: object) -> None:
     check reads it: a suite file (TOML) or a record (JSON) can carry anything. Booleans are
     not integers; an integer is a number; choices (Literal) and models are checked by their
     own rules."""
-    hints = typing.get_type_hints(type(spec))
+    hints = _type_hints(type(spec))
     for f in dataclasses.fields(spec):  # type: ignore[arg-type]  # spec is a dataclass instance
         if not f.init:
             continue
@@ -94,6 +94,17 @@ def _check_field_types(spec: object) -> None:
         if allowed is not None and not _has_type(value, allowed):
             kinds = " or ".join(TYPE_WORDS[t] for t in allowed)
             raise ValueError(f"{f.name}={value!r}: must be {kinds}")
+
+
+# A config class's resolved field types, resolved once: every spec made (a plan makes
+# thousands) checks its fields against them, and typing takes a millisecond to resolve them.
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    if cls not in _FIELD_TYPES:
+        _FIELD_TYPES[cls] = typing.get_type_hints(cls)
+    return _FIELD_TYPES[cls]
 
 
 def _has_type(value: object, allowed: tuple[type, ...]) -> bool:

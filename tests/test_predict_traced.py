@@ -219,7 +219,7 @@ def test_trace_cells_shares_the_cells_among_a_subprocess_per_core(monkeypatch):
     cells = [_cell("single", 1), _cell("ddp", 2), _cell("fsdp_full", 2)]
     shares = []
 
-    def fake(share, timeout_s, done, slot, kernels):
+    def fake(share, timeout_s, done, slot, kernels, work_only):
         shares.append([c.cell_id for c in share])
         return {c.cell_id: {"peak_bytes": len(shares)} for c in share}
 

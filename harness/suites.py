@@ -143,13 +143,13 @@ def default(world_size: int) -> list[CellSpec]:
     cells.append(_cell("gpt2-tiny", "ddp", world_size, local_sgd_period=4))
     # Communication–computation overlap, each engine's knob: DDP's buckets (four of them at
     # 0.1 MiB) and buckets as gradient storage, FSDP2 prefetching two blocks ahead (on the
-    # 4-block byte-level GPT-2), DeepSpeed's overlap_comm set against its default per stage.
+    # 4-block byte-level GPT-2), DeepSpeed's overlap_comm set against ZeRO-2's default (ZeRO-3's,
+    # off against its default on, in `full`).
     cells += [_cell("gpt2-tiny", "ddp", world_size, bucket_cap_mb=0.1, gradient_as_bucket_view=view)
               for view in (False, True)]
     cells += [_cell("gpt2-bytes", s, world_size, **options)
               for s, options in (("single", {}), ("fsdp_full", {"prefetch": 2}))]
-    cells += [_cell("gpt2-tiny", "deepspeed_zero2", world_size, overlap_comm=True),
-              _cell("gpt2-tiny", "deepspeed_zero3", world_size, overlap_comm=False)]
+    cells.append(_cell("gpt2-tiny", "deepspeed_zero2", world_size, overlap_comm=True))
     # ZeRO-2 accumulating: it reduces every micro-step and holds a partition more (ZeRO-1
     # reduces once, at the boundary).
     cells += [_cell("gpt2-tiny", "deepspeed_zero2", world_size, accumulation=4)]
@@ -158,11 +158,10 @@ def default(world_size: int) -> list[CellSpec]:
     # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU
     # Adam (optimizer offload) is compiled on first use, outside any measured step. LLaMA's
     # layout under ZeRO-3, whose fetches follow the modules; its other stages in `full`.
-    cells += _deepspeed("gpt2-tiny", world_size)
+    cells += [c for c in _deepspeed("gpt2-tiny", world_size) if c not in _gpt2_beyond_default(world_size)]
     cells.append(_cell("llama-tiny", "deepspeed_zero3", world_size))
     # FairScale's ZeRO-1 and ZeRO-2; its FSDP needs CUDA (unsupported here).
     cells += [_cell("gpt2-tiny", s, world_size) for s in ("fairscale_oss", "fairscale_sdp", "fairscale_fsdp")]
-    cells += [_cell("gpt2-tiny", "fairscale_sdp", world_size, precision="bf16")]
     # 8-bit and factored optimizers under DDP and a sharded strategy, each gated against a
     # reference with the same optimizer; paged 8-bit is CUDA-only (unsupported here).
     for optimizer in ("adam8bit", "adamw8bit", "paged_adamw8bit", "adafactor"):
@@ -271,6 +270,15 @@ def _deepspeed(model: str, world_size: int) -> list[CellSpec]:
             _cell(model, "deepspeed_zero3", world_size, checkpointing="full", accumulation=4)]
 
 
+def _gpt2_beyond_default(world_size: int) -> list[CellSpec]:
+    """gpt2-tiny's cells in ``full`` only: ZeRO-1 in bf16 (the default has ZeRO-2's and 3's),
+    ZeRO-3 with overlap_comm off (the default sets ZeRO-2's on), FairScale's SDP in bf16 (the
+    default has bf16 under five other engines)."""
+    return [_cell("gpt2-tiny", "deepspeed_zero1", world_size, precision="bf16"),
+            _cell("gpt2-tiny", "deepspeed_zero3", world_size, overlap_comm=False),
+            _cell("gpt2-tiny", "fairscale_sdp", world_size, precision="bf16")]
+
+
 def _mamba(strategy: str, world_size: int) -> CellSpec:
     return suite_cell(sources.config_model("mamba-tiny"), StrategySpec(name=strategy), world_size, seq_len=32)
 
@@ -290,6 +298,7 @@ def beyond_default(world_size: int) -> list[CellSpec]:
     cells += [suite_cell("llama-tiny", StrategySpec(name=s), world_size, attention="eager") for s in ("single", "ddp")]
     cells += [_cell(model, "fsdp_full", world_size) for model in ("llama-tiny-mha", "llama-tiny-mqa")]
     cells.append(_mamba("fsdp_full", world_size))
+    cells += _gpt2_beyond_default(world_size)
     return [c for cell in cells for c in _with_reference(cell)]
 
 

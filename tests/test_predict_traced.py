@@ -87,6 +87,21 @@ def test_work_only_is_the_tracked_steps_work_without_the_tracker(strategy):
     assert work_only["work"] == traced.trace(cell)["work"]
 
 
+@pytest.mark.parametrize("cell", [_cell("tp", 2), dataclasses.replace(_cell("tp_fsdp", 4, tp_degree=2), micro_batch=1)],
+                         ids=lambda c: c.cell_id)
+def test_work_only_counts_the_waits_the_tracker_answers_itself(cell):
+    """torch's memory trackers answer ``_c10d_functional.wait_tensor`` themselves under fake
+    tensors, so the tracked step misses the wait on each functional collective that the real
+    step dispatches (and dispatched_work.Counting counts there): tensor parallelism's
+    all-reduces, one op each. Without the tracker they are counted; nothing else differs."""
+    work_only, tracked = traced.trace(cell, work_only=True)["work"], traced.trace(cell)["work"]
+    all_reduces = sum(calls for _, calls in tracked["collectives"]["all_reduce"])
+    assert all_reduces > 0 and work_only["ops"] == tracked["ops"] + all_reduces
+    differing = ("ops", "memory_bytes")
+    assert {k: v for k, v in work_only.items() if k not in differing} == {
+        k: v for k, v in tracked.items() if k not in differing}
+
+
 # Cells whose ranks hold different amounts (traced.traced_ranks), run for real in
 # tests/conftest.py's shared_matrix; test_deepspeed.py and test_fairscale.py list them too.
 UNEVEN_RANKS = [_cell("deepspeed_zero2", 2, optimizer="adamw8bit"), _cell("fairscale_sdp", 2)]

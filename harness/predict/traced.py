@@ -211,7 +211,7 @@ def _fake_world_mode():
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     class FakeWorldMode(FakeTensorMode):
-        work: DispatchedWork | None = None  # set while the memory-tracked step runs
+        work: DispatchedWork | None = None  # set while the counted step runs
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = self._answer(func, types, args, kwargs)
@@ -499,14 +499,16 @@ def _run(cell: CellSpec, env: DistEnv, mode, tracked: bool = True) -> tuple[memo
     """The training step's warm-up and memory-tracked step (and DDP's bucket rebuild where DDP
     would make it, before the second step), and what the tracked step dispatched; not
     ``tracked``: that step without the memory tracker (None for its memory), which dispatches
-    the same ops. A real-data cell is traced on synthetic batches of its shapes: a step's
-    memory follows the shapes, not the values, and the loader's real tensors cannot enter the
-    fake mode."""
+    the same ops, and the wait on each functional collective (tensor parallelism's all-reduces)
+    that the real step dispatches and the tracker answers itself. A real-data cell is traced
+    on synthetic batches of its shapes: a step's memory follows the shapes, not the values, and
+    the loader's real tensors cannot enter the fake mode."""
     session = training.prepare_cell(dataclasses.replace(cell, data="synthetic", eval_every=None), env)
     for i in range(cell.warmup_steps):
         if i == 1:
             _rebuild_ddp_buckets(session.prep.model)
-        (session.last_warmup_step if i == cell.warmup_steps - 1 else session.step)(i)
+        # The last warm-up step keeps what the tracker counts as the engine's buffers.
+        (session.last_warmup_step if tracked and i == cell.warmup_steps - 1 else session.step)(i)
     mode.work = DispatchedWork()
     if not tracked:
         session.step(cell.warmup_steps)
@@ -601,8 +603,9 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu", work_only
     that traced (unless ``stand_in`` is False: trace_cells traces stand-ins with the cells).
     ``kernels``: whose kernels the step runs, attention and optimizer (KERNELS; the module docstring).
     ``work_only``: {"work"} alone, rank 0's, its step run without the memory tracker (what
-    ``plan --calibration`` prices a configuration's step from: half the traces of a
-    data-parallel cell, whose peak needs a second rank's, and none of the tracker's cost).
+    ``plan --calibration`` prices a configuration's step from): none of the tracker's cost, and
+    no second rank where the peak needs one (a pipeline's, ZeRO-2's last, a whole-tensor
+    optimizer partition's fullest).
 
     Needs a process without a process group (raises RuntimeError otherwise): use
     trace_cells() from a process that has one.
@@ -630,7 +633,7 @@ def trace(cell: CellSpec, stand_in: bool = True, kernels: str = "cpu", work_only
     work_by_rank = {rank: work.to_dict() for rank, (_, work) in zip(ranks, traced)}
     if work_only:
         return {"work": work_by_rank[0]}
-    mem = max((m for m, _ in traced if m is not None), key=lambda m: m.peak_bytes)
+    mem = max((m for m, _ in traced if m is not None), key=lambda m: m.peak_bytes)  # None: work_only, returned above
     return {"peak_bytes": mem.peak_bytes, "breakdown_bytes": mem.breakdown_bytes, "tracker": mem.tracker,
             "work": work_by_rank[0],
             **(pipeline.other_ranks_work(cell.world_size, work_by_rank) if cell.strategy.pipelined else {})}

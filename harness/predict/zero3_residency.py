@@ -60,7 +60,7 @@ class Gathered(NamedTuple):
 
 # A plan prices each configuration at several micro-batches, accumulations and offloads, which
 # the coordinator's residency does not depend on: one replay each (llama3-8b's plan on 64 GPUs
-# replayed 128 times, a tenth of them distinct).
+# asked for 128 replays, 2 of them distinct).
 @functools.lru_cache(maxsize=256)
 def replay(layout: ParamLayout, *, persistence_threshold: int, prefetch_bucket_size: int, max_live_parameters: int,
            max_reuse_distance: int, recompute: bool, held: frozenset[int] = frozenset()) -> Gathered:

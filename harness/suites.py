@@ -158,7 +158,8 @@ def default(world_size: int) -> list[CellSpec]:
     # DeepSpeed ZeRO-1/2/3 beside torch's and FairScale's takes on the same ideas; its CPU
     # Adam (optimizer offload) is compiled on first use, outside any measured step. LLaMA's
     # layout under ZeRO-3, whose fetches follow the modules; its other stages in `full`.
-    cells += [c for c in _deepspeed("gpt2-tiny", world_size) if c not in _gpt2_beyond_default(world_size)]
+    in_full = _gpt2_beyond_default(world_size)
+    cells += [c for c in _deepspeed("gpt2-tiny", world_size) if c not in in_full]
     cells.append(_cell("llama-tiny", "deepspeed_zero3", world_size))
     # FairScale's ZeRO-1 and ZeRO-2; its FSDP needs CUDA (unsupported here).
     cells += [_cell("gpt2-tiny", s, world_size) for s in ("fairscale_oss", "fairscale_sdp", "fairscale_fsdp")]
